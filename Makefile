@@ -1,0 +1,69 @@
+# Two commands: `make run` (the control plane on embedded defaults, with a demo
+# fleet) and `make test` (the whole suite). Both set up .venv themselves.
+
+SHELL := bash
+.SHELLFLAGS := -o pipefail -c
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PORT ?= 8000
+# pip prints a warning for every package its local mirrors lack; keep the output readable.
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check
+QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+# Development settings, set explicitly: DEBUG on, a secret key made once under
+# var/, plain http on 127.0.0.1, SQLite and the filesystem broker (no DATABASE_URL
+# or REDIS_URL), so `make run` needs nothing but Python.
+DEV_ENV := DJANGO_DEBUG=1 SECRET_KEY_FILE=var/secret_key SECURE_COOKIES=0 \
+	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL=
+
+.PHONY: run test test-fast lint format bench clean install system-test-deps
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# The CPU wheel first, so nothing that asks for torch pulls a CUDA build.
+	$(PIP) torch==2.13.0 numpy $(QUIET_PIP)
+	$(PIP) -e '.[trainer,dev]' $(QUIET_PIP)
+	$(BIN)/python -c "import django, rest_framework, celery, torch; print('installed: django', django.__version__, '· torch', torch.__version__)"
+	touch $@
+
+install: $(VENV)/.installed
+
+var/secret_key:
+	mkdir -p var
+	umask 077 && $(BIN)/python -c "import secrets; print(secrets.token_urlsafe(50))" > $@
+
+run: $(VENV)/.installed var/secret_key
+	$(DEV_ENV) $(BIN)/python manage.py migrate --no-input
+	$(DEV_ENV) $(BIN)/python manage.py createcachetable
+	$(DEV_ENV) $(BIN)/python manage.py demo_fleet
+	$(DEV_ENV) exec $(BIN)/python -m controlplane.devserver --port $(PORT)
+
+# What the browser and SSH tests start for real: Debian's chromium and OpenSSH.
+system-test-deps:
+	@command -v chromium >/dev/null && test -x /usr/sbin/sshd || \
+		( apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium openssh-server >/dev/null )
+
+test: $(VENV)/.installed system-test-deps
+	$(BIN)/python -m tests.report_backends
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The quick tier: no browser, no fuzzing, no subprocess servers.
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -m "not browser and not slow" $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(VENV)/.installed
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(VENV)/.installed
+	$(BIN)/python -m bench.api
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,140 @@
+"""Reads about who may see and do what; every list the API serves is scoped here."""
+
+from dataclasses import dataclass
+
+from django.contrib.auth import get_user_model
+from django.db.models import Q, QuerySet
+
+from apps.accounts.models import (
+    ApiToken,
+    AuditEvent,
+    Membership,
+    OrgRole,
+    OrgRoleName,
+    ServiceAccount,
+    Team,
+    TeamQuota,
+    TeamRole,
+)
+
+User = get_user_model()
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What one user is, read once per request."""
+
+    superuser: bool
+    ops: bool
+    finance: bool
+    team_roles: dict[int, str]  # team id -> role
+
+    @property
+    def team_ids(self) -> set[int]:
+        return set(self.team_roles)
+
+    @property
+    def admin_team_ids(self) -> set[int]:
+        return {tid for tid, role in self.team_roles.items() if role == TeamRole.ADMIN}
+
+    @property
+    def sees_every_team(self) -> bool:
+        return self.superuser or self.ops or self.finance
+
+    def is_team_admin(self, team_id: int) -> bool:
+        return self.superuser or self.team_roles.get(team_id) == TeamRole.ADMIN
+
+    def can_submit_for(self, team_id: int) -> bool:
+        return self.superuser or self.team_roles.get(team_id) in (
+            TeamRole.ADMIN,
+            TeamRole.RESEARCHER,
+        )
+
+    @property
+    def manages_fleet(self) -> bool:
+        return self.superuser or self.ops
+
+
+_NOBODY = Roles(superuser=False, ops=False, finance=False, team_roles={})
+
+
+def roles_of(user) -> Roles:
+    """The user's roles, cached on the user object for the rest of the request."""
+    if user is None or not getattr(user, "is_authenticated", False) or not user.is_active:
+        return _NOBODY
+    cached = getattr(user, "_controlplane_roles", None)
+    if cached is not None:
+        return cached
+    org = set(OrgRole.objects.filter(user=user).values_list("role", flat=True))
+    team_roles = dict(Membership.objects.filter(user=user).values_list("team_id", "role"))
+    roles = Roles(
+        superuser=user.is_superuser,
+        ops=OrgRoleName.OPS in org,
+        finance=OrgRoleName.FINANCE in org,
+        team_roles=team_roles,
+    )
+    user._controlplane_roles = roles
+    return roles
+
+
+def forget_roles(user) -> None:
+    if hasattr(user, "_controlplane_roles"):
+        del user._controlplane_roles
+
+
+def teams_visible_to(*, user) -> QuerySet[Team]:
+    roles = roles_of(user)
+    teams = Team.objects.all()
+    return teams if roles.sees_every_team else teams.filter(id__in=roles.team_ids)
+
+
+def quotas_visible_to(*, user) -> QuerySet[TeamQuota]:
+    roles = roles_of(user)
+    quotas = TeamQuota.objects.select_related("team")
+    return quotas if roles.sees_every_team else quotas.filter(team_id__in=roles.team_ids)
+
+
+def memberships_visible_to(*, user) -> QuerySet[Membership]:
+    roles = roles_of(user)
+    memberships = Membership.objects.select_related("team", "user")
+    if roles.sees_every_team:
+        return memberships
+    return memberships.filter(team_id__in=roles.team_ids)
+
+
+def service_accounts_visible_to(*, user) -> QuerySet[ServiceAccount]:
+    roles = roles_of(user)
+    accounts = ServiceAccount.objects.select_related("team", "user")
+    if roles.superuser or roles.ops:
+        return accounts
+    return accounts.filter(team_id__in=roles.team_ids)
+
+
+def tokens_visible_to(*, user) -> QuerySet[ApiToken]:
+    """A user's own tokens, and those of service accounts of teams they administer."""
+    roles = roles_of(user)
+    tokens = ApiToken.objects.select_related("user", "user__service_account")
+    if not getattr(user, "is_authenticated", False):
+        return tokens.none()
+    if roles.superuser:
+        return tokens
+    return tokens.filter(Q(user=user) | Q(user__service_account__team_id__in=roles.admin_team_ids))
+
+
+def audit_events_visible_to(*, user) -> QuerySet[AuditEvent]:
+    roles = roles_of(user)
+    events = AuditEvent.objects.select_related("team")
+    if roles.superuser or roles.ops:
+        return events
+    return events.filter(team_id__in=roles.admin_team_ids)
+
+
+def users_visible_to(*, user) -> QuerySet:
+    """People one may name (to add to a team): every active user, for anyone signed in.
+
+    Usernames are not secret inside the organisation; what one may do with them is
+    decided by the services (only team admins add members).
+    """
+    if not getattr(user, "is_authenticated", False):
+        return User.objects.none()
+    return User.objects.filter(is_active=True)

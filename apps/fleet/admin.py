@@ -1,0 +1,107 @@
+"""Admin for the fleet. States change only through the services (drain, undrain)."""
+
+from django.contrib import admin, messages
+
+from apps.accounts.admin import AuditedAdmin, ReadOnlyAdmin
+from apps.fleet import services
+from apps.fleet.models import Gpu, InstanceType, Node, NodeEvent, NodePool, Rack, Site
+from controlplane.errors import ApplicationError
+
+
+@admin.register(Site)
+class SiteAdmin(AuditedAdmin):
+    list_display = ["name", "slug", "location"]
+    search_fields = ["name", "slug"]
+
+
+@admin.register(Rack)
+class RackAdmin(AuditedAdmin):
+    list_display = ["name", "site", "position", "height_units", "power_budget_kw"]
+    list_filter = ["site"]
+
+
+@admin.register(InstanceType)
+class InstanceTypeAdmin(AuditedAdmin):
+    list_display = ["name", "gpu_type", "gpu_count", "gpu_memory_gib", "vcpus", "network_gbps"]
+
+
+@admin.register(NodePool)
+class NodePoolAdmin(AuditedAdmin):
+    list_display = ["name", "kind", "gpu_type", "site", "region", "enabled", "max_nodes"]
+    list_filter = ["kind", "gpu_type", "enabled"]
+    filter_horizontal = ["instance_types"]
+
+
+class GpuInline(admin.TabularInline):
+    model = Gpu
+    extra = 0
+    readonly_fields = ["index", "uuid", "model", "memory_mib", "health", "health_reason"]
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Node)
+class NodeAdmin(AuditedAdmin):
+    list_display = [
+        "name",
+        "pool",
+        "rack",
+        "provider",
+        "capacity_type",
+        "state",
+        "last_heartbeat_at",
+    ]
+    list_filter = ["state", "provider", "capacity_type", "pool"]
+    search_fields = ["name", "address", "instance_id"]
+    readonly_fields = [
+        "uuid",
+        "state",
+        "state_reason",
+        "state_changed_at",
+        "suspect_from",
+        "last_heartbeat_at",
+        "host_key_fingerprint",
+        "offered_host_key",
+    ]
+    inlines = [GpuInline]
+    actions = ["drain", "undrain"]
+
+    @admin.action(description="Drain the selected nodes")
+    def drain(self, request, queryset):
+        self._each(
+            request,
+            queryset,
+            lambda node: services.node_drain(
+                node=node, reason=f"drained by {request.user} in the admin", by=request.user
+            ),
+        )
+
+    @admin.action(description="Undrain the selected nodes")
+    def undrain(self, request, queryset):
+        self._each(
+            request, queryset, lambda node: services.node_undrain(node=node, by=request.user)
+        )
+
+    def _each(self, request, queryset, operation):
+        done = 0
+        for node in queryset:
+            try:
+                operation(node)
+                done += 1
+            except ApplicationError as exc:
+                self.message_user(request, f"{node}: {exc.message}", messages.WARNING)
+        self.message_user(request, f"{done} node(s) updated.")
+
+
+@admin.register(NodeEvent)
+class NodeEventAdmin(ReadOnlyAdmin):
+    list_display = ["at", "node", "from_state", "to_state", "reason", "actor_label"]
+    list_filter = ["to_state"]
+    readonly_fields = [f.name for f in NodeEvent._meta.fields]
+
+
+@admin.register(Gpu)
+class GpuAdmin(AuditedAdmin):
+    list_display = ["node", "index", "model", "memory_mib", "health"]
+    list_filter = ["health", "model"]

@@ -1,0 +1,161 @@
+"""JSON shapes of the fleet's inventory."""
+
+from rest_framework import serializers
+
+from apps.accounts.models import GPU_TYPES
+from apps.fleet.hostkeys import InvalidHostKey, host_key_fingerprint
+from apps.fleet.models import Gpu, InstanceType, Node, NodeEvent, NodePool, Rack, Site
+from controlplane.api import StrictModelSerializer, StrictSerializer, Text
+
+
+class SiteSerializer(StrictModelSerializer):
+    class Meta:
+        model = Site
+        fields = ["id", "name", "slug", "location", "created_at"]
+
+
+class RackSerializer(StrictModelSerializer):
+    site_name = serializers.CharField(source="site.name", read_only=True)
+
+    class Meta:
+        model = Rack
+        fields = [
+            "id",
+            "site",
+            "site_name",
+            "name",
+            "position",
+            "height_units",
+            "power_budget_kw",
+            "created_at",
+        ]
+        validators = []  # the service's full_clean names the field on a duplicate
+
+
+class InstanceTypeSerializer(StrictModelSerializer):
+    class Meta:
+        model = InstanceType
+        fields = [
+            "id",
+            "name",
+            "gpu_type",
+            "gpu_count",
+            "gpu_memory_gib",
+            "vcpus",
+            "memory_gib",
+            "network_gbps",
+            "local_nvme_tb",
+            "source",
+        ]
+
+
+class NodePoolSerializer(StrictModelSerializer):
+    instance_types = serializers.PrimaryKeyRelatedField(
+        many=True, queryset=InstanceType.objects.all(), required=False
+    )
+
+    class Meta:
+        model = NodePool
+        fields = [
+            "id",
+            "name",
+            "slug",
+            "kind",
+            "gpu_type",
+            "site",
+            "region",
+            "instance_types",
+            "capacity_preference",
+            "min_nodes",
+            "max_nodes",
+            "burst_delay_s",
+            "idle_timeout_s",
+            "enabled",
+            "created_at",
+        ]
+
+
+class NodeSerializer(StrictModelSerializer):
+    offered_host_key_fingerprint = serializers.SerializerMethodField()
+    gpu_type = serializers.ChoiceField(choices=GPU_TYPES, required=False)
+
+    class Meta:
+        model = Node
+        fields = [
+            "id",
+            "uuid",
+            "name",
+            "pool",
+            "rack",
+            "rack_unit",
+            "provider",
+            "capacity_type",
+            "address",
+            "ssh_port",
+            "ssh_user",
+            "host_key",
+            "host_key_fingerprint",
+            "offered_host_key",
+            "offered_host_key_fingerprint",
+            "instance_id",
+            "instance_type",
+            "gpu_type",
+            "gpu_count",
+            "nameplate_power_w",
+            "state",
+            "state_reason",
+            "state_changed_at",
+            "suspect_from",
+            "last_heartbeat_at",
+            "created_at",
+        ]
+        read_only_fields = [
+            "uuid",
+            "host_key_fingerprint",
+            "offered_host_key",
+            "state",
+            "state_reason",
+            "state_changed_at",
+            "suspect_from",
+            "last_heartbeat_at",
+            "created_at",
+        ]
+
+    def get_offered_host_key_fingerprint(self, node) -> str:
+        if not node.offered_host_key:
+            return ""
+        try:
+            return host_key_fingerprint(node.offered_host_key)
+        except InvalidHostKey:
+            return ""
+
+
+class NodeUpdateSerializer(NodeSerializer):
+    class Meta(NodeSerializer.Meta):
+        read_only_fields = [*NodeSerializer.Meta.read_only_fields, "pool", "provider"]
+
+
+class NodeEventSerializer(StrictModelSerializer):
+    class Meta:
+        model = NodeEvent
+        fields = ["id", "node", "at", "from_state", "to_state", "reason", "actor_label"]
+        read_only_fields = fields
+
+
+class GpuSerializer(StrictModelSerializer):
+    class Meta:
+        model = Gpu
+        fields = ["id", "node", "index", "uuid", "model", "memory_mib", "health", "health_reason"]
+        validators = []
+
+
+class DrainSerializer(StrictSerializer):
+    reason = Text(max_length=300)
+
+
+class AcceptHostKeySerializer(StrictSerializer):
+    fingerprint = Text(
+        max_length=100,
+        help_text="The SHA256 fingerprint you expect (as `ssh-keygen -lf` prints it); it must "
+        "match the key the node offered.",
+    )

@@ -1,0 +1,133 @@
+"""API views for the fleet: CRUD for inventory, and the operations on nodes."""
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from apps.fleet import selectors, services
+from apps.fleet.api import serializers as s
+from apps.fleet.filtersets import (
+    GpuFilterSet,
+    InstanceTypeFilterSet,
+    NodeEventFilterSet,
+    NodeFilterSet,
+    NodePoolFilterSet,
+    RackFilterSet,
+    SiteFilterSet,
+)
+from apps.fleet.models import Gpu, InstanceType, NodeEvent, Site
+from controlplane.api import ServiceViewSet
+
+
+class SiteViewSet(ServiceViewSet):
+    queryset = Site.objects.all()
+    serializer_class = s.SiteSerializer
+    filterset_class = SiteFilterSet
+    ordering_fields = ["name", "created_at"]
+    create_service = services.site_create
+    update_service = services.site_update
+    delete_service = services.site_delete
+    instance_kwarg = "site"
+
+
+class RackViewSet(ServiceViewSet):
+    serializer_class = s.RackSerializer
+    filterset_class = RackFilterSet
+    ordering_fields = ["name", "created_at"]
+    create_service = services.rack_create
+    update_service = services.rack_update
+    delete_service = services.rack_delete
+    instance_kwarg = "rack"
+
+    def get_queryset(self):
+        return selectors.racks_for_listing()
+
+
+class InstanceTypeViewSet(ServiceViewSet):
+    queryset = InstanceType.objects.all()
+    serializer_class = s.InstanceTypeSerializer
+    filterset_class = InstanceTypeFilterSet
+    ordering_fields = ["name", "gpu_type"]
+    create_service = services.instance_type_create
+    update_service = services.instance_type_update
+    delete_service = services.instance_type_delete
+    instance_kwarg = "instance_type"
+
+
+class NodePoolViewSet(ServiceViewSet):
+    serializer_class = s.NodePoolSerializer
+    filterset_class = NodePoolFilterSet
+    ordering_fields = ["name", "created_at"]
+    create_service = services.pool_create
+    update_service = services.pool_update
+    delete_service = services.pool_delete
+    instance_kwarg = "pool"
+
+    def get_queryset(self):
+        return selectors.pools_for_listing()
+
+
+class NodeViewSet(ServiceViewSet):
+    filterset_class = NodeFilterSet
+    ordering_fields = ["name", "state", "created_at", "last_heartbeat_at"]
+    create_service = services.node_create
+    update_service = services.node_update
+    delete_service = services.node_delete
+    instance_kwarg = "node"
+
+    def get_queryset(self):
+        return selectors.nodes_for_listing()
+
+    def get_serializer_class(self):
+        if self.action in ("update", "partial_update"):
+            return s.NodeUpdateSerializer
+        return s.NodeSerializer
+
+    def _answer(self, node):
+        return Response(s.NodeSerializer(node, context=self.get_serializer_context()).data)
+
+    @extend_schema(request=s.DrainSerializer, responses=s.NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def drain(self, request, pk=None):
+        """Stop placing work on the node; an idle node is DRAINED at once."""
+        body = s.DrainSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        node = services.node_drain(node=self.get_object(), by=request.user, **body.validated_data)
+        return self._answer(node)
+
+    @extend_schema(request=None, responses=s.NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def undrain(self, request, pk=None):
+        """Return a drained node to service."""
+        return self._answer(services.node_undrain(node=self.get_object(), by=request.user))
+
+    @extend_schema(request=s.AcceptHostKeySerializer, responses=s.NodeSerializer)
+    @action(detail=True, methods=["post"], url_path="accept-host-key")
+    def accept_host_key(self, request, pk=None):
+        """Pin the host key the node offered, after checking its fingerprint."""
+        body = s.AcceptHostKeySerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        node = services.node_host_key_accept(
+            node=self.get_object(), by=request.user, **body.validated_data
+        )
+        return self._answer(node)
+
+
+class NodeEventViewSet(viewsets.ReadOnlyModelViewSet):
+    queryset = NodeEvent.objects.all()
+    serializer_class = s.NodeEventSerializer
+    filterset_class = NodeEventFilterSet
+    ordering_fields = ["at", "id"]
+    lookup_value_regex = ServiceViewSet.lookup_value_regex
+
+
+class GpuViewSet(ServiceViewSet):
+    queryset = Gpu.objects.select_related("node")
+    serializer_class = s.GpuSerializer
+    filterset_class = GpuFilterSet
+    ordering_fields = ["index", "health"]
+    create_service = services.gpu_create
+    update_service = services.gpu_update
+    delete_service = services.gpu_delete
+    instance_kwarg = "gpu"

@@ -1,0 +1,65 @@
+"""One FilterSet per fleet model: API query parameters, page filters and CSV exports."""
+
+import django_filters as filters
+
+from apps.fleet.models import Gpu, InstanceType, Node, NodeEvent, NodePool, Rack, Site
+from controlplane.filters import IdFilter
+
+
+class SiteFilterSet(filters.FilterSet):
+    q = filters.CharFilter(field_name="name", lookup_expr="icontains", label="Name contains")
+
+    class Meta:
+        model = Site
+        fields = ["slug"]
+
+
+class RackFilterSet(filters.FilterSet):
+    site_id = IdFilter(field_name="site_id")
+    q = filters.CharFilter(field_name="name", lookup_expr="icontains", label="Name contains")
+
+    class Meta:
+        model = Rack
+        fields = ["name"]
+
+
+class InstanceTypeFilterSet(filters.FilterSet):
+    class Meta:
+        model = InstanceType
+        fields = ["name", "gpu_type"]
+
+
+class NodePoolFilterSet(filters.FilterSet):
+    site_id = IdFilter(field_name="site_id")
+
+    class Meta:
+        model = NodePool
+        fields = ["slug", "kind", "gpu_type", "enabled", "capacity_preference"]
+
+
+class NodeFilterSet(filters.FilterSet):
+    pool_id = IdFilter(field_name="pool_id")
+    rack_id = IdFilter(field_name="rack_id")
+    site_id = IdFilter(field_name="rack__site_id")
+    state = filters.MultipleChoiceFilter(choices=Node._meta.get_field("state").choices)
+    q = filters.CharFilter(field_name="name", lookup_expr="icontains", label="Name contains")
+
+    class Meta:
+        model = Node
+        fields = ["provider", "capacity_type", "gpu_type", "instance_id"]
+
+
+class NodeEventFilterSet(filters.FilterSet):
+    node_id = IdFilter(field_name="node_id")
+
+    class Meta:
+        model = NodeEvent
+        fields = ["to_state"]
+
+
+class GpuFilterSet(filters.FilterSet):
+    node_id = IdFilter(field_name="node_id")
+
+    class Meta:
+        model = Gpu
+        fields = ["health", "model"]

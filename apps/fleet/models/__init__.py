@@ -1,0 +1,20 @@
+"""The fleet: where GPUs live (sites, racks, pools) and what they are (nodes, GPUs)."""
+
+from apps.fleet.models.catalogue import InstanceType
+from apps.fleet.models.nodes import Gpu, GpuHealth, Node, NodeEvent, NodeState
+from apps.fleet.models.pools import CapacityPreference, NodePool, PoolKind
+from apps.fleet.models.sites import Rack, Site
+
+__all__ = [
+    "CapacityPreference",
+    "Gpu",
+    "GpuHealth",
+    "InstanceType",
+    "Node",
+    "NodeEvent",
+    "NodePool",
+    "NodeState",
+    "PoolKind",
+    "Rack",
+    "Site",
+]

@@ -1,0 +1,154 @@
+"""Nodes (owned servers or cloud instances), their GPUs, and their state history."""
+
+import uuid
+
+from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+
+from apps.accounts.models import GPU_TYPES
+from apps.fleet.models.catalogue import InstanceType
+from apps.fleet.models.pools import NodePool
+from apps.fleet.models.sites import Rack
+
+
+class NodeState(models.TextChoices):
+    REQUESTED = "requested", "Requested"
+    PROVISIONING = "provisioning", "Provisioning"
+    AWAITING_HOST_KEY = "awaiting_host_key", "Awaiting host key"
+    BOOTSTRAPPING = "bootstrapping", "Bootstrapping"
+    READY = "ready", "Ready"
+    BUSY = "busy", "Busy"
+    SUSPECT = "suspect", "Suspect"
+    DOWN = "down", "Down"
+    DRAINING = "draining", "Draining"
+    DRAINED = "drained", "Drained"
+    FAILED = "failed", "Failed"
+    TERMINATING = "terminating", "Terminating"
+    TERMINATED = "terminated", "Terminated"
+
+
+class Provider(models.TextChoices):
+    LOCAL = "local", "Local processes"
+    SSH = "ssh", "SSH (owned)"
+    AWS = "aws", "AWS"
+
+
+class CapacityType(models.TextChoices):
+    OWNED = "owned", "Owned"
+    ON_DEMAND = "on_demand", "On-demand"
+    SPOT = "spot", "Spot"
+
+
+class Node(models.Model):
+    uuid = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    name = models.CharField(max_length=100, unique=True)
+    pool = models.ForeignKey(NodePool, on_delete=models.PROTECT, related_name="nodes")
+    rack = models.ForeignKey(
+        Rack, null=True, blank=True, on_delete=models.PROTECT, related_name="nodes"
+    )
+    rack_unit = models.PositiveSmallIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(60)]
+    )
+    provider = models.CharField(max_length=10, choices=Provider.choices)
+    capacity_type = models.CharField(max_length=10, choices=CapacityType.choices)
+    address = models.CharField(max_length=255, blank=True, help_text="Host name or IP address.")
+    ssh_port = models.PositiveIntegerField(
+        default=22, validators=[MinValueValidator(1), MaxValueValidator(65535)]
+    )
+    ssh_user = models.CharField(max_length=32, blank=True)
+    host_key = models.TextField(
+        blank=True, max_length=4096, help_text="Pinned public host key: 'type base64'."
+    )
+    host_key_fingerprint = models.CharField(max_length=100, blank=True, editable=False)
+    offered_host_key = models.TextField(
+        blank=True,
+        max_length=4096,
+        editable=False,
+        help_text="The key the node presented, waiting for ops to accept it.",
+    )
+    instance_id = models.CharField(max_length=64, blank=True, db_index=True)
+    instance_type = models.ForeignKey(
+        InstanceType, null=True, blank=True, on_delete=models.PROTECT, related_name="nodes"
+    )
+    gpu_type = models.CharField(max_length=10, choices=GPU_TYPES)
+    gpu_count = models.PositiveSmallIntegerField(
+        default=8, validators=[MinValueValidator(0), MaxValueValidator(64)]
+    )
+    nameplate_power_w = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MaxValueValidator(100000)]
+    )
+    state = models.CharField(
+        max_length=20, choices=NodeState.choices, default=NodeState.REQUESTED, editable=False
+    )
+    state_reason = models.CharField(max_length=300, blank=True, editable=False)
+    state_changed_at = models.DateTimeField(auto_now_add=True, editable=False)
+    suspect_from = models.CharField(
+        max_length=20,
+        choices=NodeState.choices,
+        blank=True,
+        editable=False,
+        help_text="The state a SUSPECT node returns to when its heartbeats resume.",
+    )
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        indexes = [
+            models.Index(fields=["state", "last_heartbeat_at"]),
+            models.Index(fields=["pool", "state"]),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class NodeEvent(models.Model):
+    """One state change of a node: append-only."""
+
+    id = models.BigAutoField(primary_key=True)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    from_state = models.CharField(max_length=20, choices=NodeState.choices, blank=True)
+    to_state = models.CharField(max_length=20, choices=NodeState.choices)
+    reason = models.CharField(max_length=300)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_label = models.CharField(max_length=150)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.node}: {self.from_state} → {self.to_state}"
+
+
+class GpuHealth(models.TextChoices):
+    UNKNOWN = "unknown", "Unknown"
+    HEALTHY = "healthy", "Healthy"
+    DEGRADED = "degraded", "Degraded"
+    FAILED = "failed", "Failed"
+
+
+class Gpu(models.Model):
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField(validators=[MaxValueValidator(63)])
+    uuid = models.CharField(max_length=64, blank=True)
+    model = models.CharField(max_length=100, blank=True)
+    memory_mib = models.PositiveIntegerField(default=0, validators=[MaxValueValidator(10_000_000)])
+    health = models.CharField(max_length=10, choices=GpuHealth.choices, default=GpuHealth.UNKNOWN)
+    health_reason = models.CharField(max_length=300, blank=True)
+
+    class Meta:
+        ordering = ["node__name", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "index"], name="gpu_index_per_node"),
+            models.UniqueConstraint(
+                fields=["uuid"], condition=~models.Q(uuid=""), name="gpu_uuid_unique"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.node}/gpu{self.index}"

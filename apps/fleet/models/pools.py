@@ -1,0 +1,81 @@
+"""Node pools: a set of interchangeable nodes a job's gang is placed in."""
+
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.db.models import F, Q
+
+from apps.accounts.models import GPU_TYPES, slug_validator
+from apps.fleet.models.catalogue import InstanceType
+from apps.fleet.models.sites import Site
+
+
+class PoolKind(models.TextChoices):
+    OWNED = "owned", "Owned racks"
+    CLOUD = "cloud", "Cloud"
+
+
+class CapacityPreference(models.TextChoices):
+    SPOT_THEN_ON_DEMAND = "spot_then_on_demand", "Spot, then on-demand"
+    ON_DEMAND_ONLY = "on_demand_only", "On-demand only"
+
+
+class NodePool(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    slug = models.CharField(max_length=50, unique=True, validators=[slug_validator])
+    kind = models.CharField(max_length=10, choices=PoolKind.choices)
+    gpu_type = models.CharField(max_length=10, choices=GPU_TYPES)
+    site = models.ForeignKey(
+        Site,
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="pools",
+        help_text="Owned pools: the data centre.",
+    )
+    region = models.CharField(max_length=30, blank=True, help_text="Cloud pools: e.g. us-east-1.")
+    instance_types = models.ManyToManyField(InstanceType, blank=True, related_name="pools")
+    capacity_preference = models.CharField(
+        max_length=30,
+        choices=CapacityPreference.choices,
+        default=CapacityPreference.SPOT_THEN_ON_DEMAND,
+    )
+    min_nodes = models.PositiveIntegerField(default=0, validators=[MaxValueValidator(100000)])
+    max_nodes = models.PositiveIntegerField(default=0, validators=[MaxValueValidator(100000)])
+    burst_delay_s = models.PositiveIntegerField(
+        default=600,
+        validators=[MaxValueValidator(7 * 86400)],
+        help_text="How long a job waits for owned capacity before this pool bursts for it.",
+    )
+    idle_timeout_s = models.PositiveIntegerField(
+        default=900,
+        validators=[MinValueValidator(60), MaxValueValidator(7 * 86400)],
+        help_text="Cloud nodes idle this long are terminated.",
+    )
+    enabled = models.BooleanField(
+        default=True, help_text="Cloud pools stay off until credentials are configured."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(max_nodes__gte=F("min_nodes")), name="pool_max_at_least_min"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self):
+        from django.core.exceptions import ValidationError
+
+        errors = {}
+        if self.max_nodes < self.min_nodes:
+            errors["max_nodes"] = "Must be at least min_nodes."
+        if self.kind == PoolKind.CLOUD and not self.region:
+            errors["region"] = "A cloud pool needs a region."
+        if self.kind == PoolKind.OWNED and self.region:
+            errors["region"] = "Owned pools have a site, not a region."
+        if errors:
+            raise ValidationError(errors)

@@ -1,0 +1,101 @@
+"""Reads of the fleet, shaped for the pages, the API and /metrics."""
+
+from dataclasses import dataclass, field
+
+from django.db.models import Count, Prefetch, Q, QuerySet
+
+from apps.fleet.models import Gpu, GpuHealth, Node, NodePool, NodeState, Rack, Site
+
+
+def nodes_for_listing() -> QuerySet[Node]:
+    return Node.objects.select_related("pool", "rack", "rack__site", "instance_type").annotate(
+        healthy_gpus=Count("gpus", filter=Q(gpus__health=GpuHealth.HEALTHY))
+    )
+
+
+def racks_for_listing() -> QuerySet[Rack]:
+    return Rack.objects.select_related("site").annotate(node_count=Count("nodes"))
+
+
+def pools_for_listing() -> QuerySet[NodePool]:
+    return (
+        NodePool.objects.select_related("site")
+        .prefetch_related("instance_types")
+        .annotate(node_count=Count("nodes"))
+    )
+
+
+def node_counts_by_state() -> dict[str, int]:
+    counts = dict(Node.objects.values_list("state").annotate(n=Count("id")).order_by())
+    return {state: counts.get(state, 0) for state in NodeState.values}
+
+
+def gpu_counts_by_health() -> dict[str, int]:
+    counts = dict(Gpu.objects.values_list("health").annotate(n=Count("id")).order_by())
+    return {health: counts.get(health, 0) for health in GpuHealth.values}
+
+
+@dataclass
+class RackView:
+    rack: Rack
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(node.gpu_count for node in self.nodes)
+
+
+@dataclass
+class SiteView:
+    site: Site
+    racks: list[RackView] = field(default_factory=list)
+
+
+@dataclass
+class FleetOverview:
+    sites: list[SiteView]
+    unracked: list[Node]
+    node_states: dict[str, int]
+    gpu_health: dict[str, int]
+    pools: list[NodePool]
+
+    @property
+    def node_total(self) -> int:
+        return sum(self.node_states.values())
+
+
+def fleet_overview() -> FleetOverview:
+    """Sites → racks → nodes (with their GPUs), and nodes in no rack (cloud), in five queries."""
+    nodes = list(
+        Node.objects.select_related("pool", "instance_type")
+        .prefetch_related(Prefetch("gpus", queryset=Gpu.objects.order_by("index")))
+        .order_by("rack_id", "rack_unit", "name")
+    )
+    by_rack: dict[int, list[Node]] = {}
+    unracked = []
+    for node in nodes:
+        if node.rack_id is None:
+            unracked.append(node)
+        else:
+            by_rack.setdefault(node.rack_id, []).append(node)
+    sites = []
+    racks = Rack.objects.select_related("site").order_by("site__name", "name")
+    site_views: dict[int, SiteView] = {}
+    for site in Site.objects.order_by("name"):
+        site_views[site.pk] = SiteView(site=site)
+        sites.append(site_views[site.pk])
+    for rack in racks:
+        site_views[rack.site_id].racks.append(RackView(rack=rack, nodes=by_rack.get(rack.pk, [])))
+    states = {state: 0 for state in NodeState.values}
+    health = {h: 0 for h in GpuHealth.values}
+    for node in nodes:
+        states[node.state] += 1
+        for gpu in node.gpus.all():
+            health[gpu.health] += 1
+    return FleetOverview(
+        sites=sites,
+        unracked=unracked,
+        node_states=states,
+        gpu_health=health,
+        pools=list(pools_for_listing()),
+    )

@@ -1,0 +1,469 @@
+"""Writes to the fleet: inventory, the node state machine, host keys, heartbeats, drains."""
+
+import datetime as dt
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from apps.accounts.services import (
+    audit_record,
+    audit_record_many,
+    audited_create,
+    audited_delete,
+    audited_update,
+    require_fleet_manager,
+    snapshot,
+)
+from apps.fleet.hostkeys import InvalidHostKey, host_key_fingerprint
+from apps.fleet.models import (
+    Gpu,
+    InstanceType,
+    Node,
+    NodeEvent,
+    NodePool,
+    NodeState,
+    PoolKind,
+    Rack,
+    Site,
+)
+from apps.fleet.models.nodes import CapacityType, Provider
+from controlplane.errors import ApplicationError
+
+S = NodeState
+
+# Which moves the node state machine allows (ARCHITECTURE.md, "State machines").
+NODE_TRANSITIONS: dict[str, set[str]] = {
+    S.REQUESTED: {S.PROVISIONING, S.FAILED, S.TERMINATING},
+    S.PROVISIONING: {S.AWAITING_HOST_KEY, S.BOOTSTRAPPING, S.FAILED, S.TERMINATING},
+    S.AWAITING_HOST_KEY: {S.BOOTSTRAPPING, S.FAILED, S.TERMINATING},
+    S.BOOTSTRAPPING: {S.READY, S.FAILED, S.TERMINATING},
+    S.READY: {S.BUSY, S.SUSPECT, S.DRAINING, S.TERMINATING},
+    S.BUSY: {S.READY, S.SUSPECT, S.DRAINING, S.TERMINATING},
+    S.SUSPECT: {S.READY, S.BUSY, S.DOWN, S.DRAINING, S.TERMINATING},
+    S.DOWN: {S.BOOTSTRAPPING, S.DRAINED, S.TERMINATING},
+    S.DRAINING: {S.DRAINED, S.READY, S.TERMINATING},
+    S.DRAINED: {S.READY, S.PROVISIONING, S.TERMINATING},
+    S.FAILED: {S.PROVISIONING, S.TERMINATING},
+    S.TERMINATING: {S.TERMINATED},
+    S.TERMINATED: set(),
+}
+
+# States in which a node is expected to heartbeat.
+HEARTBEATING = {S.READY, S.BUSY}
+
+
+def _actor_label(by) -> str:
+    return by.get_username() if by is not None else "system"
+
+
+# --- inventory ------------------------------------------------------------------------
+
+
+def site_create(*, by, **fields) -> Site:
+    require_fleet_manager(by)
+    return audited_create(model=Site, by=by, fields=fields, action="site.create")
+
+
+def site_update(*, site: Site, by, **changes) -> Site:
+    require_fleet_manager(by)
+    return audited_update(instance=site, by=by, changes=changes, action="site.update")
+
+
+def site_delete(*, site: Site, by) -> None:
+    require_fleet_manager(by)
+    audited_delete(instance=site, by=by, action="site.delete")
+
+
+def rack_create(*, by, **fields) -> Rack:
+    require_fleet_manager(by)
+    return audited_create(model=Rack, by=by, fields=fields, action="rack.create")
+
+
+def rack_update(*, rack: Rack, by, **changes) -> Rack:
+    require_fleet_manager(by)
+    return audited_update(instance=rack, by=by, changes=changes, action="rack.update")
+
+
+def rack_delete(*, rack: Rack, by) -> None:
+    require_fleet_manager(by)
+    audited_delete(instance=rack, by=by, action="rack.delete")
+
+
+def instance_type_create(*, by, **fields) -> InstanceType:
+    require_fleet_manager(by)
+    return audited_create(model=InstanceType, by=by, fields=fields, action="instance_type.create")
+
+
+def instance_type_update(*, instance_type: InstanceType, by, **changes) -> InstanceType:
+    require_fleet_manager(by)
+    return audited_update(
+        instance=instance_type, by=by, changes=changes, action="instance_type.update"
+    )
+
+
+def instance_type_delete(*, instance_type: InstanceType, by) -> None:
+    require_fleet_manager(by)
+    audited_delete(instance=instance_type, by=by, action="instance_type.delete")
+
+
+def _check_pool_instance_types(*, gpu_type: str, kind: str, instance_types) -> None:
+    if instance_types is None:
+        return
+    if kind == PoolKind.OWNED and instance_types:
+        raise ApplicationError(
+            "Owned pools have no cloud instance types.",
+            details={"instance_types": ["Leave empty for an owned pool."]},
+        )
+    wrong = sorted(t.name for t in instance_types if t.gpu_type != gpu_type)
+    if wrong:
+        raise ApplicationError(
+            f"Instance types {', '.join(wrong)} do not carry {gpu_type} GPUs.",
+            details={"instance_types": [f"{name} has another GPU type." for name in wrong]},
+        )
+
+
+@transaction.atomic
+def pool_create(*, by, instance_types=None, **fields) -> NodePool:
+    require_fleet_manager(by)
+    _check_pool_instance_types(
+        gpu_type=fields.get("gpu_type", ""),
+        kind=fields.get("kind", ""),
+        instance_types=instance_types,
+    )
+    pool = audited_create(model=NodePool, by=by, fields=fields, action="pool.create")
+    if instance_types:
+        pool.instance_types.set(instance_types)
+    return pool
+
+
+@transaction.atomic
+def pool_update(*, pool: NodePool, by, instance_types=None, **changes) -> NodePool:
+    require_fleet_manager(by)
+    if "kind" in changes and changes["kind"] != pool.kind and pool.nodes.exists():
+        raise ApplicationError(
+            "A pool with nodes cannot change kind.", details={"kind": ["The pool has nodes."]}
+        )
+    _check_pool_instance_types(
+        gpu_type=changes.get("gpu_type", pool.gpu_type),
+        kind=changes.get("kind", pool.kind),
+        instance_types=instance_types
+        if instance_types is not None
+        else list(pool.instance_types.all()),
+    )
+    pool = audited_update(instance=pool, by=by, changes=changes, action="pool.update")
+    if instance_types is not None:
+        pool.instance_types.set(instance_types)
+    return pool
+
+
+def pool_delete(*, pool: NodePool, by) -> None:
+    require_fleet_manager(by)
+    audited_delete(instance=pool, by=by, action="pool.delete")
+
+
+def _check_node_fields(fields: dict) -> None:
+    """Rules that tie a node to its pool, provider and hardware."""
+    pool: NodePool = fields["pool"]
+    provider = fields.get("provider")
+    capacity = fields.get("capacity_type")
+    errors = {}
+    if pool.kind == PoolKind.OWNED:
+        if provider not in (Provider.LOCAL, Provider.SSH):
+            errors["provider"] = ["Owned pools take local or ssh nodes."]
+        if capacity != CapacityType.OWNED:
+            errors["capacity_type"] = ["Nodes of an owned pool are owned."]
+    else:
+        if provider != Provider.AWS:
+            errors["provider"] = ["Cloud pools take aws nodes."]
+        if capacity not in (CapacityType.ON_DEMAND, CapacityType.SPOT):
+            errors["capacity_type"] = ["Cloud nodes are on_demand or spot."]
+        if fields.get("rack") is not None:
+            errors["rack"] = ["Cloud nodes stand in no rack of ours."]
+    if fields.get("gpu_type") != pool.gpu_type:
+        errors["gpu_type"] = [f"The pool {pool.slug} holds {pool.gpu_type} GPUs."]
+    instance_type = fields.get("instance_type")
+    if instance_type is not None:
+        if instance_type.gpu_type != pool.gpu_type:
+            errors["instance_type"] = [f"{instance_type} does not carry {pool.gpu_type} GPUs."]
+        elif fields.get("gpu_count") not in (None, instance_type.gpu_count):
+            errors["gpu_count"] = [f"{instance_type} has {instance_type.gpu_count} GPUs."]
+    rack = fields.get("rack")
+    if rack is not None and pool.site_id and rack.site_id != pool.site_id:
+        errors["rack"] = [f"The rack stands in {rack.site}, the pool in another site."]
+    if provider == Provider.SSH and not fields.get("address"):
+        errors["address"] = ["An ssh node needs an address."]
+    if errors:
+        raise ApplicationError("Invalid node.", details=errors)
+
+
+def _pinned_key_fields(host_key: str) -> dict:
+    if not host_key:
+        return {"host_key": "", "host_key_fingerprint": ""}
+    try:
+        fp = host_key_fingerprint(host_key)
+    except InvalidHostKey as exc:
+        raise ApplicationError(str(exc), details={"host_key": [str(exc)]}) from None
+    return {"host_key": host_key.strip(), "host_key_fingerprint": fp}
+
+
+@transaction.atomic
+def node_create(*, by, **fields) -> Node:
+    require_fleet_manager(by)
+    pool = fields["pool"]
+    fields.setdefault("gpu_type", pool.gpu_type)
+    if fields.get("instance_type") is not None:
+        fields.setdefault("gpu_count", fields["instance_type"].gpu_count)
+    _check_node_fields(fields)
+    fields.update(_pinned_key_fields(fields.pop("host_key", "")))
+    node = audited_create(model=Node, by=by, fields=fields, action="node.create")
+    NodeEvent.objects.create(
+        node=node,
+        from_state="",
+        to_state=node.state,
+        reason="registered",
+        actor=by,
+        actor_label=_actor_label(by),
+    )
+    return node
+
+
+@transaction.atomic
+def node_update(*, node: Node, by, **changes) -> Node:
+    require_fleet_manager(by)
+    merged = {
+        name: changes.get(name, getattr(node, name))
+        for name in (
+            "pool",
+            "rack",
+            "provider",
+            "capacity_type",
+            "gpu_type",
+            "address",
+            "instance_type",
+        )
+    }
+    merged["gpu_count"] = changes.get("gpu_count", node.gpu_count)
+    _check_node_fields(merged)
+    if "host_key" in changes:
+        if changes["host_key"].strip() != node.host_key and node.host_key:
+            # A pinned key is only replaced by accepting what the node offers.
+            raise ApplicationError(
+                "A pinned host key is changed by accepting the node's offered key.",
+                code="host_key_pinned",
+                details={"host_key": ["Already pinned; use accept-host-key."]},
+                status=409,
+            )
+        changes.update(_pinned_key_fields(changes.pop("host_key")))
+    return audited_update(instance=node, by=by, changes=changes, action="node.update")
+
+
+def node_delete(*, node: Node, by) -> None:
+    require_fleet_manager(by)
+    if node.state not in (S.REQUESTED, S.FAILED, S.DRAINED, S.TERMINATED, S.DOWN):
+        raise ApplicationError(
+            f"{node} is {node.state}; drain or terminate it before removing it.",
+            code="invalid_state",
+            status=409,
+        )
+    audited_delete(instance=node, by=by, action="node.delete")
+
+
+def gpu_create(*, by, **fields) -> Gpu:
+    require_fleet_manager(by)
+    return audited_create(model=Gpu, by=by, fields=fields, action="gpu.create")
+
+
+def gpu_update(*, gpu: Gpu, by, **changes) -> Gpu:
+    require_fleet_manager(by)
+    return audited_update(instance=gpu, by=by, changes=changes, action="gpu.update")
+
+
+def gpu_delete(*, gpu: Gpu, by) -> None:
+    require_fleet_manager(by)
+    audited_delete(instance=gpu, by=by, action="gpu.delete")
+
+
+# --- the node state machine -----------------------------------------------------------
+
+
+def _refuse_move(node: Node, to: str) -> ApplicationError:
+    return ApplicationError(
+        f"{node} cannot go from {node.state} to {to}.",
+        code="invalid_transition",
+        details={"state": [f"{node.state} → {to} is not allowed."]},
+        status=409,
+    )
+
+
+@transaction.atomic
+def node_transition(*, node: Node, to: str, reason: str, by, **fields) -> Node:
+    """Move one node to `to`, if the state machine allows it from where it is now."""
+    locked = Node.objects.select_for_update().get(pk=node.pk)
+    if to not in NODE_TRANSITIONS[locked.state]:
+        raise _refuse_move(locked, to)
+    before = snapshot(locked)
+    came_from = locked.state
+    locked.state = to
+    locked.state_reason = reason[:300]
+    locked.state_changed_at = timezone.now()
+    locked.suspect_from = came_from if to == S.SUSPECT else ""
+    for name, value in fields.items():
+        setattr(locked, name, value)
+    locked.save()
+    NodeEvent.objects.create(
+        node=locked,
+        from_state=came_from,
+        to_state=to,
+        reason=reason[:300],
+        actor=by,
+        actor_label=_actor_label(by),
+    )
+    audit_record(actor=by, action=f"node.{to}", obj=locked, before=before, after=snapshot(locked))
+    return locked
+
+
+def node_drain(*, node: Node, reason: str, by) -> Node:
+    """Take a node out of scheduling. An idle node is DRAINED at once; a busy one drains."""
+    require_fleet_manager(by)
+    if not reason.strip():
+        raise ApplicationError("Say why the node is drained.", details={"reason": ["Required."]})
+    with transaction.atomic():
+        was_idle = Node.objects.select_for_update().get(pk=node.pk).state == S.READY
+        node = node_transition(node=node, to=S.DRAINING, reason=reason, by=by)
+        if was_idle:
+            node = node_transition(node=node, to=S.DRAINED, reason="no work running", by=by)
+    return node
+
+
+def node_undrain(*, node: Node, by) -> Node:
+    require_fleet_manager(by)
+    return node_transition(node=node, to=S.READY, reason="undrained", by=by)
+
+
+@transaction.atomic
+def node_host_key_offer(*, node: Node, offered_key: str, by=None) -> Node:
+    """A node presented a host key we have not pinned: hold it until ops accept it."""
+    try:
+        host_key_fingerprint(offered_key)
+    except InvalidHostKey as exc:
+        raise ApplicationError(str(exc), details={"offered_key": [str(exc)]}) from None
+    return node_transition(
+        node=node,
+        to=S.AWAITING_HOST_KEY,
+        reason="host key not yet accepted",
+        by=by,
+        offered_host_key=offered_key.strip(),
+    )
+
+
+@transaction.atomic
+def node_host_key_accept(*, node: Node, fingerprint: str, by) -> Node:
+    """Ops confirm the fingerprint they expect; only then is the offered key pinned."""
+    require_fleet_manager(by)
+    locked = Node.objects.select_for_update().get(pk=node.pk)
+    if locked.state != S.AWAITING_HOST_KEY or not locked.offered_host_key:
+        raise ApplicationError(
+            f"{locked} is not waiting for a host key.", code="invalid_state", status=409
+        )
+    offered_fp = host_key_fingerprint(locked.offered_host_key)
+    if fingerprint.strip() != offered_fp:
+        raise ApplicationError(
+            "The fingerprint does not match the key the node offered.",
+            code="fingerprint_mismatch",
+            details={"fingerprint": [f"The node offered {offered_fp}."]},
+        )
+    return node_transition(
+        node=locked,
+        to=S.BOOTSTRAPPING,
+        reason=f"host key {offered_fp} accepted",
+        by=by,
+        host_key=locked.offered_host_key,
+        host_key_fingerprint=offered_fp,
+        offered_host_key="",
+    )
+
+
+# --- heartbeats -----------------------------------------------------------------------
+
+
+@transaction.atomic
+def node_heartbeat_record(*, node: Node, at: dt.datetime | None = None) -> Node:
+    """A heartbeat arrived; a SUSPECT node goes back to the state it left."""
+    at = at or timezone.now()
+    locked = Node.objects.select_for_update().get(pk=node.pk)
+    locked.last_heartbeat_at = at
+    locked.save(update_fields=["last_heartbeat_at"])
+    if locked.state == S.SUSPECT and locked.suspect_from:
+        return node_transition(
+            node=locked, to=locked.suspect_from, reason="heartbeats resumed", by=None
+        )
+    return locked
+
+
+def _bulk_move(*, candidates: list[tuple[int, str]], to: str, reason: str, now, extra=None):
+    """Move many nodes in one UPDATE per source state, with their events and audit rows."""
+    if not candidates:
+        return 0
+    by_state: dict[str, list[int]] = {}
+    for node_id, state in candidates:
+        by_state.setdefault(state, []).append(node_id)
+    moved = 0
+    for state, ids in by_state.items():
+        values = {"state": to, "state_reason": reason, "state_changed_at": now}
+        values["suspect_from"] = state if to == S.SUSPECT else ""
+        values.update(extra or {})
+        moved += Node.objects.filter(pk__in=ids, state=state).update(**values)
+    NodeEvent.objects.bulk_create(
+        [
+            NodeEvent(
+                node_id=node_id, from_state=state, to_state=to, reason=reason, actor_label="system"
+            )
+            for node_id, state in candidates
+        ],
+        batch_size=1000,
+    )
+    nodes = Node.objects.in_bulk([node_id for node_id, _ in candidates])
+    audit_record_many(
+        actor=None,
+        action=f"node.{to}",
+        changes=[
+            (nodes[node_id], {"state": state}, {"state": to, "state_reason": reason})
+            for node_id, state in candidates
+        ],
+    )
+    return moved
+
+
+@transaction.atomic
+def nodes_heartbeat_sweep(*, now: dt.datetime | None = None) -> dict[str, int]:
+    """Mark silent nodes SUSPECT, and long-silent SUSPECT nodes DOWN, in bulk.
+
+    Nodes that never sent a heartbeat are left alone (their agent has not started).
+    """
+    now = now or timezone.now()
+    suspect_before = now - dt.timedelta(seconds=settings.NODE_SUSPECT_AFTER_S)
+    down_before = now - dt.timedelta(seconds=settings.NODE_DOWN_AFTER_S)
+    silent = list(
+        Node.objects.select_for_update(skip_locked=True)
+        .filter(state__in=HEARTBEATING, last_heartbeat_at__lt=suspect_before)
+        .values_list("id", "state")
+    )
+    lost = list(
+        Node.objects.select_for_update(skip_locked=True)
+        .filter(state=S.SUSPECT, last_heartbeat_at__lt=down_before)
+        .values_list("id", "state")
+    )
+    suspect = _bulk_move(
+        candidates=silent,
+        to=S.SUSPECT,
+        reason=f"no heartbeat for {settings.NODE_SUSPECT_AFTER_S}s",
+        now=now,
+    )
+    down = _bulk_move(
+        candidates=lost,
+        to=S.DOWN,
+        reason=f"no heartbeat for {settings.NODE_DOWN_AFTER_S}s",
+        now=now,
+    )
+    return {"suspect": suspect, "down": down}

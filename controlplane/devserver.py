@@ -1,0 +1,83 @@
+"""`make run`: the web server, a Celery worker and beat in one terminal; Ctrl-C stops all three."""
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _logins(var_dir: Path) -> dict:
+    path = var_dir / "demo-logins.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", default="8000")
+    parser.add_argument("--var-dir", default="var")
+    args = parser.parse_args()
+    var_dir = Path(args.var_dir)
+    python = sys.executable
+    commands = {
+        "web": [python, "manage.py", "runserver", f"{args.host}:{args.port}", "--noreload"],
+        "worker": [
+            python,
+            "-m",
+            "celery",
+            "-A",
+            "controlplane",
+            "worker",
+            "--loglevel=INFO",
+            "--concurrency=2",
+            "--hostname=worker@%h",
+        ],
+        "beat": [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO"],
+    }
+    (var_dir / "broker" / "queue").mkdir(parents=True, exist_ok=True)
+    (var_dir / "broker" / "processed").mkdir(parents=True, exist_ok=True)
+    children = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
+
+    url = f"http://{args.host}:{args.port}/"
+    print(f"\n  Control plane: {url}   (API docs: {url}api/docs/, health: {url}healthz)")
+    logins = _logins(var_dir)
+    if logins:
+        print("  Logins (first start's passwords; kept in var/demo-logins.json):")
+        for username, password in logins.items():
+            print(f"    {username:<8} {password}")
+    print("  Ctrl-C stops the web server, the worker and beat.\n", flush=True)
+
+    stopping = False
+
+    def stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    exit_code = 0
+    while not stopping:
+        for name, child in children.items():
+            if child.poll() is not None:
+                print(f"{name} exited with {child.returncode}; stopping the others.", flush=True)
+                exit_code = child.returncode or 1
+                stopping = True
+        time.sleep(0.5)
+    for child in children.values():
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for child in children.values():
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+    print("stopped.", flush=True)
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Settings of the control plane, read from the environment.
+
+Defaults are safe for production (DEBUG off, a SECRET_KEY required, secure
+cookies); `make run` sets the development values explicitly.
+"""
+
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+from controlplane.env import (
+    database_from_url,
+    env_bool,
+    env_int,
+    env_list,
+    env_str,
+    sqlite_database,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("CONTROLPLANE_VAR_DIR", str(BASE_DIR / "var")))
+
+DEBUG = env_bool("DJANGO_DEBUG", False)
+
+SECRET_KEY = env_str("SECRET_KEY")
+if not SECRET_KEY and env_str("SECRET_KEY_FILE"):
+    SECRET_KEY = Path(env_str("SECRET_KEY_FILE")).read_text().strip()
+if not SECRET_KEY:
+    raise ImproperlyConfigured(
+        "SECRET_KEY (or SECRET_KEY_FILE) must be set; `make run` generates one under var/."
+    )
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost"] if DEBUG else [])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+# Behind HTTPS (the default outside DEBUG) cookies travel only over TLS.
+SECURE = env_bool("SECURE_COOKIES", not DEBUG)
+SESSION_COOKIE_SECURE = SECURE
+CSRF_COOKIE_SECURE = SECURE
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0)
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+if env_bool("TRUST_X_FORWARDED_PROTO", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
+    "django_htmx",
+    "apps.accounts",
+    "apps.fleet",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "controlplane.observability.RequestMetricsMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+    "apps.accounts.middleware.RequestContextMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+WSGI_APPLICATION = "controlplane.wsgi.application"
+ASGI_APPLICATION = "controlplane.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "controlplane.navigation.navigation",
+            ],
+        },
+    },
+]
+
+# Database: PostgreSQL in production and CI, SQLite under var/ on a laptop.
+DATABASE_URL = env_str("DATABASE_URL")
+if DATABASE_URL:
+    DATABASES = {"default": database_from_url(DATABASE_URL, base_dir=BASE_DIR)}
+else:
+    DATABASES = {"default": sqlite_database(VAR_DIR / "controlplane.sqlite3")}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Redis, when given, carries the broker, the cache, locks and heartbeats;
+# without it the embedded defaults do the same jobs on one machine.
+REDIS_URL = env_str("REDIS_URL")
+if REDIS_URL:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": env_str("CACHE_KEY_PREFIX", "cp"),
+        }
+    }
+else:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.db.DatabaseCache",
+            "LOCATION": "controlplane_cache",
+        }
+    }
+
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TIMEZONE = "UTC"
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    _queue_dir = VAR_DIR / "broker" / "queue"
+    _processed_dir = VAR_DIR / "broker" / "processed"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_queue_dir),
+        "data_folder_out": str(_queue_dir),
+        "processed_folder": str(_processed_dir),
+        "store_processed": False,
+    }
+else:
+    # A task a worker took but never acknowledged comes back after this long.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT_S", 3600),
+    }
+
+# Fleet health: a node whose heartbeats stop is SUSPECT first (never torn down
+# on a blip), and DOWN only after the longer threshold.
+NODE_SUSPECT_AFTER_S = env_int("NODE_SUSPECT_AFTER_S", 60)
+NODE_DOWN_AFTER_S = env_int("NODE_DOWN_AFTER_S", 600)
+NODE_SWEEP_EVERY_S = env_int("NODE_SWEEP_EVERY_S", 15)
+
+CELERY_BEAT_SCHEDULE = {
+    "fleet-heartbeat-sweep": {
+        "task": "fleet.heartbeat_sweep",
+        "schedule": float(NODE_SWEEP_EVERY_S),
+    },
+}
+
+# Node providers: `local` runs nodes as processes on this machine.
+NODE_PROVIDER_DEFAULT = env_str("NODE_PROVIDER_DEFAULT", "local")
+SSH_KEY_FILE = env_str("SSH_KEY_FILE")
+AWS_REGION = env_str("AWS_REGION", "us-east-1")
+AWS_ENDPOINT_URL = env_str("AWS_ENDPOINT_URL")
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "fleet:overview"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = env_str("TIME_ZONE", "UTC")
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = Path(env_str("STATIC_ROOT", str(BASE_DIR / "static_collected")))
+
+REST_FRAMEWORK = {
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"]
+    + (["rest_framework.renderers.BrowsableAPIRenderer"] if DEBUG else []),
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "apps.accounts.authentication.ApiTokenAuthentication",
+        "apps.accounts.authentication.BrowserSessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": [
+        "apps.accounts.permissions.IsAuthenticatedWithScope",
+    ],
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_PAGINATION_CLASS": "controlplane.pagination.Pagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "controlplane.schema.Schema",
+    "EXCEPTION_HANDLER": "controlplane.api.exception_handler",
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+    "DEFAULT_THROTTLE_CLASSES": [],
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "GPU control plane API",
+    "DESCRIPTION": (
+        "Inventory of owned racks and cloud pools, jobs, checkpoints, costs and NCCL "
+        "settings. Authenticate with `Authorization: Bearer <token>` (API tokens) or a "
+        'browser session. Errors have one shape: `{"error": {"code", "message", "details"}}`.'
+    ),
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "NodeStateEnum": "apps.fleet.models.nodes.NodeState",
+        "TeamRoleEnum": "apps.accounts.models.TeamRole",
+        "ServiceAccountRoleEnum": "apps.accounts.models.SERVICE_ACCOUNT_ROLES",
+    },
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums"],
+}
+
+LOG_LEVEL = env_str("LOG_LEVEL", "INFO")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {"django.db.backends": {"level": "INFO"}},
+}
+
+# Behind a proxy that sets X-Forwarded-For, the audit log records the client's address.
+TRUST_X_FORWARDED_FOR = env_bool("TRUST_X_FORWARDED_FOR", False)
+
+# When set, /metrics asks for `Authorization: Bearer <METRICS_TOKEN>`.
+METRICS_TOKEN = env_str("METRICS_TOKEN")

@@ -1,0 +1,30 @@
+"""URLs: pages, the REST API under /api/v1/, its schema and docs, health and metrics."""
+
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from django.views.generic import RedirectView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from controlplane import observability
+
+api_v1 = [
+    path("", include("apps.accounts.api.urls")),
+    path("", include("apps.fleet.api.urls")),
+]
+
+urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="fleet:overview", permanent=False)),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("fleet/", include("apps.fleet.urls")),
+    path("admin/", admin.site.urls),
+    path("api/v1/", include(api_v1)),
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    path("healthz", observability.healthz, name="healthz"),
+    path("metrics", observability.metrics, name="metrics"),
+]
+
+handler404 = "controlplane.views.not_found"
+handler500 = "controlplane.views.server_error"

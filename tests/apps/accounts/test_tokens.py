@@ -1,0 +1,149 @@
+"""API tokens: shown once, stored as SHA-256, scoped, expiring, revocable."""
+
+import datetime as dt
+import hashlib
+
+import pytest
+from django.utils import timezone
+
+from apps.accounts import services
+from apps.accounts.models import ApiToken, AuditEvent
+from tests import factories
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_secret_is_returned_once_and_only_its_sha256_is_stored(researcher, api_for):
+    client = api_for(researcher)
+    response = client.post("/api/v1/tokens/", {"name": "ci", "scopes": ["read"]}, format="json")
+    assert response.status_code == 201, response.content
+    secret = response.json()["token"]
+    assert secret.startswith("cp_") and len(secret) > 40
+    row = ApiToken.objects.get(pk=response.json()["id"])
+    assert row.digest == hashlib.sha256(secret.encode()).hexdigest()
+    assert secret not in str(list(ApiToken.objects.values()))
+    listed = client.get(f"/api/v1/tokens/{row.pk}/").json()
+    assert "token" not in listed and listed["prefix"] == secret[:11]
+    audit = AuditEvent.objects.get(action="api_token.create", object_id=str(row.pk))
+    assert "digest" not in audit.after and secret not in str(audit.after)
+
+
+def test_a_new_token_authenticates(researcher, anon_api):
+    _, secret = services.api_token_create(user=researcher, name="t", scopes=["read"], by=researcher)
+    anon_api.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    me = anon_api.get("/api/v1/me/")
+    assert me.status_code == 200
+    assert me.json()["username"] == researcher.username
+    assert me.json()["token_scopes"] == ["read"]
+
+
+@pytest.mark.parametrize("state", ["expired", "revoked", "unknown", "malformed"])
+def test_expired_revoked_or_unknown_tokens_get_401(state, researcher, anon_api):
+    token, secret = services.api_token_create(
+        user=researcher, name="t", scopes=["admin"], by=researcher
+    )
+    if state == "expired":
+        ApiToken.objects.filter(pk=token.pk).update(expires_at=timezone.now())
+    elif state == "revoked":
+        services.api_token_revoke(token=token, by=researcher)
+    elif state == "unknown":
+        secret = secret[:-4] + "AAAA"
+    else:
+        secret = "two words"
+    anon_api.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    response = anon_api.get("/api/v1/teams/")
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "authentication_failed"
+    assert response["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_no_credentials_is_401_with_the_error_shape(anon_api):
+    response = anon_api.get("/api/v1/nodes/")
+    assert response.status_code == 401
+    assert set(response.json()["error"]) == {"code", "message", "details"}
+
+
+def test_last_used_is_written_at_most_once_a_minute(researcher, django_assert_num_queries):
+    token, secret = services.api_token_create(
+        user=researcher, name="t", scopes=["read"], by=researcher
+    )
+    start = timezone.now()
+    services.api_token_use(raw=secret, now=start)
+    first = ApiToken.objects.get(pk=token.pk).last_used_at
+    assert first == start
+    with django_assert_num_queries(1):  # the look-up only, no UPDATE
+        services.api_token_use(raw=secret, now=start + dt.timedelta(seconds=30))
+    assert ApiToken.objects.get(pk=token.pk).last_used_at == start
+    later = start + dt.timedelta(seconds=61)
+    services.api_token_use(raw=secret, now=later)
+    assert ApiToken.objects.get(pk=token.pk).last_used_at == later
+
+
+def test_read_scope_cannot_write(ops_user, api_for):
+    client = api_for(ops_user, scopes=("read",))
+    assert client.get("/api/v1/sites/").status_code == 200
+    response = client.post("/api/v1/sites/", {"name": "X", "slug": "x"}, format="json")
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "permission_denied"
+
+
+def test_submit_scope_is_not_admin(ops_user, api_for):
+    client = api_for(ops_user, scopes=("submit",))
+    response = client.post("/api/v1/sites/", {"name": "X", "slug": "x"}, format="json")
+    assert response.status_code == 403
+
+
+def test_delete_revokes_and_keeps_the_row(researcher, api_for):
+    client = api_for(researcher)
+    made = client.post("/api/v1/tokens/", {"name": "old", "scopes": ["read"]}, format="json")
+    token_id = made.json()["id"]
+    assert client.delete(f"/api/v1/tokens/{token_id}/").status_code == 204
+    row = ApiToken.objects.get(pk=token_id)
+    assert row.revoked_at is not None
+
+
+def test_expiry_in_the_past_is_refused(researcher, api_for):
+    client = api_for(researcher)
+    before = ApiToken.objects.count()
+    response = client.post(
+        "/api/v1/tokens/",
+        {"name": "x", "scopes": ["read"], "expires_at": "2001-01-01T00:00:00Z"},
+        format="json",
+    )
+    assert response.status_code == 400
+    assert "expires_at" in response.json()["error"]["details"]
+    assert ApiToken.objects.count() == before
+
+
+def test_team_admin_makes_tokens_for_the_teams_service_account(team, team_admin, api_for):
+    account = services.service_account_create(team=team, name="ci", by=team_admin)
+    client = api_for(team_admin)
+    response = client.post(
+        "/api/v1/tokens/",
+        {"name": "pipeline", "scopes": ["submit"], "service_account": account.pk},
+        format="json",
+    )
+    assert response.status_code == 201, response.content
+    assert response.json()["username"] == account.user.username
+
+
+def test_a_researcher_cannot_make_tokens_for_a_service_account(
+    team, team_admin, researcher, api_for
+):
+    account = services.service_account_create(team=team, name="ci", by=team_admin)
+    response = api_for(researcher).post(
+        "/api/v1/tokens/",
+        {"name": "pipeline", "scopes": ["submit"], "service_account": account.pk},
+        format="json",
+    )
+    assert response.status_code == 403
+    assert not ApiToken.objects.filter(user=account.user).exists()
+
+
+def test_tokens_of_an_inactive_user_stop_working(anon_api):
+    user = factories.make_user()
+    _, secret = services.api_token_create(user=user, name="t", scopes=["read"], by=user)
+    user.is_active = False
+    user.save()
+    anon_api.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert anon_api.get("/api/v1/me/").status_code == 401

@@ -1,0 +1,1 @@
+"""Everything that runs away from the web process: tasks, providers, the agent, the trainer."""

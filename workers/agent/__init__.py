@@ -1,0 +1,1 @@
+"""The node agent, copied to every node: standard library only."""

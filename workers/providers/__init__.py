@@ -1,0 +1,1 @@
+"""Where nodes come from: local processes, SSH hosts (paramiko), AWS (boto3)."""

@@ -1,0 +1,6 @@
+"""Celery tasks: thin, each one calls a service in apps/ (ARCHITECTURE.md).
+
+Imported by the Celery app on start; every module here registers its tasks by name.
+"""
+
+from workers.tasks import fleet  # noqa: F401
