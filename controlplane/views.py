@@ -1,6 +1,8 @@
 """Error pages: JSON for the API, HTML for people."""
 
+from django.http import HttpResponseServerError
 from django.shortcuts import render
+from django.template import loader
 
 from controlplane.api import not_found_json, server_error_json
 
@@ -14,4 +16,5 @@ def not_found(request, exception=None):
 def server_error(request):
     if request.path.startswith("/api/"):
         return server_error_json(request)
-    return render(request, "500.html", status=500)
+    # No request context: a context processor may be what failed.
+    return HttpResponseServerError(loader.get_template("500.html").render())

@@ -10,11 +10,15 @@ from apps.fleet.models import Gpu, GpuHealth, Node, NodePool, NodeState, Rack, S
 def nodes_for_listing() -> QuerySet[Node]:
     return Node.objects.select_related("pool", "rack", "rack__site", "instance_type").annotate(
         healthy_gpus=Count("gpus", filter=Q(gpus__health=GpuHealth.HEALTHY))
-    )
+    ).order_by("name")
 
 
 def racks_for_listing() -> QuerySet[Rack]:
-    return Rack.objects.select_related("site").annotate(node_count=Count("nodes"))
+    return (
+        Rack.objects.select_related("site")
+        .annotate(node_count=Count("nodes"))
+        .order_by("site__name", "name")
+    )
 
 
 def pools_for_listing() -> QuerySet[NodePool]:
