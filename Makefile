@@ -63,7 +63,7 @@ format: $(VENV)/.installed
 	$(BIN)/ruff format .
 
 bench: $(VENV)/.installed
-	$(BIN)/python -m bench.api
+	$(BIN)/python -m bench.fleet
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache .hypothesis

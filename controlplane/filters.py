@@ -1,5 +1,7 @@
 """Filter fields shared by every app's FilterSets."""
 
+import datetime as dt
+
 import django_filters as filters
 from django import forms
 
@@ -15,3 +17,24 @@ class IdFilter(filters.NumberFilter):
         kwargs.setdefault("min_value", 1)
         kwargs.setdefault("max_value", BIGINT_MAX)
         super().__init__(*args, **kwargs)
+
+
+class UtcIsoDateTimeField(filters.fields.IsoDateTimeField):
+    """An ISO 8601 instant, turned into UTC before any query.
+
+    PostgreSQL refuses UTC offsets beyond ±15:59 that ISO 8601 and Python allow,
+    so an odd offset would otherwise reach the database and fail there.
+    """
+
+    def to_python(self, value):
+        parsed = super().to_python(value)
+        if parsed is None:
+            return None
+        try:
+            return parsed.astimezone(dt.UTC)
+        except (OverflowError, ValueError):
+            raise forms.ValidationError("The instant is out of range.", code="invalid") from None
+
+
+class InstantFilter(filters.IsoDateTimeFilter):
+    field_class = UtcIsoDateTimeField

@@ -74,6 +74,11 @@ MIDDLEWARE = [
     "apps.accounts.middleware.RequestContextMiddleware",
 ]
 
+if not DEBUG:
+    # Serves collected static files from gunicorn, so no separate file server is needed
+    # (under DEBUG, runserver serves them from static/).
+    MIDDLEWARE.insert(1, "whitenoise.middleware.WhiteNoiseMiddleware")
+
 ROOT_URLCONF = "controlplane.urls"
 WSGI_APPLICATION = "controlplane.wsgi.application"
 ASGI_APPLICATION = "controlplane.asgi.application"
@@ -182,6 +187,15 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = Path(env_str("STATIC_ROOT", str(BASE_DIR / "static_collected")))
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        # Hashed names in production (collectstatic); plain files under DEBUG and tests.
+        "BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"
+        if env_bool("STATIC_MANIFEST", False)
+        else "django.contrib.staticfiles.storage.StaticFilesStorage",
+    },
+}
 
 REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],

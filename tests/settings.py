@@ -15,5 +15,12 @@ os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
 from controlplane.settings import *  # noqa: F403
 
+# WhiteNoise serves from here outside DEBUG; the suite does not collect static files.
+STATIC_ROOT = VAR_DIR / "static"  # noqa: F405
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
+
 # Fast hashing for the many users tests make; production keeps Django's default.
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+# 4xx answers are what many tests ask for; keep their warnings out of the output.
+LOGGING["loggers"]["django.request"] = {"level": "ERROR"}  # noqa: F405

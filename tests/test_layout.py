@@ -39,8 +39,9 @@ def test_apps_import_only_apps_below_them_and_never_workers(path):
             assert other in allowed_below, f"{path} (in {app}) imports the higher app {other}"
 
 
-@pytest.mark.parametrize("path", python_files("workers/agent"),
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path", python_files("workers/agent"), ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_the_agent_uses_the_standard_library_only(path):
     for name in imports_of(path):
         top = name.split(".")[0]
@@ -48,8 +49,11 @@ def test_the_agent_uses_the_standard_library_only(path):
 
 
 @pytest.mark.parametrize(
-    "path", python_files("workers/providers") + python_files("workers/trainer")
-    + python_files("workers/agent"), ids=lambda p: str(p.relative_to(ROOT)),
+    "path",
+    python_files("workers/providers")
+    + python_files("workers/trainer")
+    + python_files("workers/agent"),
+    ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_providers_agent_and_trainer_do_not_import_django(path):
     for name in imports_of(path):

@@ -3,7 +3,7 @@
 import django_filters as filters
 
 from apps.accounts.models import ApiToken, AuditEvent, Membership, ServiceAccount, Team, TeamQuota
-from controlplane.filters import IdFilter
+from controlplane.filters import IdFilter, InstantFilter
 
 
 class TeamFilterSet(filters.FilterSet):
@@ -49,8 +49,8 @@ class ApiTokenFilterSet(filters.FilterSet):
 
 class AuditEventFilterSet(filters.FilterSet):
     team_id = IdFilter(field_name="team_id")
-    since = filters.IsoDateTimeFilter(field_name="at", lookup_expr="gte")
-    until = filters.IsoDateTimeFilter(field_name="at", lookup_expr="lt")
+    since = InstantFilter(field_name="at", lookup_expr="gte")
+    until = InstantFilter(field_name="at", lookup_expr="lt")
 
     class Meta:
         model = AuditEvent

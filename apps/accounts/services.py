@@ -257,7 +257,7 @@ def team_quota_delete(*, quota: TeamQuota, by) -> None:
 # --- members and org roles ------------------------------------------------------------
 
 
-def membership_create(*, team: Team, user, role: str, by) -> Membership:
+def membership_create(*, team: Team, user, role: str = TeamRole.RESEARCHER, by) -> Membership:
     require_team_admin(by, team)
     if hasattr(user, "service_account"):
         raise ApplicationError(

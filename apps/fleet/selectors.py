@@ -8,9 +8,11 @@ from apps.fleet.models import Gpu, GpuHealth, Node, NodePool, NodeState, Rack, S
 
 
 def nodes_for_listing() -> QuerySet[Node]:
-    return Node.objects.select_related("pool", "rack", "rack__site", "instance_type").annotate(
-        healthy_gpus=Count("gpus", filter=Q(gpus__health=GpuHealth.HEALTHY))
-    ).order_by("name")
+    return (
+        Node.objects.select_related("pool", "rack", "rack__site", "instance_type")
+        .annotate(healthy_gpus=Count("gpus", filter=Q(gpus__health=GpuHealth.HEALTHY)))
+        .order_by("name")
+    )
 
 
 def racks_for_listing() -> QuerySet[Rack]:
@@ -26,6 +28,7 @@ def pools_for_listing() -> QuerySet[NodePool]:
         NodePool.objects.select_related("site")
         .prefetch_related("instance_types")
         .annotate(node_count=Count("nodes"))
+        .order_by("name")
     )
 
 

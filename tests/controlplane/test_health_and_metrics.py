@@ -48,8 +48,10 @@ def test_metrics_counts_nodes_by_state_gpus_by_health_and_requests(client):
     assert samples[("controlplane_nodes", (("state", "ready"),))] == 2
     assert samples[("controlplane_nodes", (("state", "requested"),))] == 1
     assert ("controlplane_gpus", (("health", "healthy"),)) in samples
-    healthz = ("controlplane_http_requests_total",
-               (("method", "GET"), ("route", "healthz"), ("status", "200")))
+    healthz = (
+        "controlplane_http_requests_total",
+        (("method", "GET"), ("route", "healthz"), ("status", "200")),
+    )
     assert samples[healthz] >= 1
 
 

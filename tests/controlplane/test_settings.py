@@ -22,13 +22,32 @@ PROBE = (
 
 
 def load_settings(tmp_path, **env):
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("SECRET_KEY", "SECRET_KEY_FILE", "DJANGO_DEBUG", "DATABASE_URL",
-                          "REDIS_URL", "CELERY_BROKER_URL", "ALLOWED_HOSTS")}
-    clean.update({"DJANGO_SETTINGS_MODULE": "controlplane.settings",
-                  "CONTROLPLANE_VAR_DIR": str(tmp_path)}, **env)
-    return subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=clean,
-                          capture_output=True, text=True, timeout=60)
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "SECRET_KEY",
+            "SECRET_KEY_FILE",
+            "DJANGO_DEBUG",
+            "DATABASE_URL",
+            "REDIS_URL",
+            "CELERY_BROKER_URL",
+            "ALLOWED_HOSTS",
+        )
+    }
+    clean.update(
+        {"DJANGO_SETTINGS_MODULE": "controlplane.settings", "CONTROLPLANE_VAR_DIR": str(tmp_path)},
+        **env,
+    )
+    return subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_without_a_secret_key_production_settings_refuse_to_start(tmp_path):
@@ -56,10 +75,14 @@ def test_embedded_defaults_without_urls(tmp_path):
 
 
 def test_urls_select_postgres_and_redis(tmp_path):
-    values = json.loads(load_settings(
-        tmp_path, SECRET_KEY="x" * 50, DATABASE_URL="postgres://u:p@db.example:5433/cp",
-        REDIS_URL="redis://cache.example:6379/2",
-    ).stdout)
+    values = json.loads(
+        load_settings(
+            tmp_path,
+            SECRET_KEY="x" * 50,
+            DATABASE_URL="postgres://u:p@db.example:5433/cp",
+            REDIS_URL="redis://cache.example:6379/2",
+        ).stdout
+    )
     assert values["db"] == "django.db.backends.postgresql"
     assert values["broker"] == "redis://cache.example:6379/2"
     assert values["cache"].endswith("RedisCache")
@@ -68,8 +91,7 @@ def test_urls_select_postgres_and_redis(tmp_path):
 def test_development_reads_the_key_file_and_turns_debug_on(tmp_path):
     key = tmp_path / "secret_key"
     key.write_text("k" * 50)
-    result = load_settings(tmp_path, DJANGO_DEBUG="1", SECRET_KEY_FILE=str(key),
-                           SECURE_COOKIES="0")
+    result = load_settings(tmp_path, DJANGO_DEBUG="1", SECRET_KEY_FILE=str(key), SECURE_COOKIES="0")
     values = json.loads(result.stdout)
     assert values["debug"] is True and values["secure"] is False
     assert "127.0.0.1" in values["hosts"]

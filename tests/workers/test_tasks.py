@@ -52,9 +52,11 @@ def test_a_real_worker_runs_the_sweep_sent_through_the_broker(settings):
 
 @pytest.mark.django_db
 def test_only_one_holder_of_a_lock_at_a_time():
-    with single_flight("test.lock", ttl_s=30) as first:
-        with single_flight("test.lock", ttl_s=30) as second:
-            assert first is True and second is False
+    with (
+        single_flight("test.lock", ttl_s=30) as first,
+        single_flight("test.lock", ttl_s=30) as second,
+    ):
+        assert first is True and second is False
     with single_flight("test.lock", ttl_s=30) as after_release:
         assert after_release is True
 

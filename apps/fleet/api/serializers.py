@@ -77,6 +77,9 @@ class NodePoolSerializer(StrictModelSerializer):
 
 class NodeSerializer(StrictModelSerializer):
     offered_host_key_fingerprint = serializers.SerializerMethodField()
+    suspect_from = serializers.CharField(
+        read_only=True, help_text="The state a SUSPECT node returns to; empty otherwise."
+    )
     gpu_type = serializers.ChoiceField(choices=GPU_TYPES, required=False)
 
     class Meta:
@@ -136,6 +139,10 @@ class NodeUpdateSerializer(NodeSerializer):
 
 
 class NodeEventSerializer(StrictModelSerializer):
+    from_state = serializers.CharField(
+        read_only=True, help_text="Empty for the event that registered the node."
+    )
+
     class Meta:
         model = NodeEvent
         fields = ["id", "node", "at", "from_state", "to_state", "reason", "actor_label"]

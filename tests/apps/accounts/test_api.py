@@ -211,3 +211,18 @@ def test_a_huge_id_in_the_path_is_a_404_not_a_500(ops_user, api_for):
     client = api_for(ops_user)
     assert client.get("/api/v1/teams/99999999999999999999999/").status_code == 404
     assert client.get("/api/v1/teams/abc/").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("since", "ok"),
+    [
+        ("1480-07-24T00:15:00.8-19:48", True),  # ISO allows it, PostgreSQL's offsets do not
+        ("9999-12-31T23:59:59-10:00", False),  # past the end of time once in UTC
+        ("yesterday", False),
+    ],
+)
+def test_audit_time_filters_are_turned_into_utc_or_refused(since, ok, ops_user, api_for):
+    response = api_for(ops_user).get("/api/v1/audit-events/", {"since": since})
+    assert response.status_code == (200 if ok else 400), response.content
+    if not ok:
+        assert "since" in response.json()["error"]["details"]

@@ -1,0 +1,64 @@
+"""The Fleet page and its CSV export."""
+
+import csv
+import io
+
+import pytest
+
+from tests import factories
+from tests.apps.fleet.test_services import ready_node
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def logged_in(client, viewer):
+    client.force_login(viewer)
+    return client
+
+
+def build_fleet(racks: int, nodes_per_rack: int):
+    site = factories.make_site()
+    pool = factories.make_owned_pool(site=site)
+    for _ in range(racks):
+        rack = factories.make_rack(site=site)
+        for unit in range(nodes_per_rack):
+            ready_node(pool=pool, rack=rack, rack_unit=1 + unit * 4)
+
+
+def test_the_fleet_page_needs_a_login(client):
+    response = client.get("/fleet/")
+    assert response.status_code == 302
+    assert response["Location"].startswith("/login/")
+
+
+def test_the_fleet_page_lists_sites_racks_and_nodes(logged_in):
+    rack = factories.make_rack(name="Z9")
+    node = ready_node(rack=rack, rack_unit=3, name="z9-n1")
+    html = logged_in.get("/fleet/").content.decode()
+    assert rack.site.name in html
+    assert "Z9" in html
+    assert f'data-node="{node.name}"' in html
+
+
+def test_the_fleet_page_makes_the_same_queries_for_a_small_or_large_fleet(
+    logged_in, django_assert_max_num_queries
+):
+    build_fleet(racks=1, nodes_per_rack=2)
+    with django_assert_max_num_queries(20) as small:
+        logged_in.get("/fleet/")
+    build_fleet(racks=3, nodes_per_rack=6)
+    with django_assert_max_num_queries(len(small.captured_queries)):
+        assert logged_in.get("/fleet/").status_code == 200
+
+
+def test_csv_export_follows_the_filters_and_defuses_formulas(logged_in):
+    pool = factories.make_owned_pool(slug="csvpool")
+    ready_node(pool=pool, name="keep-me")
+    factories.make_node(pool=pool, name="=cmd")  # REQUESTED, filtered out below
+    response = logged_in.get("/fleet/nodes.csv?state=ready")
+    assert response["Content-Type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(response.content.decode())))
+    assert [row["name"] for row in rows] == ["keep-me"]
+    everything = logged_in.get("/fleet/nodes.csv").content.decode()
+    assert "'=cmd" in everything
