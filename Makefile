@@ -34,8 +34,8 @@ var/secret_key:
 	umask 077 && $(BIN)/python -c "import secrets; print(secrets.token_urlsafe(50))" > $@
 
 run: $(VENV)/.installed var/secret_key
-	$(DEV_ENV) $(BIN)/python manage.py migrate --no-input
-	$(DEV_ENV) $(BIN)/python manage.py createcachetable
+	$(DEV_ENV) $(BIN)/python manage.py migrate --no-input -v 0
+	$(DEV_ENV) $(BIN)/python manage.py createcachetable -v 0
 	$(DEV_ENV) $(BIN)/python manage.py demo_fleet
 	$(DEV_ENV) exec $(BIN)/python -m controlplane.devserver --port $(PORT)
 

@@ -6,12 +6,25 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 
 def _logins(var_dir: Path) -> dict:
     path = var_dir / "demo-logins.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _wait_for_web(health_url: str, web: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Wait until the web server answers, so the banner comes after the start-up noise."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and web.poll() is None:
+        try:
+            with urllib.request.urlopen(health_url, timeout=2):  # noqa: S310 (our own URL)
+                break
+        except OSError:
+            time.sleep(0.5)
+    time.sleep(1.0)  # let the worker and beat finish their banners
 
 
 def main() -> int:
@@ -42,6 +55,7 @@ def main() -> int:
     children = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
 
     url = f"http://{args.host}:{args.port}/"
+    _wait_for_web(f"{url}healthz", children["web"])
     print(f"\n  Control plane: {url}   (API docs: {url}api/docs/, health: {url}healthz)")
     logins = _logins(var_dir)
     if logins:

@@ -1,6 +1,7 @@
 """Admin for accounts. Writes go through the services, so the audit log sees them too."""
 
 from django.contrib import admin, messages
+from django.http import HttpResponseRedirect
 
 from apps.accounts import services
 from apps.accounts.models import (
@@ -12,53 +13,90 @@ from apps.accounts.models import (
     Team,
     TeamQuota,
 )
-from apps.accounts.services import audited_create, audited_delete, audited_update, snapshot
+from apps.accounts.services import audited_create, audited_delete, audited_update
 from controlplane.errors import ApplicationError
 
 
 class AuditedAdmin(admin.ModelAdmin):
-    """Saves and deletes through the audited service functions, as a page or the API would."""
+    """Saves and deletes through the app's services, as a page or the API would.
+
+    `create_service`, `update_service` and `delete_service` name the services
+    (`update_service` and `delete_service` take the object as `instance_kwarg`);
+    without them the generic audited writes are used. A refusal becomes a message.
+    """
+
+    create_service = None
+    update_service = None
+    delete_service = None
+    instance_kwarg = "instance"
+    # Many-to-many fields the services take as arguments (so their rules apply).
+    service_m2m: frozenset[str] = frozenset()
 
     def _action(self, verb: str) -> str:
         return f"{self.model._meta.model_name}.{verb}"
 
+    def _m2m_names(self) -> set[str]:
+        return {f.name for f in self.model._meta.many_to_many} - self.service_m2m
+
     def save_model(self, request, obj, form, change):
+        m2m = self._m2m_names()
         try:
             if change:
-                changes = {
-                    name: getattr(obj, name)
-                    for name in form.changed_data
-                    if name not in self._m2m_names()
-                }
-                saved = audited_update(
-                    instance=obj, by=request.user, changes=changes, action=self._action("update")
-                )
-                obj.pk = saved.pk
+                changes = {n: form.cleaned_data[n] for n in form.changed_data if n not in m2m}
+                if type(self).update_service is not None:
+                    saved = type(self).update_service(
+                        by=request.user, **{self.instance_kwarg: obj}, **changes
+                    )
+                else:
+                    saved = audited_update(
+                        instance=obj,
+                        by=request.user,
+                        changes=changes,
+                        action=self._action("update"),
+                    )
             else:
-                fields = {
-                    f.name: getattr(obj, f.name)
-                    for f in obj._meta.concrete_fields
-                    if not f.auto_created and f.editable and not f.primary_key
-                }
-                created = audited_create(
-                    model=type(obj), by=request.user, fields=fields, action=self._action("create")
-                )
-                obj.pk = created.pk
+                fields = {n: v for n, v in form.cleaned_data.items() if n not in m2m}
+                if type(self).create_service is not None:
+                    saved = type(self).create_service(by=request.user, **fields)
+                else:
+                    saved = audited_create(
+                        model=type(obj),
+                        by=request.user,
+                        fields=fields,
+                        action=self._action("create"),
+                    )
+            obj.pk = saved.pk
+            obj.refresh_from_db()
         except ApplicationError as exc:
             self.message_user(request, f"{exc.message} {exc.details or ''}", messages.ERROR)
+            raise _Refused from exc
 
-    def _m2m_names(self) -> set[str]:
-        return {f.name for f in self.model._meta.many_to_many}
+    def save_related(self, request, form, formsets, change):
+        if form.instance.pk is not None:
+            super().save_related(request, form, formsets, change)
+
+    def changeform_view(self, request, *args, **kwargs):
+        try:
+            return super().changeform_view(request, *args, **kwargs)
+        except _Refused:
+            return HttpResponseRedirect(request.path)
 
     def delete_model(self, request, obj):
         try:
-            audited_delete(instance=obj, by=request.user, action=self._action("delete"))
+            if type(self).delete_service is not None:
+                type(self).delete_service(by=request.user, **{self.instance_kwarg: obj})
+            else:
+                audited_delete(instance=obj, by=request.user, action=self._action("delete"))
         except ApplicationError as exc:
             self.message_user(request, exc.message, messages.ERROR)
 
     def delete_queryset(self, request, queryset):
         for obj in queryset:
             self.delete_model(request, obj)
+
+
+class _Refused(Exception):
+    """A service said no while the admin saved: show its message, write nothing."""
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -87,6 +125,10 @@ class QuotaInline(admin.TabularInline):
 
 @admin.register(Team)
 class TeamAdmin(AuditedAdmin):
+    create_service = services.team_create
+    update_service = services.team_update
+    delete_service = services.team_delete
+    instance_kwarg = "team"
     list_display = ["name", "slug", "created_at"]
     search_fields = ["name", "slug"]
     inlines = [QuotaInline]
@@ -156,6 +198,3 @@ class AuditEventAdmin(ReadOnlyAdmin):
     list_filter = ["channel", "action"]
     search_fields = ["object_repr", "actor_label", "object_id"]
     readonly_fields = [f.name for f in AuditEvent._meta.fields]
-
-
-__all__ = ["AuditedAdmin", "ReadOnlyAdmin", "snapshot"]

@@ -10,23 +10,40 @@ from controlplane.errors import ApplicationError
 
 @admin.register(Site)
 class SiteAdmin(AuditedAdmin):
+    create_service = services.site_create
+    update_service = services.site_update
+    delete_service = services.site_delete
+    instance_kwarg = "site"
     list_display = ["name", "slug", "location"]
     search_fields = ["name", "slug"]
 
 
 @admin.register(Rack)
 class RackAdmin(AuditedAdmin):
+    create_service = services.rack_create
+    update_service = services.rack_update
+    delete_service = services.rack_delete
+    instance_kwarg = "rack"
     list_display = ["name", "site", "position", "height_units", "power_budget_kw"]
     list_filter = ["site"]
 
 
 @admin.register(InstanceType)
 class InstanceTypeAdmin(AuditedAdmin):
+    create_service = services.instance_type_create
+    update_service = services.instance_type_update
+    delete_service = services.instance_type_delete
+    instance_kwarg = "instance_type"
     list_display = ["name", "gpu_type", "gpu_count", "gpu_memory_gib", "vcpus", "network_gbps"]
 
 
 @admin.register(NodePool)
 class NodePoolAdmin(AuditedAdmin):
+    create_service = services.pool_create
+    update_service = services.pool_update
+    delete_service = services.pool_delete
+    instance_kwarg = "pool"
+    service_m2m = frozenset({"instance_types"})
     list_display = ["name", "kind", "gpu_type", "site", "region", "enabled", "max_nodes"]
     list_filter = ["kind", "gpu_type", "enabled"]
     filter_horizontal = ["instance_types"]
@@ -43,6 +60,10 @@ class GpuInline(admin.TabularInline):
 
 @admin.register(Node)
 class NodeAdmin(AuditedAdmin):
+    create_service = services.node_create
+    update_service = services.node_update
+    delete_service = services.node_delete
+    instance_kwarg = "node"
     list_display = [
         "name",
         "pool",
@@ -103,5 +124,9 @@ class NodeEventAdmin(ReadOnlyAdmin):
 
 @admin.register(Gpu)
 class GpuAdmin(AuditedAdmin):
+    create_service = services.gpu_create
+    update_service = services.gpu_update
+    delete_service = services.gpu_delete
+    instance_kwarg = "gpu"
     list_display = ["node", "index", "model", "memory_mib", "health"]
     list_filter = ["health", "model"]
