@@ -39,3 +39,9 @@ def test_a_wrong_password_stays_on_the_login_page(page, live_server, researcher)
     page.click("button[type=submit]")
     expect(page).to_have_url(re.compile(r"/login/"))
     expect(page.locator("body")).to_contain_text("correct username and password")
+
+
+def test_the_api_docs_render_without_a_cdn(page, live_server):
+    page.goto(f"{live_server.url}/api/docs/")
+    expect(page.get_by_text("GPU control plane API")).to_be_visible(timeout=15000)
+    expect(page.locator(".opblock-tag", has_text="nodes")).to_be_visible()
