@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -38,7 +39,14 @@ class Client:
         self.token = token
         self.timeout = timeout
 
-    def request(self, method: str, path: str, body: dict | None = None, query: dict | None = None):
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        query: dict | None = None,
+        headers: dict | None = None,
+    ):
         url = f"{self.url}/api/v1/{path.lstrip('/')}"
         if query:
             url += "?" + urllib.parse.urlencode(
@@ -51,6 +59,8 @@ class Client:
             request.add_header("Content-Type", "application/json")
         if self.token:
             request.add_header("Authorization", f"Bearer {self.token}")
+        for name, value in (headers or {}).items():
+            request.add_header(name, value)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
                 raw = response.read()
@@ -141,6 +151,107 @@ def cmd_teams(client, args):
     _emit(args, list(client.all_pages("teams/")), ["id", "slug", "name"])
 
 
+FINISHED = {"succeeded": 0, "failed": 3, "cancelled": 4}
+
+
+def _load_spec(path: str) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    if path.endswith((".yaml", ".yml")):
+        import yaml  # PyYAML comes with the project; JSON specs need nothing
+
+        return yaml.safe_load(text)
+    return json.loads(text)
+
+
+def _team_id(client: Client, team) -> int:
+    if isinstance(team, int):
+        return team
+    for row in client.all_pages("teams/", {"slug": team}):
+        if row["slug"] == team:
+            return row["id"]
+    raise ApiError(404, {"error": {"message": f"You are in no team called {team}."}})
+
+
+def _wait(client: Client, job_id: int, *, poll_s: float) -> int:
+    last = None
+    while True:
+        job = client.request("GET", f"jobs/{job_id}/")
+        shown = (job["state"], job.get("pending_reason") or job.get("state_reason"))
+        if shown != last:
+            print(f"job {job_id}: {shown[0]}" + (f" ({shown[1]})" if shown[1] else ""), flush=True)
+            last = shown
+        if job["state"] in FINISHED:
+            return FINISHED[job["state"]]
+        time.sleep(poll_s)
+
+
+def cmd_submit(client, args):
+    spec = _load_spec(args.file)
+    if not isinstance(spec, dict) or "team" not in spec:
+        raise ApiError(400, {"error": {"message": f"{args.file}: a job spec with a team."}})
+    spec["team"] = _team_id(client, spec["team"])
+    headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
+    job = client.request("POST", "jobs/", spec, headers=headers)
+    if args.output == "json":
+        _emit(args, job, [])
+    else:
+        print(
+            f"job {job['id']} {job['state']}: {job['name']} "
+            f"({job['nodes']} × {job['gpus_per_node']} {job['gpu_type']})"
+        )
+    if args.wait:
+        return _wait(client, job["id"], poll_s=args.poll)
+    return 0
+
+
+def cmd_status(client, args):
+    job = client.request("GET", f"jobs/{args.job}/")
+    if args.output == "json":
+        _emit(args, job, [])
+        return 0
+    print(f"job {job['id']} {job['name']}: {job['state']}")
+    if job.get("pending_reason"):
+        print(f"  waiting: {job['pending_reason']}")
+    if job.get("estimated_start"):
+        print(f"  estimated start: {job['estimated_start']}")
+    for event in job.get("events", []):
+        print(
+            f"  {event['at']}  {event['from_state'] or '·':>12} → {event['to_state']:<12} "
+            f"{event['reason']}"
+        )
+    return 0
+
+
+def cmd_cancel(client, args):
+    job = client.request("POST", f"jobs/{args.job}/cancel/", {"reason": args.reason or ""})
+    _emit(args, job, ["id", "name", "state", "state_reason"])
+    return 0
+
+
+def cmd_queue(client, args):
+    rows = client.request("GET", "queue/")
+    for row in rows:
+        row["name"] = row.get("name") or "(another team's job)"
+        row["id"] = row["id"] or ""
+    _emit(
+        args,
+        rows,
+        [
+            "position",
+            "id",
+            "team",
+            "name",
+            "state",
+            "priority",
+            "gpus",
+            "gpu_type",
+            "estimated_start",
+        ],
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpctl", description="GPU control plane client.")
     parser.add_argument("--url", default=os.environ.get("CPCTL_URL", DEFAULT_URL))
@@ -159,6 +270,28 @@ def build_parser() -> argparse.ArgumentParser:
     undrain.add_argument("node")
     undrain.set_defaults(run=cmd_undrain)
     sub.add_parser("teams", help="list your teams").set_defaults(run=cmd_teams)
+    submit = sub.add_parser("submit", help="submit a job from a YAML or JSON spec")
+    submit.add_argument("file")
+    submit.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the end: exit 0 if it succeeded, 3 failed, 4 cancelled",
+    )
+    submit.add_argument(
+        "--idempotency-key",
+        default=os.environ.get("CPCTL_IDEMPOTENCY_KEY", ""),
+        help="a retried submit with the same key makes no second job",
+    )
+    submit.add_argument("--poll", type=float, default=10.0, help="seconds between checks")
+    submit.set_defaults(run=cmd_submit)
+    status = sub.add_parser("status", help="a job's state, reason and timeline")
+    status.add_argument("job", type=int)
+    status.set_defaults(run=cmd_status)
+    cancel = sub.add_parser("cancel", help="cancel a job")
+    cancel.add_argument("job", type=int)
+    cancel.add_argument("--reason")
+    cancel.set_defaults(run=cmd_cancel)
+    sub.add_parser("queue", help="the queue, in order").set_defaults(run=cmd_queue)
     return parser
 
 
@@ -166,14 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     client = Client(args.url, os.environ.get("CPCTL_TOKEN", ""))
     try:
-        args.run(client, args)
+        code = args.run(client, args)
     except ApiError as exc:
         print(f"cpctl: {exc}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError) as exc:
         print(f"cpctl: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ INSTALLED_APPS = [
     "django_htmx",
     "apps.accounts",
     "apps.fleet",
+    "apps.jobs",
 ]
 
 MIDDLEWARE = [
@@ -258,3 +259,15 @@ TRUST_X_FORWARDED_FOR = env_bool("TRUST_X_FORWARDED_FOR", False)
 
 # When set, /metrics asks for `Authorization: Bearer <METRICS_TOKEN>`.
 METRICS_TOKEN = env_str("METRICS_TOKEN")
+
+# The scheduler: a pass on a beat, and soon after a submit, finish or cancel, with
+# bursts of triggers coalesced into one pass per window.
+SCHEDULE_EVERY_S = env_int("SCHEDULE_EVERY_S", 30)
+SCHEDULE_COALESCE_S = env_int("SCHEDULE_COALESCE_S", 2)
+FAIR_SHARE_HALF_LIFE_S = env_int("FAIR_SHARE_HALF_LIFE_S", 7 * 86400)
+BACKFILL_DEPTH = env_int("BACKFILL_DEPTH", 100)
+PREEMPTION_GRACE_S = env_int("PREEMPTION_GRACE_S", 300)
+CELERY_BEAT_SCHEDULE["jobs-schedule"] = {
+    "task": "jobs.schedule",
+    "schedule": float(SCHEDULE_EVERY_S),
+}

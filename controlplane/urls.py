@@ -11,6 +11,7 @@ from controlplane import observability
 api_v1 = [
     path("", include("apps.accounts.api.urls")),
     path("", include("apps.fleet.api.urls")),
+    path("", include("apps.jobs.api.urls")),
 ]
 
 urlpatterns = [

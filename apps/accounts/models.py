@@ -33,7 +33,12 @@ class TeamQuota(models.Model):
 
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="quotas")
     gpu_type = models.CharField(max_length=10, choices=GPU_TYPES)
-    max_gpus = models.PositiveIntegerField(validators=[MinValueValidator(0)])
+    max_gpus = models.PositiveIntegerField(
+        validators=[MinValueValidator(0)], help_text="Nominal: guaranteed to the team."
+    )
+    borrow_gpus = models.PositiveIntegerField(
+        default=0, help_text="How many more it may borrow from others' idle capacity."
+    )
 
     class Meta:
         ordering = ["team__name", "gpu_type"]

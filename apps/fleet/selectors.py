@@ -106,3 +106,52 @@ def fleet_overview() -> FleetOverview:
         gpu_health=health,
         pools=list(pools_for_listing()),
     )
+
+
+@dataclass(frozen=True)
+class PoolCapacity:
+    """What a pool could ever hold: for submission's "can this job ever run?" check."""
+
+    pool_id: int
+    slug: str
+    kind: str
+    gpu_type: str
+    enabled: bool
+    node_gpus: tuple[int, ...]  # GPUs of each node that is not failed or gone (owned pools)
+    burst_node_gpus: int  # GPUs of the largest allowed instance type (cloud pools)
+    max_nodes: int
+
+    def can_hold(self, *, nodes: int, gpus_per_node: int) -> bool:
+        if not self.enabled:
+            return False
+        if self.kind == "cloud":
+            return self.burst_node_gpus >= gpus_per_node and self.max_nodes >= nodes
+        return sum(1 for g in self.node_gpus if g >= gpus_per_node) >= nodes
+
+
+GONE_STATES = (NodeState.FAILED, NodeState.TERMINATING, NodeState.TERMINATED)
+
+
+def pools_capacity() -> list[PoolCapacity]:
+    """Every pool with its node sizes, in three queries."""
+    sizes: dict[int, list[int]] = {}
+    for pool_id, gpus in Node.objects.exclude(state__in=GONE_STATES).values_list(
+        "pool_id", "gpu_count"
+    ):
+        sizes.setdefault(pool_id, []).append(gpus)
+    out = []
+    for pool in NodePool.objects.prefetch_related("instance_types").order_by("id"):
+        instance_gpus = [t.gpu_count for t in pool.instance_types.all()]
+        out.append(
+            PoolCapacity(
+                pool_id=pool.pk,
+                slug=pool.slug,
+                kind=pool.kind,
+                gpu_type=pool.gpu_type,
+                enabled=pool.enabled,
+                node_gpus=tuple(sizes.get(pool.pk, ())),
+                burst_node_gpus=max(instance_gpus, default=0),
+                max_nodes=pool.max_nodes,
+            )
+        )
+    return out

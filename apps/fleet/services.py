@@ -467,3 +467,38 @@ def nodes_heartbeat_sweep(*, now: dt.datetime | None = None) -> dict[str, int]:
         now=now,
     )
     return {"suspect": suspect, "down": down}
+
+
+# --- work arriving and leaving -------------------------------------------------------------
+
+
+@transaction.atomic
+def nodes_work_started(*, node_ids: list[int]) -> int:
+    """Nodes that took a job's GPUs: READY ones become BUSY (one UPDATE)."""
+    ready = list(
+        Node.objects.select_for_update()
+        .filter(pk__in=node_ids, state=S.READY)
+        .values_list("id", "state")
+    )
+    return _bulk_move(candidates=ready, to=S.BUSY, reason="job placed", now=timezone.now())
+
+
+@transaction.atomic
+def nodes_work_ended(*, node_ids: list[int], still_busy: set[int]) -> dict[str, int]:
+    """Nodes whose jobs released their GPUs: BUSY → READY, DRAINING → DRAINED.
+
+    `still_busy` are the nodes that still hold another job's GPUs; they stay as they are.
+    """
+    idle = [node_id for node_id in node_ids if node_id not in still_busy]
+    rows = list(
+        Node.objects.select_for_update()
+        .filter(pk__in=idle, state__in=(S.BUSY, S.DRAINING))
+        .values_list("id", "state")
+    )
+    now = timezone.now()
+    busy = [(i, s) for i, s in rows if s == S.BUSY]
+    draining = [(i, s) for i, s in rows if s == S.DRAINING]
+    return {
+        "ready": _bulk_move(candidates=busy, to=S.READY, reason="jobs finished", now=now),
+        "drained": _bulk_move(candidates=draining, to=S.DRAINED, reason="jobs finished", now=now),
+    }

@@ -9,6 +9,7 @@ import pytest
 
 from apps.accounts import services
 from apps.fleet.models import Node, NodeState
+from tests import factories
 from tests.apps.fleet.test_services import ready_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -61,3 +62,63 @@ def test_no_server_is_exit_2():
         timeout=60,
     )
     assert result.returncode == 2 and "cannot reach" in result.stderr
+
+
+def test_submit_status_queue_and_wait_until_cancelled(live_server, team, researcher, tmp_path):
+    from apps.accounts import services as accounts
+    from apps.jobs import services as jobs
+    from apps.jobs.models import Job
+
+    pool = factories.make_owned_pool(slug="cli-pool")
+    ready_node(pool=pool, name="cli-gpu-node")
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        f"name: nightly-eval\nteam: {team.slug}\ntime_limit_s: 600\n"
+        "command:\n  argv: [python, eval.py]\n  path: /shared/eval\n"
+        "resources:\n  gpu_type: H100\n  gpus: 4\n"
+    )
+    token = token_of(researcher, scopes=("submit",))
+    env = {**os.environ, "CPCTL_URL": live_server.url, "CPCTL_TOKEN": token}
+    waiting = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "controlplane.cli",
+            "submit",
+            str(spec),
+            "--wait",
+            "--poll",
+            "0.2",
+            "--idempotency-key",
+            "pipeline-1",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    job = _wait_for_job(Job, "nightly-eval")
+    again = cpctl(live_server, token, "submit", str(spec), "--idempotency-key", "pipeline-1")
+    assert again.returncode == 0 and f"job {job.pk} " in again.stdout
+    assert Job.objects.count() == 1
+    status = cpctl(live_server, token, "status", str(job.pk))
+    assert "pending" in status.stdout and "submitted" in status.stdout
+    queue = cpctl(live_server, token, "queue")
+    assert "nightly-eval" in queue.stdout
+    jobs.job_cancel(job=job, by=None, reason="pipeline aborted")
+    out, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == 4, (out, err)
+    assert "cancelled" in out
+
+
+def _wait_for_job(model, name, timeout_s=20.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = model.objects.filter(name=name).first()
+        if job is not None:
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"no job {name} was submitted")

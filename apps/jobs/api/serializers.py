@@ -1,0 +1,244 @@
+"""JSON shapes of job specs, jobs, their events, the queue and reservations.
+
+The submit serializers check types and ranges only; the rules that tie the
+fields together (layout against GPUs, tp against heads...) live in apps/jobs/specs.py.
+"""
+
+import re
+
+from rest_framework import serializers
+
+from apps.accounts.models import GPU_TYPES
+from apps.accounts.selectors import teams_visible_to
+from apps.fleet.models import Node
+from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation
+from apps.jobs.models.jobs import ANY_GPU
+from controlplane.api import ScopedPrimaryKeyField, StrictModelSerializer, StrictSerializer, Text
+from workers.trainer.presets import PRESETS
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def _count(maximum: int, **kwargs):
+    return serializers.IntegerField(min_value=1, max_value=maximum, **kwargs)
+
+
+class LayoutSerializer(StrictSerializer):
+    dp_replicate = _count(4096, required=False)
+    dp_shard = _count(4096, required=False)
+    tp = _count(64, required=False)
+    pp = _count(512, required=False)
+
+
+class ResourcesSerializer(StrictSerializer):
+    gpu_type = serializers.ChoiceField(choices=[*GPU_TYPES, (ANY_GPU, "Any")], default=ANY_GPU)
+    gpus = _count(32768, required=False)
+    nodes = _count(4096, required=False)
+    gpus_per_node = _count(64, required=False)
+    layout = LayoutSerializer(required=False)
+
+
+class PlacementSerializer(StrictSerializer):
+    where = serializers.ChoiceField(choices=Placement.choices, default=Placement.OWNED_THEN_CLOUD)
+    spot = serializers.BooleanField(default=False)
+
+
+class ModelSizesSerializer(StrictSerializer):
+    layers = _count(1024)
+    dim = _count(65536)
+    heads = _count(1024)
+    kv_heads = _count(1024)
+    ffn_dim = _count(262144)
+    vocab_size = _count(1048576)
+    max_seq_len = _count(1048576, required=False)
+
+
+class TrainerSerializer(StrictSerializer):
+    preset = serializers.ChoiceField(choices=sorted(PRESETS), required=False)
+    model = ModelSizesSerializer(required=False)
+    dataset = Text(
+        max_length=1024, help_text="A token file path on shared storage, or 'synthetic'."
+    )
+    steps = _count(10_000_000)
+    global_batch = _count(1_000_000, help_text="Sequences per optimiser step.")
+    seq_len = _count(1_048_576)
+    precision = serializers.ChoiceField(choices=["bf16", "fp32"], default="bf16")
+    activation_checkpointing = serializers.ChoiceField(
+        choices=["none", "selective", "full"], default="selective"
+    )
+    checkpoint_every_steps = _count(10_000_000, required=False)
+    checkpoint_every_minutes = _count(10_080, required=False)
+    compile = serializers.BooleanField(default=False)
+
+
+class GitSourceSerializer(StrictSerializer):
+    repo = Text(max_length=1024)
+    ref = Text(max_length=255)
+
+    def validate_repo(self, value):
+        if not re.match(r"^(https://|ssh://|git@)[^\s]+$", value):
+            raise serializers.ValidationError("Use an https://, ssh:// or git@ repository URL.")
+        return value
+
+    def validate_ref(self, value):
+        # A ref starting with "-" would be read by git as an option.
+        if value.startswith("-") or not re.match(r"^[\w./-]+$", value):
+            raise serializers.ValidationError("A branch, tag or commit: letters, digits, ./_-.")
+        return value
+
+
+class ArgvField(serializers.ListField):
+    """An argument list. A single string is refused: it would need a shell to split it."""
+
+    child = Text(max_length=8192, allow_blank=True)
+
+    def to_internal_value(self, data):
+        if isinstance(data, str):
+            raise serializers.ValidationError(
+                "Give the command as a list of strings (an argument list), never a shell string."
+            )
+        return super().to_internal_value(data)
+
+
+class CommandSerializer(StrictSerializer):
+    argv = ArgvField(min_length=1, max_length=512)
+    git = GitSourceSerializer(required=False)
+    path = Text(max_length=1024, required=False, help_text="The code's path on shared storage.")
+    workdir = Text(max_length=1024, required=False)
+
+
+class NcclSerializer(StrictSerializer):
+    profile = Text(max_length=100, required=False)
+    overrides = serializers.DictField(child=Text(max_length=1024), required=False)
+
+
+class EnvField(serializers.DictField):
+    child = Text(max_length=32768, allow_blank=True)
+
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        bad = sorted(name for name in value if not ENV_NAME.match(name))
+        if bad:
+            raise serializers.ValidationError(f"Not environment variable names: {', '.join(bad)}.")
+        if len(value) > 256:
+            raise serializers.ValidationError("At most 256 variables.")
+        return value
+
+
+class JobSubmitSerializer(StrictSerializer):
+    name = Text(max_length=100)
+    team = ScopedPrimaryKeyField(selector=teams_visible_to)
+    priority = serializers.ChoiceField(choices=PriorityClass.choices, default=PriorityClass.NORMAL)
+    time_limit_s = serializers.IntegerField(min_value=60, max_value=30 * 86400)
+    max_cost_usd = serializers.DecimalField(
+        max_digits=12, decimal_places=2, min_value=0, required=False
+    )
+    restart_limit = serializers.IntegerField(min_value=0, max_value=100, default=3)
+    trainer = TrainerSerializer(required=False)
+    command = CommandSerializer(required=False)
+    env = EnvField(required=False)
+    secrets = serializers.ListField(
+        child=serializers.RegexField(ENV_NAME.pattern, max_length=128),
+        required=False,
+        max_length=64,
+        help_text="Names of the team's secrets to inject; values never appear.",
+    )
+    resources = ResourcesSerializer()
+    placement = PlacementSerializer(required=False)
+    nccl = NcclSerializer(required=False)
+
+
+class JobEventSerializer(StrictModelSerializer):
+    class Meta:
+        model = JobEvent
+        fields = ["at", "from_state", "to_state", "reason", "actor_label"]
+        read_only_fields = fields
+
+
+class JobSerializer(StrictModelSerializer):
+    team_slug = serializers.CharField(source="team.slug", read_only=True)
+    submitted_by = serializers.CharField(
+        source="submitted_by.username", read_only=True, default=None
+    )
+    gpus = serializers.IntegerField(read_only=True)
+    pool = serializers.CharField(source="pool.slug", read_only=True, default=None)
+    spec = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Job
+        fields = [
+            "id",
+            "uuid",
+            "name",
+            "team",
+            "team_slug",
+            "submitted_by",
+            "priority_class",
+            "kind",
+            "state",
+            "state_reason",
+            "pending_reason",
+            "estimated_start",
+            "gpu_type",
+            "gpus",
+            "nodes",
+            "gpus_per_node",
+            "dp_replicate",
+            "dp_shard",
+            "tp",
+            "pp",
+            "placement",
+            "spot_allowed",
+            "pool",
+            "time_limit_s",
+            "max_cost_usd",
+            "restart_limit",
+            "restarts",
+            "queued_at",
+            "submitted_at",
+            "admitted_at",
+            "started_at",
+            "finished_at",
+            "spec",
+        ]
+        read_only_fields = fields
+
+    def get_spec(self, job) -> dict:
+        return {k: v for k, v in job.spec.items() if k != "fingerprint"}
+
+
+class JobDetailSerializer(JobSerializer):
+    events = JobEventSerializer(many=True, read_only=True)
+
+    class Meta(JobSerializer.Meta):
+        fields = [*JobSerializer.Meta.fields, "events"]
+        read_only_fields = fields
+
+
+class ReasonSerializer(StrictSerializer):
+    reason = Text(max_length=300, required=False, allow_blank=True)
+
+
+class QueueRowSerializer(StrictSerializer):
+    id = serializers.IntegerField(allow_null=True, help_text="Null for other teams' jobs.")
+    team = serializers.CharField()
+    gpus = serializers.IntegerField()
+    gpu_type = serializers.CharField()
+    state = serializers.CharField()
+    priority = serializers.CharField()
+    estimated_start = serializers.DateTimeField(allow_null=True)
+    position = serializers.IntegerField(allow_null=True)
+    anonymous = serializers.BooleanField()
+    name = serializers.CharField(required=False)
+    reason = serializers.CharField(required=False)
+    submitted_at = serializers.DateTimeField(required=False)
+
+
+class ReservationSerializer(StrictModelSerializer):
+    team = ScopedPrimaryKeyField(selector=teams_visible_to, required=False, allow_null=True)
+    nodes = serializers.PrimaryKeyRelatedField(many=True, queryset=Node.objects.all())
+
+    class Meta:
+        model = Reservation
+        fields = ["id", "name", "team", "reason", "nodes", "starts_at", "ends_at", "created_at"]
+        read_only_fields = ["created_at"]

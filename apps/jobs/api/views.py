@@ -1,0 +1,136 @@
+"""API views for jobs, the queue and reservations."""
+
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from apps.accounts.models import TokenScope
+from apps.jobs import selectors, services
+from apps.jobs.api import serializers as s
+from apps.jobs.filtersets import JobFilterSet, ReservationFilterSet
+from controlplane.api import ServiceViewSet, reject_unstorable_text
+from controlplane.errors import ApplicationError
+
+IDEMPOTENCY_HEADER = OpenApiParameter(
+    name="Idempotency-Key",
+    location=OpenApiParameter.HEADER,
+    required=False,
+    type=str,
+    description="A retried submit with the same key returns the first job instead of a second.",
+)
+
+
+class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Jobs of your teams. Submit with POST; operate with the actions below."""
+
+    filterset_class = JobFilterSet
+    ordering_fields = ["submitted_at", "queued_at", "priority_class", "state"]
+    lookup_value_regex = ServiceViewSet.lookup_value_regex
+    required_scope = TokenScope.SUBMIT
+
+    def get_queryset(self):
+        jobs = selectors.jobs_visible_to(user=self.request.user)
+        if self.action == "retrieve":
+            jobs = jobs.prefetch_related("events")
+        return jobs.order_by("-submitted_at", "-id")
+
+    def get_serializer_class(self):
+        return s.JobDetailSerializer if self.action == "retrieve" else s.JobSerializer
+
+    @extend_schema(
+        request=s.JobSubmitSerializer,
+        parameters=[IDEMPOTENCY_HEADER],
+        responses={201: s.JobSerializer, 200: s.JobSerializer},
+    )
+    def create(self, request, *args, **kwargs):
+        """Submit a job. 201 with the new job, or 200 with the first one for a reused key."""
+        body = s.JobSubmitSerializer(data=request.data, context=self.get_serializer_context())
+        body.is_valid(raise_exception=True)
+        key = request.headers.get("Idempotency-Key", "").strip()
+        if len(key) > 200 or (key and not key.isprintable()):
+            raise ApplicationError(
+                "The Idempotency-Key header is too long or not printable.",
+                details={"Idempotency-Key": ["At most 200 printable characters."]},
+            )
+        reject_unstorable_text(key)
+        spec = dict(body.validated_data)
+        team = spec.pop("team")
+        job, created = services.job_submit(
+            team=team, spec=_jsonable(spec), submitted_by=request.user, idempotency_key=key
+        )
+        answer = s.JobSerializer(job, context=self.get_serializer_context()).data
+        return Response(answer, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    def _operate(self, request, operation, **kwargs):
+        job = operation(job=self.get_object(), by=request.user, **kwargs)
+        return Response(s.JobSerializer(job, context=self.get_serializer_context()).data)
+
+    @extend_schema(request=s.ReasonSerializer, responses=s.JobSerializer)
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        """Cancel: at once if it has not started; a running job checkpoints and stops."""
+        body = s.ReasonSerializer(data=request.data or {})
+        body.is_valid(raise_exception=True)
+        return self._operate(request, services.job_cancel, **body.validated_data)
+
+    @extend_schema(request=None, responses=s.JobSerializer)
+    @action(detail=True, methods=["post"])
+    def hold(self, request, pk=None):
+        """Keep a pending job out of scheduling until released."""
+        return self._operate(request, services.job_hold)
+
+    @extend_schema(request=None, responses=s.JobSerializer)
+    @action(detail=True, methods=["post"])
+    def release(self, request, pk=None):
+        """Return a held job to the queue."""
+        return self._operate(request, services.job_release)
+
+    @extend_schema(request=s.ReasonSerializer, responses=s.JobSerializer)
+    @action(detail=True, methods=["post"])
+    def requeue(self, request, pk=None):
+        """Queue it again: a finished job reruns; a running one checkpoints first."""
+        body = s.ReasonSerializer(data=request.data or {})
+        body.is_valid(raise_exception=True)
+        return self._operate(request, services.job_requeue, **body.validated_data)
+
+
+def _jsonable(value):
+    """Validated data holds Decimals; the stored spec is JSON."""
+    from decimal import Decimal
+
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Decimal):
+        return str(value)
+    return value
+
+
+class QueueView(APIView):
+    """Every active job in queue order; other teams' jobs are anonymous rows."""
+
+    @extend_schema(responses=s.QueueRowSerializer(many=True))
+    def get(self, request):
+        rows = selectors.queue_for(user=request.user)
+        return Response(s.QueueRowSerializer(rows, many=True).data)
+
+
+class ReservationViewSet(ServiceViewSet):
+    http_method_names = ["get", "post", "delete", "head", "options"]
+    serializer_class = s.ReservationSerializer
+    filterset_class = ReservationFilterSet
+    ordering_fields = ["starts_at", "ends_at"]
+    create_service = services.reservation_create
+    delete_service = services.reservation_delete
+    instance_kwarg = "reservation"
+
+    def get_queryset(self):
+        return selectors.reservations_visible().order_by("starts_at", "id")
+
+    def perform_create(self, serializer):
+        data = dict(serializer.validated_data)
+        data.setdefault("team", None)
+        serializer.instance = services.reservation_create(by=self.request.user, **data)

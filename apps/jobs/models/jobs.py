@@ -1,0 +1,191 @@
+"""A training job: what it asks for, where it is in its life, and what it holds."""
+
+import uuid
+
+from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.db.models import Q
+
+from apps.accounts.models import GPU_TYPES
+
+ANY_GPU = "ANY"
+JOB_GPU_TYPES = [*GPU_TYPES, (ANY_GPU, "Any")]
+
+
+class JobState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    HELD = "held", "Held"
+    ADMITTED = "admitted", "Admitted"
+    PROVISIONING = "provisioning", "Provisioning"
+    STARTING = "starting", "Starting"
+    RUNNING = "running", "Running"
+    PREEMPTING = "preempting", "Preempting"
+    STOPPING = "stopping", "Stopping"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+class PriorityClass(models.TextChoices):
+    LOW = "low", "Low"
+    NORMAL = "normal", "Normal"
+    HIGH = "high", "High"
+    URGENT = "urgent", "Urgent"
+
+
+PRIORITY_RANK = {
+    PriorityClass.LOW: 0,
+    PriorityClass.NORMAL: 1,
+    PriorityClass.HIGH: 2,
+    PriorityClass.URGENT: 3,
+}
+
+
+class JobKind(models.TextChoices):
+    TRAINER = "trainer", "Bundled trainer"
+    COMMAND = "command", "Custom command"
+
+
+class Placement(models.TextChoices):
+    OWNED = "owned", "Owned only"
+    OWNED_THEN_CLOUD = "owned_then_cloud", "Owned, then cloud"
+    CLOUD = "cloud", "Cloud only"
+
+
+class Job(models.Model):
+    uuid = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    name = models.CharField(max_length=100)
+    team = models.ForeignKey("accounts.Team", on_delete=models.PROTECT, related_name="jobs")
+    submitted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="jobs",
+    )
+    priority_class = models.CharField(
+        max_length=10, choices=PriorityClass.choices, default=PriorityClass.NORMAL
+    )
+    kind = models.CharField(max_length=10, choices=JobKind.choices)
+    spec = models.JSONField(help_text="The validated spec as submitted (secrets by name only).")
+
+    gpu_type = models.CharField(max_length=10, choices=JOB_GPU_TYPES)
+    nodes = models.PositiveSmallIntegerField(validators=[MinValueValidator(1)])
+    gpus_per_node = models.PositiveSmallIntegerField(validators=[MinValueValidator(1)])
+    dp_replicate = models.PositiveSmallIntegerField(default=1)
+    dp_shard = models.PositiveSmallIntegerField(default=1)
+    tp = models.PositiveSmallIntegerField(default=1)
+    pp = models.PositiveSmallIntegerField(default=1)
+    placement = models.CharField(
+        max_length=20, choices=Placement.choices, default=Placement.OWNED_THEN_CLOUD
+    )
+    spot_allowed = models.BooleanField(default=False)
+
+    time_limit_s = models.PositiveIntegerField(
+        validators=[MinValueValidator(60), MaxValueValidator(30 * 86400)]
+    )
+    max_cost_usd = models.DecimalField(max_digits=12, decimal_places=2, null=True, blank=True)
+    restart_limit = models.PositiveSmallIntegerField(default=3)
+    restarts = models.PositiveSmallIntegerField(default=0, editable=False)
+
+    state = models.CharField(
+        max_length=20, choices=JobState.choices, default=JobState.PENDING, editable=False
+    )
+    state_reason = models.CharField(max_length=300, blank=True, editable=False)
+    pending_reason = models.CharField(
+        max_length=300, blank=True, editable=False, help_text="Why it waits, from the last pass."
+    )
+    estimated_start = models.DateTimeField(null=True, blank=True, editable=False)
+    pool = models.ForeignKey(
+        "fleet.NodePool",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="jobs",
+        editable=False,
+    )
+    idempotency_key = models.CharField(max_length=200, blank=True, editable=False)
+
+    queued_at = models.DateTimeField(
+        editable=False, help_text="Its place in the queue by age; kept when it is requeued."
+    )
+    submitted_at = models.DateTimeField(auto_now_add=True)
+    admitted_at = models.DateTimeField(null=True, blank=True, editable=False)
+    started_at = models.DateTimeField(null=True, blank=True, editable=False)
+    finished_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-submitted_at", "-id"]
+        indexes = [
+            models.Index(fields=["state", "priority_class", "queued_at"]),
+            models.Index(fields=["team", "state"]),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["team", "idempotency_key"],
+                condition=~Q(idempotency_key=""),
+                name="one_job_per_idempotency_key",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} (#{self.pk})"
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def priority_rank(self) -> int:
+        return PRIORITY_RANK[self.priority_class]
+
+
+class JobEvent(models.Model):
+    """One state change of a job: append-only."""
+
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    from_state = models.CharField(max_length=20, blank=True)
+    to_state = models.CharField(max_length=20, choices=JobState.choices)
+    reason = models.CharField(max_length=300)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    actor_label = models.CharField(max_length=150)
+
+    class Meta:
+        ordering = ["at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}: {self.from_state or '·'} → {self.to_state}"
+
+
+class Allocation(models.Model):
+    """GPUs of one node held by one job from `started_at` to `ended_at` (open while held).
+
+    Fair share reads these now; the cost ledger meters them later.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey(Job, on_delete=models.PROTECT, related_name="allocations")
+    node = models.ForeignKey("fleet.Node", on_delete=models.PROTECT, related_name="allocations")
+    gpus = models.PositiveSmallIntegerField(validators=[MinValueValidator(1)])
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["started_at", "id"]
+        indexes = [
+            models.Index(
+                fields=["node"], condition=Q(ended_at__isnull=True), name="open_allocations"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} on node {self.node_id}: {self.gpus} GPUs"

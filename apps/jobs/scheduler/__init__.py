@@ -1,0 +1,1 @@
+"""The scheduler: `plan(snapshot) -> decisions` is pure; reading and applying are separate."""

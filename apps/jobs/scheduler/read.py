@@ -1,0 +1,233 @@
+"""Read the scheduler's snapshot in a few bulk queries: no query per node or per job."""
+
+import datetime as dt
+from collections import defaultdict
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db.models import Sum
+
+from apps.accounts.models import TeamQuota
+from apps.fleet.models import Node, NodePool, NodeState
+from apps.jobs.models import Allocation, Job, JobState, Reservation, TeamUsage
+from apps.jobs.models.jobs import PRIORITY_RANK
+from apps.jobs.scheduler import snapshot as plain
+
+SCHEDULABLE = {NodeState.READY, NodeState.BUSY}
+GONE = {NodeState.FAILED, NodeState.TERMINATING, NodeState.TERMINATED}
+HOLDING = [
+    JobState.ADMITTED,
+    JobState.PROVISIONING,
+    JobState.STARTING,
+    JobState.RUNNING,
+    JobState.PREEMPTING,
+    JobState.STOPPING,
+]
+NOT_PREEMPTIBLE = {JobState.PREEMPTING, JobState.STOPPING}
+
+
+@dataclass
+class ReadContext:
+    """What the apply step needs besides the decisions: the reasons as they stand now."""
+
+    now: dt.datetime
+    reasons: dict[int, tuple[str, dt.datetime | None]]  # pending job -> (reason, estimated start)
+    held_by_team: dict[int, int]  # GPUs each team holds now (for the decayed usage)
+
+
+def _epoch(moment: dt.datetime) -> float:
+    return moment.timestamp()
+
+
+def decayed(value: float, *, since: dt.datetime, now: dt.datetime) -> float:
+    elapsed = max((now - since).total_seconds(), 0.0)
+    return value * 0.5 ** (elapsed / settings.FAIR_SHARE_HALF_LIFE_S)
+
+
+def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, ReadContext]:
+    held_per_node = dict(
+        Allocation.objects.filter(ended_at__isnull=True)
+        .values_list("node_id")
+        .annotate(held=Sum("gpus"))
+        .order_by()
+    )
+    nodes = tuple(
+        plain.NodeSlot(
+            id=node_id,
+            pool_id=pool_id,
+            rack_id=rack_id,
+            gpus_total=gpus,
+            gpus_free=max(gpus - held_per_node.get(node_id, 0), 0),
+            schedulable=state in SCHEDULABLE,
+        )
+        for node_id, pool_id, rack_id, gpus, state in Node.objects.exclude(state__in=GONE)
+        .values_list("id", "pool_id", "rack_id", "gpu_count", "state")
+        .order_by("id")
+    )
+
+    burst_gpus: dict[int, int] = defaultdict(int)
+    for pool_id, gpus in NodePool.instance_types.through.objects.values_list(
+        "nodepool_id", "instancetype__gpu_count"
+    ):
+        burst_gpus[pool_id] = max(burst_gpus[pool_id], gpus)
+    pools = {
+        pool_id: plain.PoolInfo(
+            id=pool_id,
+            kind=kind,
+            gpu_type=gpu_type,
+            spot=preference == "spot_then_on_demand",
+            enabled=enabled,
+            burst_delay_s=burst_delay,
+            max_nodes=max_nodes,
+            gpus_per_node=burst_gpus.get(pool_id, 8),
+        )
+        for pool_id, kind, gpu_type, preference, enabled, burst_delay, max_nodes in (
+            NodePool.objects.values_list(
+                "id",
+                "kind",
+                "gpu_type",
+                "capacity_preference",
+                "enabled",
+                "burst_delay_s",
+                "max_nodes",
+            )
+        )
+    }
+
+    node_gpus: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for job_id, node_id, gpus in (
+        Allocation.objects.filter(ended_at__isnull=True)
+        .values_list("job_id", "node_id", "gpus")
+        .order_by("job_id", "node_id")
+    ):
+        node_gpus[job_id].append((node_id, gpus))
+    running = []
+    held_by_team: dict[int, int] = defaultdict(int)
+    for job_id, team_id, priority, pool_id, admitted_at, limit, state in (
+        Job.objects.filter(state__in=HOLDING)
+        .values_list(
+            "id", "team_id", "priority_class", "pool_id", "admitted_at", "time_limit_s", "state"
+        )
+        .order_by("id")
+    ):
+        if pool_id is None or pool_id not in pools:
+            continue
+        held = tuple(node_gpus.get(job_id, ()))
+        started = admitted_at or now
+        running.append(
+            plain.Running(
+                job_id=job_id,
+                team_id=team_id,
+                gpu_type=pools[pool_id].gpu_type,
+                priority=PRIORITY_RANK[priority],
+                pool_id=pool_id,
+                node_gpus=held,
+                expected_end=_epoch(started) + limit,
+                preemptible=state not in NOT_PREEMPTIBLE,
+            )
+        )
+        held_by_team[team_id] += sum(g for _, g in held)
+
+    pending = []
+    reasons = {}
+    budget_by_team: dict[int, bool] = {}
+    for row in (
+        Job.objects.filter(state=JobState.PENDING)
+        .values_list(
+            "id",
+            "team_id",
+            "priority_class",
+            "queued_at",
+            "gpu_type",
+            "nodes",
+            "gpus_per_node",
+            "placement",
+            "spot_allowed",
+            "time_limit_s",
+            "pending_reason",
+            "estimated_start",
+            "max_cost_usd",
+        )
+        .order_by("id")
+    ):
+        (
+            job_id,
+            team_id,
+            priority,
+            queued_at,
+            gpu_type,
+            n_nodes,
+            per_node,
+            placement,
+            spot,
+            limit,
+            reason,
+            estimated,
+            max_cost,
+        ) = row
+        if team_id not in budget_by_team:
+            budget_by_team[team_id] = budget_allows(
+                team=team_id, gpus=n_nodes * per_node, time_limit_s=limit, max_cost_usd=max_cost
+            )
+        pending.append(
+            plain.Pending(
+                job_id=job_id,
+                team_id=team_id,
+                priority=PRIORITY_RANK[priority],
+                queued_at=_epoch(queued_at),
+                gpu_type=gpu_type,
+                nodes=n_nodes,
+                gpus_per_node=per_node,
+                placement=placement,
+                spot_allowed=spot,
+                time_limit_s=limit,
+                budget_ok=budget_by_team[team_id],
+            )
+        )
+        reasons[job_id] = (reason, estimated)
+
+    quotas = {}
+    shares: dict[int, float] = defaultdict(float)
+    for team_id, gpu_type, nominal, borrow in TeamQuota.objects.values_list(
+        "team_id", "gpu_type", "max_gpus", "borrow_gpus"
+    ):
+        quotas[(team_id, gpu_type)] = plain.Quota(nominal=nominal, borrow=borrow)
+        shares[team_id] += nominal
+    usage = {
+        team_id: decayed(value, since=updated_at, now=now)
+        for team_id, value, updated_at in TeamUsage.objects.values_list(
+            "team_id", "gpu_seconds", "updated_at"
+        )
+    }
+
+    window_nodes: dict[int, set[int]] = defaultdict(set)
+    for reservation_id, node_id in Reservation.nodes.through.objects.filter(
+        reservation__ends_at__gt=now
+    ).values_list("reservation_id", "node_id"):
+        window_nodes[reservation_id].add(node_id)
+    windows = tuple(
+        plain.Window(
+            id=rid,
+            node_ids=frozenset(window_nodes.get(rid, ())),
+            team_id=team_id,
+            start=_epoch(start),
+            end=_epoch(end),
+        )
+        for rid, team_id, start, end in Reservation.objects.filter(ends_at__gt=now)
+        .values_list("id", "team_id", "starts_at", "ends_at")
+        .order_by("id")
+    )
+
+    snap = plain.Snapshot(
+        now=_epoch(now),
+        nodes=nodes,
+        pools=pools,
+        running=tuple(running),
+        pending=tuple(pending),
+        quotas=quotas,
+        usage=usage,
+        shares={team: share or 1.0 for team, share in shares.items()},
+        windows=windows,
+        settings=plain.PlanSettings(backfill_depth=settings.BACKFILL_DEPTH),
+    )
+    return snap, ReadContext(now=now, reasons=reasons, held_by_team=dict(held_by_team))

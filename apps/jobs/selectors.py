@@ -1,0 +1,68 @@
+"""Reads of jobs and the queue, scoped to what the user may see."""
+
+from django.core.cache import cache
+from django.db.models import QuerySet
+
+from apps.accounts.selectors import roles_of
+from apps.jobs.models import Job, JobState, Reservation
+
+QUEUED = [JobState.PENDING, JobState.HELD]
+ACTIVE = [
+    JobState.PENDING,
+    JobState.HELD,
+    JobState.ADMITTED,
+    JobState.PROVISIONING,
+    JobState.STARTING,
+    JobState.RUNNING,
+    JobState.PREEMPTING,
+    JobState.STOPPING,
+]
+
+
+def jobs_visible_to(*, user) -> QuerySet[Job]:
+    """Full rows: the jobs of the user's teams (every team for ops, finance and superusers)."""
+    roles = roles_of(user)
+    jobs = Job.objects.select_related("team", "submitted_by", "pool")
+    if roles.sees_every_team:
+        return jobs
+    return jobs.filter(team_id__in=roles.team_ids)
+
+
+def queue_for(*, user) -> list[dict]:
+    """Every active job, in queue order; other teams' jobs as anonymous rows.
+
+    An anonymous row says only team, GPUs, state, priority and estimated start:
+    no name, spec, logs or cost.
+    """
+    roles = roles_of(user)
+    order = cache.get("jobs:queue-order") or []
+    position = {job_id: i + 1 for i, job_id in enumerate(order)}
+    rows = []
+    for job in (
+        Job.objects.filter(state__in=ACTIVE).select_related("team").order_by("queued_at", "id")
+    ):
+        mine = roles.sees_every_team or job.team_id in roles.team_ids
+        row = {
+            "id": job.pk if mine else None,
+            "team": job.team.slug,
+            "gpus": job.gpus,
+            "gpu_type": job.gpu_type,
+            "state": job.state,
+            "priority": job.priority_class,
+            "estimated_start": job.estimated_start,
+            "position": position.get(job.pk),
+            "anonymous": not mine,
+        }
+        if mine:
+            row.update(
+                name=job.name,
+                reason=job.pending_reason if job.state == JobState.PENDING else job.state_reason,
+                submitted_at=job.submitted_at,
+            )
+        rows.append(row)
+    rows.sort(key=lambda r: (r["position"] is None, r["position"] or 0))
+    return rows
+
+
+def reservations_visible() -> QuerySet[Reservation]:
+    return Reservation.objects.select_related("team").prefetch_related("nodes")

@@ -1,0 +1,345 @@
+"""Writes for jobs: submit, cancel, hold, release, requeue, and the scheduler's apply step."""
+
+import datetime as dt
+import hashlib
+import json
+import logging
+
+from django.conf import settings
+from django.core.cache import cache
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from apps.accounts.models import TeamQuota
+from apps.accounts.selectors import roles_of
+from apps.accounts.services import audit_record, snapshot
+from apps.fleet import services as fleet
+from apps.fleet.selectors import pools_capacity
+from apps.jobs import specs
+from apps.jobs.models import Allocation, Job, JobEvent, JobKind, JobState, Reservation
+from controlplane.errors import ApplicationError
+
+log = logging.getLogger(__name__)
+J = JobState
+
+JOB_TRANSITIONS: dict[str, set[str]] = {
+    J.PENDING: {J.HELD, J.ADMITTED, J.CANCELLED},
+    J.HELD: {J.PENDING, J.CANCELLED},
+    J.ADMITTED: {J.PROVISIONING, J.PENDING, J.CANCELLED, J.FAILED},
+    J.PROVISIONING: {J.STARTING, J.PENDING, J.STOPPING, J.FAILED},
+    J.STARTING: {J.RUNNING, J.PENDING, J.PREEMPTING, J.STOPPING, J.FAILED},
+    J.RUNNING: {J.SUCCEEDED, J.FAILED, J.PREEMPTING, J.STOPPING, J.PENDING},
+    J.PREEMPTING: {J.PENDING, J.FAILED},
+    J.STOPPING: {J.CANCELLED, J.FAILED},
+    J.SUCCEEDED: set(),
+    J.FAILED: {J.PENDING},
+    J.CANCELLED: {J.PENDING},
+}
+# States that hold GPUs (allocations open).
+HOLDING = {J.ADMITTED, J.PROVISIONING, J.STARTING, J.RUNNING, J.PREEMPTING, J.STOPPING}
+# A job in these has no process yet: it can be stopped without a checkpoint.
+NOT_STARTED = {J.ADMITTED, J.PROVISIONING}
+FINISHED = {J.SUCCEEDED, J.FAILED, J.CANCELLED}
+
+
+def _label(by) -> str:
+    return by.get_username() if by is not None else "scheduler"
+
+
+def _deny(message: str) -> ApplicationError:
+    return ApplicationError(message, code="permission_denied", status=403)
+
+
+def schedule_soon() -> None:
+    """Ask for a scheduling pass after this transaction commits, coalescing bursts.
+
+    A thousand submits inside the coalescing window send one task, not a thousand.
+    """
+
+    def send():
+        if cache.add("jobs:schedule:queued", 1, timeout=settings.SCHEDULE_COALESCE_S):
+            from controlplane.celery import app
+
+            try:
+                app.send_task("jobs.schedule", countdown=settings.SCHEDULE_COALESCE_S)
+            except Exception:  # the beat runs the pass anyway; a submit must not fail
+                log.warning("could not enqueue a scheduling pass", exc_info=True)
+
+    transaction.on_commit(send)
+
+
+def budget_allows(*, team, gpus: int, time_limit_s: int, max_cost_usd) -> bool:
+    """Whether the team's budget covers this job's projected cost.
+
+    The boundary the costs issue fills in (price book, budgets); until then every
+    job is within budget, and the scheduler reads the answer before planning.
+    """
+    return True
+
+
+# --- submit ---------------------------------------------------------------------------
+
+
+def _quota_limit(team, gpu_type: str) -> int | None:
+    if gpu_type == specs.ANY_GPU:
+        quotas = list(TeamQuota.objects.filter(team=team))
+        return max((q.max_gpus + q.borrow_gpus for q in quotas), default=None)
+    quota = TeamQuota.objects.filter(team=team, gpu_type=gpu_type).first()
+    return None if quota is None else quota.max_gpus + quota.borrow_gpus
+
+
+def _spec_fingerprint(spec: dict) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> tuple[Job, bool]:
+    """Check the spec and queue the job as PENDING. Returns (job, created).
+
+    With an idempotency key, a retried submit returns the job the first one made.
+    """
+    if submitted_by is not None and not roles_of(submitted_by).can_submit_for(team.pk):
+        raise _deny(f"Only admins and researchers of {team.slug} submit its jobs.")
+    if idempotency_key:
+        existing = Job.objects.filter(team=team, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            return _same_request(existing, spec), False
+
+    errors = specs.SpecErrors()
+    pools = pools_capacity()
+    resources = specs.resources_from_spec(spec, pools=pools, errors=errors)
+    kind = JobKind.TRAINER if spec.get("trainer") else JobKind.COMMAND
+    if spec.get("trainer") and spec.get("command"):
+        errors.add("command", "Give trainer or command, not both.")
+    elif not spec.get("trainer") and not spec.get("command"):
+        errors.add("trainer", "Give trainer (the bundled trainer) or command.")
+    if resources is not None:
+        if spec.get("trainer"):
+            specs.check_trainer(spec["trainer"], resources, errors)
+        where = spec.get("placement", {}).get("where", "owned_then_cloud")
+        specs.check_capacity(
+            resources,
+            where=where,
+            pools=pools,
+            quota_limit=_quota_limit(team, resources.gpu_type),
+            errors=errors,
+        )
+    if spec.get("command"):
+        specs.check_command(spec["command"], errors)
+    errors.raise_if_any()
+
+    placement = spec.get("placement", {})
+    now = timezone.now()
+    stored = {**spec, "fingerprint": _spec_fingerprint(spec)}
+    job = Job(
+        name=spec["name"],
+        team=team,
+        submitted_by=submitted_by if submitted_by is not None and submitted_by.pk else None,
+        priority_class=spec.get("priority", "normal"),
+        kind=kind,
+        spec=stored,
+        gpu_type=resources.gpu_type,
+        nodes=resources.nodes,
+        gpus_per_node=resources.gpus_per_node,
+        dp_replicate=resources.dp_replicate,
+        dp_shard=resources.dp_shard,
+        tp=resources.tp,
+        pp=resources.pp,
+        placement=placement.get("where", "owned_then_cloud"),
+        spot_allowed=placement.get("spot", False),
+        time_limit_s=spec["time_limit_s"],
+        max_cost_usd=spec.get("max_cost_usd"),
+        restart_limit=spec.get("restart_limit", 3),
+        idempotency_key=idempotency_key,
+        queued_at=now,
+        pending_reason="waiting for the next scheduling pass",
+    )
+    try:
+        with transaction.atomic():
+            job.save()
+            JobEvent.objects.create(
+                job=job,
+                from_state="",
+                to_state=J.PENDING,
+                reason="submitted",
+                actor=job.submitted_by,
+                actor_label=_label(submitted_by),
+            )
+            audit_record(
+                actor=submitted_by, action="job.submit", obj=job, after=snapshot(job), team=team
+            )
+            schedule_soon()
+    except IntegrityError:
+        # A concurrent retry with the same key won the race: answer with its job.
+        existing = Job.objects.filter(team=team, idempotency_key=idempotency_key).first()
+        if idempotency_key and existing is not None:
+            return _same_request(existing, spec), False
+        raise
+    return job, True
+
+
+def _same_request(existing: Job, spec: dict) -> Job:
+    if existing.spec.get("fingerprint") != _spec_fingerprint(spec):
+        raise ApplicationError(
+            "This Idempotency-Key was used for a different job spec.",
+            code="idempotency_key_reused",
+            details={"Idempotency-Key": [f"Already used for job {existing.pk}."]},
+            status=409,
+        )
+    return existing
+
+
+# --- state changes --------------------------------------------------------------------
+
+
+def _can_manage(by, job: Job) -> bool:
+    roles = roles_of(by)
+    if roles.superuser or roles.ops or roles.is_team_admin(job.team_id):
+        return True
+    return roles.can_submit_for(job.team_id) and job.submitted_by_id == by.pk
+
+
+@transaction.atomic
+def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
+    locked = Job.objects.select_for_update().get(pk=job.pk)
+    if to not in JOB_TRANSITIONS[locked.state]:
+        raise ApplicationError(
+            f"Job {locked.pk} is {locked.state}; it cannot go to {to}.",
+            code="invalid_transition",
+            details={"state": [f"{locked.state} → {to} is not allowed."]},
+            status=409,
+        )
+    before = snapshot(locked)
+    came_from = locked.state
+    locked.state = to
+    locked.state_reason = reason[:300]
+    now = timezone.now()
+    if to in FINISHED:
+        locked.finished_at = now
+    if to == J.PENDING:
+        locked.pending_reason = "waiting for the next scheduling pass"
+        locked.pool = None
+    for name, value in fields.items():
+        setattr(locked, name, value)
+    locked.save()
+    if came_from in HOLDING and to not in HOLDING:
+        _release_allocations([locked.pk], now=now)
+    JobEvent.objects.create(
+        job=locked,
+        from_state=came_from,
+        to_state=to,
+        reason=reason[:300],
+        actor=by if by is not None and by.pk else None,
+        actor_label=_label(by),
+    )
+    audit_record(
+        actor=by,
+        action=f"job.{to}",
+        obj=locked,
+        before=before,
+        after=snapshot(locked),
+        team=locked.team,
+    )
+    if to in (J.PENDING, J.CANCELLED, J.FAILED, J.SUCCEEDED):
+        schedule_soon()
+    return locked
+
+
+def job_cancel(*, job: Job, by, reason: str = "") -> Job:
+    """Cancel: a waiting or not yet started job at once; a running one stops keeping its work."""
+    if by is not None and not _can_manage(by, job):
+        raise _deny("Only the submitter, the team's admins and ops cancel a job.")
+    why = reason.strip() or f"cancelled by {_label(by)}"
+    current = Job.objects.get(pk=job.pk).state
+    if current in (J.PENDING, J.HELD) or current in NOT_STARTED:
+        return job_transition(job=job, to=J.CANCELLED, reason=why, by=by)
+    return job_transition(job=job, to=J.STOPPING, reason=why, by=by)
+
+
+def job_hold(*, job: Job, by) -> Job:
+    if by is not None and not _can_manage(by, job):
+        raise _deny("Only the submitter, the team's admins and ops hold a job.")
+    return job_transition(job=job, to=J.HELD, reason=f"held by {_label(by)}", by=by)
+
+
+def job_release(*, job: Job, by) -> Job:
+    if by is not None and not _can_manage(by, job):
+        raise _deny("Only the submitter, the team's admins and ops release a job.")
+    return job_transition(job=job, to=J.PENDING, reason=f"released by {_label(by)}", by=by)
+
+
+def job_requeue(*, job: Job, by, reason: str = "") -> Job:
+    """Send a job back to the queue: a finished one runs again; a running one checkpoints first."""
+    if by is not None and not _can_manage(by, job):
+        raise _deny("Only the submitter, the team's admins and ops requeue a job.")
+    why = reason.strip() or f"requeued by {_label(by)}"
+    current = Job.objects.get(pk=job.pk).state
+    if current in (J.STARTING, J.RUNNING):
+        return job_transition(job=job, to=J.PREEMPTING, reason=why, by=by)
+    return job_transition(job=job, to=J.PENDING, reason=why, by=by)
+
+
+# --- allocations ----------------------------------------------------------------------
+
+
+def _release_allocations(job_ids: list[int], *, now: dt.datetime) -> None:
+    node_ids = list(
+        Allocation.objects.filter(job_id__in=job_ids, ended_at__isnull=True)
+        .values_list("node_id", flat=True)
+        .distinct()
+    )
+    Allocation.objects.filter(job_id__in=job_ids, ended_at__isnull=True).update(ended_at=now)
+    if node_ids:
+        still_busy = set(
+            Allocation.objects.filter(node_id__in=node_ids, ended_at__isnull=True).values_list(
+                "node_id", flat=True
+            )
+        )
+        fleet.nodes_work_ended(node_ids=node_ids, still_busy=still_busy)
+
+
+# --- reservations ---------------------------------------------------------------------
+
+
+@transaction.atomic
+def reservation_create(*, name: str, team, reason: str, nodes, starts_at, ends_at, by):
+    if by is not None and not roles_of(by).manages_fleet:
+        raise _deny("Only ops reserve nodes.")
+    if ends_at <= starts_at:
+        raise ApplicationError(
+            "The window ends before it starts.", details={"ends_at": ["Must be after starts_at."]}
+        )
+    if not nodes:
+        raise ApplicationError("Name at least one node.", details={"nodes": ["Required."]})
+    reservation = Reservation.objects.create(
+        name=name,
+        team=team,
+        reason=reason,
+        starts_at=starts_at,
+        ends_at=ends_at,
+        created_by=by if by is not None and by.pk else None,
+    )
+    reservation.nodes.set(nodes)
+    audit_record(
+        actor=by,
+        action="reservation.create",
+        obj=reservation,
+        after={**snapshot(reservation), "nodes": sorted(n.pk for n in nodes)},
+        team=team,
+    )
+    schedule_soon()
+    return reservation
+
+
+@transaction.atomic
+def reservation_delete(*, reservation: Reservation, by) -> None:
+    if by is not None and not roles_of(by).manages_fleet:
+        raise _deny("Only ops cancel reservations.")
+    audit_record(
+        actor=by,
+        action="reservation.delete",
+        obj=reservation,
+        before=snapshot(reservation),
+        team=reservation.team,
+    )
+    reservation.delete()
+    schedule_soon()

@@ -1,0 +1,205 @@
+"""The rules a job spec must meet before it may queue, as pure functions.
+
+Input is the shape-checked spec (the submit serializer's output); output is the
+normalised resources, or an ApplicationError whose details name each field by
+its path in the spec (`resources.layout.tp`), so a 400 says exactly what to fix.
+"""
+
+from dataclasses import dataclass
+
+from apps.fleet.selectors import PoolCapacity
+from controlplane.errors import ApplicationError
+from workers.trainer.presets import PRESETS, ModelShape
+
+ANY_GPU = "ANY"
+OWNED_KINDS = {"owned": ("owned",), "cloud": ("cloud",), "owned_then_cloud": ("owned", "cloud")}
+
+
+@dataclass(frozen=True)
+class Resources:
+    gpu_type: str
+    nodes: int
+    gpus_per_node: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class SpecErrors:
+    """Collects every problem with a spec, so one 400 lists them all."""
+
+    def __init__(self):
+        self.details: dict[str, list[str]] = {}
+
+    def add(self, path: str, message: str) -> None:
+        self.details.setdefault(path, []).append(message)
+
+    def raise_if_any(self) -> None:
+        if self.details:
+            fields = ", ".join(self.details)
+            raise ApplicationError(f"Invalid job spec: {fields}.", details=self.details)
+
+
+def model_shape(trainer: dict) -> ModelShape | None:
+    if trainer.get("preset"):
+        return PRESETS[trainer["preset"]]
+    sizes = trainer.get("model")
+    return ModelShape(**sizes) if sizes else None
+
+
+def eligible_pools(pools: list[PoolCapacity], *, gpu_type: str, where: str) -> list[PoolCapacity]:
+    kinds = OWNED_KINDS[where]
+    return [p for p in pools if p.kind in kinds and (gpu_type == ANY_GPU or p.gpu_type == gpu_type)]
+
+
+def _node_size(pools: list[PoolCapacity]) -> int:
+    sizes = [g for p in pools for g in p.node_gpus] + [p.burst_node_gpus for p in pools]
+    return max([s for s in sizes if s], default=8)
+
+
+def resources_from_spec(spec: dict, *, pools: list[PoolCapacity], errors: SpecErrors):
+    """GPU count, nodes × GPUs per node and the parallel layout, checked against each other."""
+    wanted = spec["resources"]
+    where = spec.get("placement", {}).get("where", "owned_then_cloud")
+    gpu_type = wanted.get("gpu_type", ANY_GPU)
+    candidates = eligible_pools(pools, gpu_type=gpu_type, where=where)
+    gpus = wanted.get("gpus")
+    nodes = wanted.get("nodes")
+    per_node = wanted.get("gpus_per_node")
+    node_size = _node_size(candidates or pools)
+
+    if nodes is None and per_node is None:
+        if gpus is None:
+            errors.add("resources.gpus", "Give gpus, or nodes and gpus_per_node.")
+            return None
+        # A GPU count below one node's size means one node.
+        if gpus <= node_size:
+            nodes, per_node = 1, gpus
+        elif gpus % node_size == 0:
+            nodes, per_node = gpus // node_size, node_size
+        else:
+            errors.add(
+                "resources.gpus",
+                f"{gpus} GPUs are not a whole number of {node_size}-GPU nodes; "
+                "give nodes and gpus_per_node.",
+            )
+            return None
+    elif nodes is None or per_node is None:
+        missing = "nodes" if nodes is None else "gpus_per_node"
+        errors.add(f"resources.{missing}", "Give nodes and gpus_per_node together.")
+        return None
+    if gpus is not None and gpus != nodes * per_node:
+        errors.add(
+            "resources.gpus",
+            f"{gpus} GPUs is not nodes × gpus_per_node = {nodes} × {per_node} = "
+            f"{nodes * per_node}.",
+        )
+
+    layout = wanted.get("layout") or {}
+    total = nodes * per_node
+    dp_replicate = layout.get("dp_replicate", 1)
+    tp = layout.get("tp", 1)
+    pp = layout.get("pp", 1)
+    dp_shard = layout.get("dp_shard")
+    if dp_shard is None:
+        dp_shard, rest = divmod(total, dp_replicate * tp * pp)
+        if rest or dp_shard < 1:
+            errors.add(
+                "resources.layout",
+                f"{total} GPUs cannot be split as dp_replicate {dp_replicate} × tp {tp} × pp {pp}.",
+            )
+            return None
+    product = dp_replicate * dp_shard * tp * pp
+    if product != total:
+        errors.add(
+            "resources.layout",
+            f"dp_replicate × dp_shard × tp × pp = {dp_replicate} × {dp_shard} × {tp} × {pp} = "
+            f"{product}, not the job's {total} GPUs.",
+        )
+    if per_node % tp:
+        errors.add(
+            "resources.layout.tp",
+            f"tp {tp} must divide gpus_per_node {per_node}: tensor parallelism never crosses "
+            "nodes.",
+        )
+    return Resources(
+        gpu_type=gpu_type,
+        nodes=nodes,
+        gpus_per_node=per_node,
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        tp=tp,
+        pp=pp,
+    )
+
+
+def check_trainer(trainer: dict, resources: Resources, errors: SpecErrors) -> None:
+    if trainer.get("preset") and trainer.get("model"):
+        errors.add("trainer.model", "Give a preset or explicit sizes, not both.")
+        return
+    shape = model_shape(trainer)
+    if shape is None:
+        errors.add("trainer.preset", "Give a preset or explicit model sizes.")
+        return
+    for problem in shape.problems():
+        errors.add("trainer.model", problem)
+    if shape.heads % resources.tp or shape.kv_heads % resources.tp:
+        errors.add(
+            "resources.layout.tp",
+            f"tp {resources.tp} must divide the model's {shape.heads} heads and "
+            f"{shape.kv_heads} KV heads.",
+        )
+    if shape.layers % resources.pp:
+        errors.add(
+            "resources.layout.pp",
+            f"pp {resources.pp} must divide the model's {shape.layers} layers.",
+        )
+    data_parallel = resources.dp_replicate * resources.dp_shard
+    batch = trainer.get("global_batch")
+    if batch is not None and batch % data_parallel:
+        errors.add(
+            "trainer.global_batch",
+            f"{batch} sequences do not split evenly over {data_parallel} data-parallel ranks.",
+        )
+    seq_len = trainer.get("seq_len")
+    if seq_len is not None and seq_len > shape.max_seq_len:
+        errors.add("trainer.seq_len", f"The model takes at most {shape.max_seq_len} tokens.")
+
+
+def check_command(command: dict, errors: SpecErrors) -> None:
+    sources = [key for key in ("git", "path") if command.get(key)]
+    if len(sources) != 1:
+        errors.add("command", "Give the code's source: git (repo and ref) or path, one of them.")
+
+
+def check_capacity(
+    resources: Resources,
+    *,
+    where: str,
+    pools: list[PoolCapacity],
+    quota_limit: int | None,
+    errors: SpecErrors,
+) -> None:
+    """Refuse now what could never run, rather than let it wait forever."""
+    candidates = eligible_pools(pools, gpu_type=resources.gpu_type, where=where)
+    if not any(
+        p.can_hold(nodes=resources.nodes, gpus_per_node=resources.gpus_per_node) for p in candidates
+    ):
+        kind = {"owned": "owned", "cloud": "cloud", "owned_then_cloud": "owned or cloud"}[where]
+        gpu = "" if resources.gpu_type == ANY_GPU else f"{resources.gpu_type} "
+        errors.add(
+            "resources",
+            f"No {kind} {gpu}pool can ever hold {resources.nodes} × {resources.gpus_per_node} "
+            "GPUs in one pool.",
+        )
+    if quota_limit is not None and resources.gpus > quota_limit:
+        errors.add(
+            "resources.gpus",
+            f"The team's {resources.gpu_type} quota (with borrowing) is {quota_limit} GPUs; "
+            f"this job needs {resources.gpus}.",
+        )

@@ -1,0 +1,58 @@
+"""A small fleet the job tests submit to: one owned pool of four 8-GPU H100 nodes."""
+
+import pytest
+
+from apps.accounts import services as accounts
+from tests import factories
+from tests.apps.fleet.test_services import ready_node
+
+
+@pytest.fixture
+def fleet_pool(db):
+    site = factories.make_site(slug="jobs-site")
+    rack = factories.make_rack(site=site, name="J1")
+    pool = factories.make_owned_pool(site=site, slug="h100-owned")
+    for unit in range(4):
+        ready_node(pool=pool, rack=rack, rack_unit=1 + unit * 4, gpu_count=8)
+    return pool
+
+
+@pytest.fixture
+def quota(team):
+    return accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=32, by=None)
+
+
+def command_spec(team, **overrides) -> dict:
+    spec = {
+        "name": "smoke",
+        "team": team.pk,
+        "time_limit_s": 3600,
+        "command": {"argv": ["python", "-c", "print('hello')"], "path": "/shared/code"},
+        "resources": {"gpu_type": "H100", "gpus": 8},
+        "placement": {"where": "owned"},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def trainer_spec(team, *, preset="8b", nodes=2, gpus_per_node=8, layout=None, **extra) -> dict:
+    return {
+        "name": "pretrain",
+        "team": team.pk,
+        "time_limit_s": 7200,
+        "trainer": {
+            "preset": preset,
+            "dataset": "synthetic",
+            "steps": 100,
+            "global_batch": 64,
+            "seq_len": 2048,
+            **extra,
+        },
+        "resources": {
+            "gpu_type": "H100",
+            "nodes": nodes,
+            "gpus_per_node": gpus_per_node,
+            "layout": layout or {"dp_shard": nodes * gpus_per_node},
+        },
+        "placement": {"where": "owned"},
+    }

@@ -1,0 +1,283 @@
+"""Submitting jobs through the API: every validation rule, roles, idempotency, the queue."""
+
+import copy
+
+import pytest
+
+from apps.jobs.models import Job, JobEvent, JobState
+from tests import factories
+from tests.apps.jobs.conftest import command_spec, trainer_spec
+
+pytestmark = pytest.mark.django_db
+
+
+def submit(client, spec, **headers):
+    return client.post("/api/v1/jobs/", spec, format="json", **headers)
+
+
+def test_a_valid_command_job_is_pending_with_an_event(fleet_pool, quota, team, researcher, api_for):
+    response = submit(api_for(researcher, scopes=("submit",)), command_spec(team))
+    assert response.status_code == 201, response.content
+    job = Job.objects.get(pk=response.json()["id"])
+    assert job.state == JobState.PENDING
+    assert (job.nodes, job.gpus_per_node, job.dp_shard) == (1, 8, 8)
+    assert job.submitted_by == researcher
+    assert JobEvent.objects.get(job=job).to_state == JobState.PENDING
+
+
+def test_a_trainer_job_with_fsdp_and_tp(fleet_pool, quota, team, researcher, api_for):
+    spec = trainer_spec(team, layout={"dp_shard": 8, "tp": 2})
+    response = submit(api_for(researcher), spec)
+    assert response.status_code == 201, response.content
+    body = response.json()
+    assert (body["nodes"], body["gpus_per_node"], body["tp"], body["dp_shard"]) == (2, 8, 2, 8)
+
+
+def test_fewer_gpus_than_a_node_means_one_node(fleet_pool, quota, team, researcher, api_for):
+    spec = command_spec(team, resources={"gpu_type": "H100", "gpus": 4})
+    body = submit(api_for(researcher), spec).json()
+    assert (body["nodes"], body["gpus_per_node"]) == (1, 4)
+
+
+RULES = [
+    # (change to a valid trainer spec, the field the 400 names, a phrase of the reason)
+    (
+        {"resources": {"gpu_type": "H100", "gpus": 12, "nodes": 2, "gpus_per_node": 8}},
+        "resources.gpus",
+        "nodes × gpus_per_node",
+    ),
+    (
+        {
+            "resources": {
+                "gpu_type": "H100",
+                "nodes": 2,
+                "gpus_per_node": 8,
+                "layout": {"dp_shard": 4, "tp": 2},
+            }
+        },
+        "resources.layout",
+        "not the job's 16 GPUs",
+    ),
+    (
+        {
+            "resources": {
+                "gpu_type": "H100",
+                "nodes": 2,
+                "gpus_per_node": 4,
+                "layout": {"dp_shard": 1, "tp": 8},
+            }
+        },
+        "resources.layout.tp",
+        "never crosses nodes",
+    ),
+    (
+        {
+            "trainer": {
+                "preset": "tiny",
+                "dataset": "synthetic",
+                "steps": 1,
+                "global_batch": 16,
+                "seq_len": 128,
+            },
+            "resources": {
+                "gpu_type": "H100",
+                "nodes": 1,
+                "gpus_per_node": 8,
+                "layout": {"dp_shard": 2, "tp": 4},
+            },
+        },
+        "resources.layout.tp",
+        "heads",
+    ),
+    (
+        {
+            "resources": {
+                "gpu_type": "H100",
+                "nodes": 2,
+                "gpus_per_node": 8,
+                "layout": {"dp_shard": 5, "pp": 3},
+            }
+        },
+        "resources.layout",
+        "not the job's 16 GPUs",
+    ),
+    (
+        {
+            "trainer": {
+                "preset": "8b",
+                "dataset": "synthetic",
+                "steps": 1,
+                "global_batch": 64,
+                "seq_len": 2048,
+            },
+            "resources": {
+                "gpu_type": "H100",
+                "nodes": 2,
+                "gpus_per_node": 8,
+                "layout": {"dp_shard": 3, "pp": 5},
+            },
+        },
+        "resources.layout",
+        "not the job's 16 GPUs",
+    ),
+    (
+        {
+            "resources": {
+                "gpu_type": "H100",
+                "nodes": 3,
+                "gpus_per_node": 8,
+                "layout": {"dp_shard": 8, "pp": 3},
+            }
+        },
+        "resources.layout.pp",
+        "32 layers",
+    ),
+    (
+        {"resources": {"gpu_type": "H100", "nodes": 8, "gpus_per_node": 8}},
+        "resources",
+        "can ever hold",
+    ),
+    (
+        {"resources": {"gpu_type": "A100", "nodes": 1, "gpus_per_node": 8}},
+        "resources",
+        "can ever hold",
+    ),
+    ({"placement": {"where": "cloud"}}, "resources", "can ever hold"),
+    (
+        {
+            "trainer": {
+                "preset": "8b",
+                "dataset": "synthetic",
+                "steps": 1,
+                "global_batch": 60,
+                "seq_len": 2048,
+            }
+        },
+        "trainer.global_batch",
+        "data-parallel",
+    ),
+    (
+        {
+            "trainer": {
+                "preset": "gpt5",
+                "dataset": "x",
+                "steps": 1,
+                "global_batch": 16,
+                "seq_len": 8,
+            }
+        },
+        "trainer",
+        "valid choice",
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "field", "phrase"), RULES)
+def test_each_rule_is_a_400_naming_the_field(
+    change, field, phrase, fleet_pool, quota, team, researcher, api_for
+):
+    spec = trainer_spec(team)
+    spec.update(copy.deepcopy(change))
+    client = api_for(researcher)
+    response = submit(client, spec)
+    assert response.status_code == 400, response.content
+    details = response.json()["error"]["details"]
+    assert field in details, details
+    assert phrase in str(details[field]), details
+    assert not Job.objects.exists()
+
+
+def test_pp_that_divides_the_layers_is_accepted(fleet_pool, quota, team, researcher, api_for):
+    spec = trainer_spec(team, nodes=4, layout={"dp_shard": 8, "pp": 4})
+    assert submit(api_for(researcher), spec).status_code == 201
+
+
+def test_a_shell_string_command_is_refused(fleet_pool, quota, team, researcher, api_for):
+    spec = command_spec(team)
+    spec["command"]["argv"] = "python train.py && rm -rf /"
+    response = submit(api_for(researcher), spec)
+    assert response.status_code == 400
+    assert "never a shell string" in str(response.json()["error"]["details"])
+
+
+def test_a_command_needs_a_code_source_and_a_safe_ref(fleet_pool, quota, team, researcher, api_for):
+    client = api_for(researcher)
+    spec = command_spec(team)
+    del spec["command"]["path"]
+    assert "command" in submit(client, spec).json()["error"]["details"]
+    spec["command"]["git"] = {"repo": "https://git.example/llm.git", "ref": "--upload-pack=x"}
+    details = submit(client, spec).json()["error"]["details"]
+    assert "ref" in str(details)
+
+
+def test_a_job_over_the_quota_is_refused_at_submission(fleet_pool, team, researcher, api_for):
+    from apps.accounts import services as accounts
+
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    response = submit(api_for(researcher), trainer_spec(team))
+    assert response.status_code == 400
+    assert "quota" in str(response.json()["error"]["details"]["resources.gpus"])
+
+
+@pytest.mark.parametrize("role", ["viewer"])
+def test_viewers_cannot_submit(role, fleet_pool, quota, team, user_for_role, api_for):
+    response = submit(api_for(user_for_role(role)), command_spec(team))
+    assert response.status_code == 403
+    assert not Job.objects.exists()
+
+
+def test_nobody_submits_to_another_team(fleet_pool, quota, other_team, researcher, api_for):
+    response = submit(api_for(researcher), command_spec(other_team))
+    assert response.status_code == 400  # the team "does not exist" for them
+    assert "team" in response.json()["error"]["details"]
+
+
+def test_a_read_token_cannot_submit(fleet_pool, quota, team, researcher, api_for):
+    response = submit(api_for(researcher, scopes=("read",)), command_spec(team))
+    assert response.status_code == 403
+
+
+def test_the_idempotency_key_returns_the_first_job(fleet_pool, quota, team, researcher, api_for):
+    client = api_for(researcher, scopes=("submit",))
+    first = submit(client, command_spec(team), HTTP_IDEMPOTENCY_KEY="ci-run-4711")
+    again = submit(client, command_spec(team), HTTP_IDEMPOTENCY_KEY="ci-run-4711")
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["id"] == again.json()["id"]
+    assert Job.objects.count() == 1
+    other = submit(client, command_spec(team, name="other"), HTTP_IDEMPOTENCY_KEY="ci-run-4711")
+    assert other.status_code == 409
+    assert other.json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_cancel_hold_release(fleet_pool, quota, team, researcher, viewer, api_for):
+    client = api_for(researcher)
+    job_id = submit(client, command_spec(team)).json()["id"]
+    assert client.post(f"/api/v1/jobs/{job_id}/hold/").json()["state"] == "held"
+    assert client.post(f"/api/v1/jobs/{job_id}/release/").json()["state"] == "pending"
+    denied = api_for(viewer).post(f"/api/v1/jobs/{job_id}/cancel/", {}, format="json")
+    assert denied.status_code == 403
+    cancelled = client.post(f"/api/v1/jobs/{job_id}/cancel/", {"reason": "typo"}, format="json")
+    assert cancelled.json()["state"] == "cancelled"
+    states = list(JobEvent.objects.filter(job_id=job_id).values_list("to_state", flat=True))
+    assert states == ["pending", "held", "pending", "cancelled"]
+
+
+def test_other_teams_jobs_are_404_and_anonymous_in_the_queue(
+    fleet_pool, quota, team, other_team, researcher, api_for
+):
+    stranger = factories.make_member(team=other_team, role="researcher")
+    from apps.accounts import services as accounts
+
+    accounts.team_quota_set(team=other_team, gpu_type="H100", max_gpus=32, by=None)
+    theirs = submit(api_for(stranger), command_spec(other_team, name="secret-project")).json()
+    mine = submit(api_for(researcher), command_spec(team, name="mine")).json()
+    client = api_for(researcher)
+    assert client.get(f"/api/v1/jobs/{theirs['id']}/").status_code == 404
+    assert [j["id"] for j in client.get("/api/v1/jobs/").json()["results"]] == [mine["id"]]
+    rows = client.get("/api/v1/queue/").json()
+    anonymous = [r for r in rows if r["anonymous"]]
+    assert len(anonymous) == 1
+    assert anonymous[0]["id"] is None and anonymous[0]["team"] == other_team.slug
+    assert "name" not in anonymous[0] and "secret-project" not in str(rows)
+    own = next(r for r in rows if not r["anonymous"])
+    assert own["name"] == "mine" and own["reason"]

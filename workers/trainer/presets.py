@@ -1,0 +1,62 @@
+"""Model presets as plain data: the trainer builds them, the control plane validates against them.
+
+No torch here (ARCHITECTURE.md): the web and worker images import this module to
+check a job's layout (tp divides heads and KV heads, pp divides layers).
+
+Shapes of the Llama 3 family are those Meta published with the weights
+(Llama 3.2 1B, Llama 3.1 8B and 70B: layers, model width, heads, KV heads, FFN
+width, a 128,256-token vocabulary); `tiny` is ours, for CPU tests.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    layers: int
+    dim: int
+    heads: int
+    kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    def parameters(self) -> int:
+        """Parameter count: embeddings and output head untied, RMSNorm weights included."""
+        kv_dim = self.kv_heads * self.head_dim
+        attention = self.dim * self.dim * 2 + self.dim * kv_dim * 2  # q, o and k, v
+        feed_forward = 3 * self.dim * self.ffn_dim  # SwiGLU: gate, up, down
+        norms = 2 * self.dim
+        per_layer = attention + feed_forward + norms
+        return self.layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.dim % self.heads:
+            out.append("dim must be a multiple of heads")
+        if self.heads % self.kv_heads:
+            out.append("heads must be a multiple of kv_heads")
+        if (self.dim // max(self.heads, 1)) % 2:
+            out.append("the head dimension must be even (rotary embeddings)")
+        return out
+
+
+PRESETS: dict[str, ModelShape] = {
+    "tiny": ModelShape(
+        layers=4, dim=64, heads=4, kv_heads=2, ffn_dim=192, vocab_size=256, max_seq_len=512
+    ),
+    "small": ModelShape(
+        layers=8, dim=512, heads=8, kv_heads=4, ffn_dim=1536, vocab_size=32000, max_seq_len=2048
+    ),
+    "1b": ModelShape(layers=16, dim=2048, heads=32, kv_heads=8, ffn_dim=8192, vocab_size=128256),
+    "8b": ModelShape(layers=32, dim=4096, heads=32, kv_heads=8, ffn_dim=14336, vocab_size=128256),
+    "70b": ModelShape(layers=80, dim=8192, heads=64, kv_heads=8, ffn_dim=28672, vocab_size=128256),
+}
+
+
+def preset(name: str) -> ModelShape:
+    return PRESETS[name]
