@@ -17,7 +17,7 @@ def _make_filesystem_queue_folders(sender, **kwargs):
     if (sender.conf.broker_url or "").startswith("filesystem://"):
         from pathlib import Path
 
-        for key in ("data_folder_in", "data_folder_out", "processed_folder"):
+        for key in ("data_folder_in", "data_folder_out", "processed_folder", "control_folder"):
             folder = sender.conf.broker_transport_options.get(key)
             if folder:
                 Path(folder).mkdir(parents=True, exist_ok=True)

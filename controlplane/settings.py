@@ -145,6 +145,8 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "data_folder_in": str(_queue_dir),
         "data_folder_out": str(_queue_dir),
         "processed_folder": str(_processed_dir),
+        # Broadcast (worker control) messages, kept under var/ with the queue.
+        "control_folder": str(VAR_DIR / "broker" / "control"),
         "store_processed": False,
     }
 else:
@@ -271,3 +273,4 @@ CELERY_BEAT_SCHEDULE["jobs-schedule"] = {
     "task": "jobs.schedule",
     "schedule": float(SCHEDULE_EVERY_S),
 }
+CELERY_BEAT_SCHEDULE["jobs-reconcile"] = {"task": "jobs.reconcile", "schedule": 60.0}

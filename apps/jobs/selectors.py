@@ -58,6 +58,7 @@ def queue_for(*, user) -> list[dict]:
                 name=job.name,
                 reason=job.pending_reason if job.state == JobState.PENDING else job.state_reason,
                 submitted_at=job.submitted_at,
+                submitted_by_id=job.submitted_by_id,
             )
         rows.append(row)
     rows.sort(key=lambda r: (r["position"] is None, r["position"] or 0))

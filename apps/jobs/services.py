@@ -191,11 +191,16 @@ def _same_request(existing: Job, spec: dict) -> Job:
 # --- state changes --------------------------------------------------------------------
 
 
-def _can_manage(by, job: Job) -> bool:
-    roles = roles_of(by)
-    if roles.superuser or roles.ops or roles.is_team_admin(job.team_id):
+def job_can_manage(*, user, team_id: int, submitted_by_id: int | None) -> bool:
+    """Cancel, hold, release, requeue: the submitter, the team's admins, and ops."""
+    roles = roles_of(user)
+    if roles.superuser or roles.ops or roles.is_team_admin(team_id):
         return True
-    return roles.can_submit_for(job.team_id) and job.submitted_by_id == by.pk
+    return roles.can_submit_for(team_id) and submitted_by_id == user.pk
+
+
+def _can_manage(by, job: Job) -> bool:
+    return job_can_manage(user=by, team_id=job.team_id, submitted_by_id=job.submitted_by_id)
 
 
 @transaction.atomic
@@ -213,6 +218,7 @@ def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
     locked.state = to
     locked.state_reason = reason[:300]
     now = timezone.now()
+    locked.state_changed_at = now
     if to in FINISHED:
         locked.finished_at = now
     if to == J.PENDING:
@@ -343,3 +349,43 @@ def reservation_delete(*, reservation: Reservation, by) -> None:
     )
     reservation.delete()
     schedule_soon()
+
+
+# --- reconcile ---------------------------------------------------------------------------
+
+
+def jobs_reconcile(*, now: dt.datetime | None = None) -> dict[str, int]:
+    """Re-drive jobs stuck in a transitional state past the grace period.
+
+    A preempted job whose checkpoint never came back within PREEMPTION_GRACE_S is
+    requeued (its last committed checkpoint still stands); a stopping one is
+    cancelled. Broker redelivery alone would not do this (ARCHITECTURE.md).
+    """
+    now = now or timezone.now()
+    cutoff = now - dt.timedelta(seconds=settings.PREEMPTION_GRACE_S)
+    counts = {"requeued": 0, "cancelled": 0}
+    stuck = Job.objects.filter(
+        state__in=(J.PREEMPTING, J.STOPPING), state_changed_at__lt=cutoff
+    ).values_list("id", "state")
+    for job_id, state in stuck:
+        job = Job(pk=job_id)
+        try:
+            if state == J.PREEMPTING:
+                job_transition(
+                    job=job,
+                    to=J.PENDING,
+                    by=None,
+                    reason="no checkpoint within the grace period; requeued",
+                )
+                counts["requeued"] += 1
+            else:
+                job_transition(
+                    job=job,
+                    to=J.CANCELLED,
+                    by=None,
+                    reason="did not stop within the grace period; cancelled",
+                )
+                counts["cancelled"] += 1
+        except ApplicationError:
+            continue  # it moved on by itself meanwhile
+    return counts

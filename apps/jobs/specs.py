@@ -114,6 +114,12 @@ def resources_from_spec(spec: dict, *, pools: list[PoolCapacity], errors: SpecEr
                 f"{total} GPUs cannot be split as dp_replicate {dp_replicate} × tp {tp} × pp {pp}.",
             )
             return None
+    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
+    small = [name for name, size in sizes.items() if size < 1]
+    if small or per_node < 1 or nodes < 1:
+        for name in small:
+            errors.add(f"resources.layout.{name}", "Must be at least 1.")
+        return None
     product = dp_replicate * dp_shard * tp * pp
     if product != total:
         errors.add(
@@ -203,3 +209,52 @@ def check_capacity(
             f"The team's {resources.gpu_type} quota (with borrowing) is {quota_limit} GPUs; "
             f"this job needs {resources.gpus}.",
         )
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.dp_replicate > 1:
+            parts.append(f"replicate {self.dp_replicate}")
+        parts.append(f"FSDP {self.dp_shard}")
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}")
+        if self.pp > 1:
+            parts.append(f"PP {self.pp}")
+        return " × ".join(parts)
+
+    @property
+    def value(self) -> str:
+        return f"{self.dp_replicate}x{self.dp_shard}x{self.tp}x{self.pp}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_layouts(shape: ModelShape, *, nodes: int, gpus_per_node: int) -> list[Layout]:
+    """Every dp_replicate × dp_shard × tp × pp the submit rules accept, simplest first.
+
+    dp_replicate is the node count or 1 (HSDP replicates across nodes, shards within).
+    """
+    total = nodes * gpus_per_node
+    out = []
+    for tp in _divisors(gpus_per_node):
+        if shape.heads % tp or shape.kv_heads % tp:
+            continue
+        for pp in _divisors(total // tp):
+            if shape.layers % pp:
+                continue
+            rest = total // (tp * pp)
+            for replicate in sorted({1, nodes}):
+                if rest % replicate:
+                    continue
+                out.append(Layout(replicate, rest // replicate, tp, pp))
+    return sorted(set(out), key=lambda layout: (layout.pp, layout.tp, layout.dp_replicate))

@@ -27,3 +27,16 @@ def schedule() -> dict:
     if report.placed or report.preempted:
         log.info("scheduling pass: %s", report)
     return dataclasses.asdict(report)
+
+
+@shared_task(name="jobs.reconcile", acks_late=True, reject_on_worker_lost=True)
+def reconcile() -> dict:
+    """Requeue or cancel jobs stuck preempting or stopping past the grace period."""
+    from apps.accounts.context import Origin, acting_from
+    from apps.jobs.services import jobs_reconcile
+
+    with single_flight("jobs.reconcile", ttl_s=300) as got_it:
+        if not got_it:
+            return {"skipped": "another reconcile is running"}
+        with acting_from(Origin(channel="task", label="task:jobs.reconcile")):
+            return jobs_reconcile()

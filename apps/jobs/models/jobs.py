@@ -93,6 +93,7 @@ class Job(models.Model):
         max_length=20, choices=JobState.choices, default=JobState.PENDING, editable=False
     )
     state_reason = models.CharField(max_length=300, blank=True, editable=False)
+    state_changed_at = models.DateTimeField(auto_now_add=True, editable=False)
     pending_reason = models.CharField(
         max_length=300, blank=True, editable=False, help_text="Why it waits, from the last pass."
     )

@@ -9,7 +9,7 @@ import datetime as dt
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Sum
 from django.utils import timezone
 
@@ -151,7 +151,9 @@ def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: App
         _release_allocations(back, now=now)
     if stopping:
         Job.objects.filter(pk__in=stopping).update(
-            state=JobState.PREEMPTING, state_reason="preempted: checkpoint, then stop"
+            state=JobState.PREEMPTING,
+            state_reason="preempted: checkpoint, then stop",
+            state_changed_at=now,
         )
     _events_and_audit(
         [
@@ -170,24 +172,52 @@ def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: App
 
 def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Applied) -> None:
     """Write only the reasons that changed since the last pass."""
-    changed = []
+    placed = set(applied.placed)
+    changed: list[tuple[int, str, dt.datetime | None]] = []
     for job_id, wait in waits.items():
-        if job_id in applied.placed or job_id not in ctx.reasons:
+        if job_id in placed or job_id not in ctx.reasons:
             continue
         estimated = (
-            dt.datetime.fromtimestamp(wait.estimated_start, tz=dt.UTC)
+            dt.datetime.fromtimestamp(wait.estimated_start, tz=dt.UTC).replace(
+                second=0, microsecond=0
+            )
             if wait.estimated_start is not None
             else None
         )
-        if estimated is not None:
-            estimated = estimated.replace(second=0, microsecond=0)
-        old_reason, old_estimated = ctx.reasons[job_id]
         reason = wait.reason[:300]
-        if (reason, estimated) != (old_reason, old_estimated):
-            changed.append(Job(pk=job_id, pending_reason=reason, estimated_start=estimated))
-    if changed:
-        Job.objects.bulk_update(changed, ["pending_reason", "estimated_start"], batch_size=1000)
+        if (reason, estimated) != ctx.reasons[job_id]:
+            changed.append((job_id, reason, estimated))
+    _write_reasons(changed)
     applied.reasons_written = len(changed)
+
+
+def _write_reasons(rows: list[tuple[int, str, dt.datetime | None]]) -> None:
+    if not rows:
+        return
+    if connection.vendor == "postgresql":
+        # One UPDATE ... FROM (VALUES ...) per chunk: thousands of rows a statement.
+        table = Job._meta.db_table
+        for start in range(0, len(rows), 5000):
+            chunk = rows[start : start + 5000]
+            values = ", ".join(["(%s::bigint, %s::varchar, %s::timestamptz)"] * len(chunk))
+            params = [item for row in chunk for item in row]
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"UPDATE {table} AS j SET pending_reason = v.reason, "  # noqa: S608
+                    "estimated_start = v.estimated "
+                    f"FROM (VALUES {values}) AS v(id, reason, estimated) WHERE j.id = v.id",
+                    params,
+                )
+        return
+    # Elsewhere: one UPDATE per distinct (reason, start); many jobs share a reason.
+    groups: dict[tuple[str, dt.datetime | None], list[int]] = defaultdict(list)
+    for job_id, reason, estimated in rows:
+        groups[(reason, estimated)].append(job_id)
+    for (reason, estimated), job_ids in groups.items():
+        for start in range(0, len(job_ids), 900):
+            Job.objects.filter(pk__in=job_ids[start : start + 900]).update(
+                pending_reason=reason, estimated_start=estimated
+            )
 
 
 def _advance_usage(ctx: ReadContext) -> None:

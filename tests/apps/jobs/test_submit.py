@@ -281,3 +281,30 @@ def test_other_teams_jobs_are_404_and_anonymous_in_the_queue(
     assert "name" not in anonymous[0] and "secret-project" not in str(rows)
     own = next(r for r in rows if not r["anonymous"])
     assert own["name"] == "mine" and own["reason"]
+
+
+def test_reconcile_requeues_a_job_stuck_preempting(
+    fleet_pool, quota, team, researcher, api_for, settings
+):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from apps.jobs import services
+
+    job_id = submit(api_for(researcher), command_spec(team)).json()["id"]
+    job = Job.objects.get(pk=job_id)
+    for state in (
+        JobState.ADMITTED,
+        JobState.PROVISIONING,
+        JobState.STARTING,
+        JobState.RUNNING,
+        JobState.PREEMPTING,
+    ):
+        job = services.job_transition(job=job, to=state, reason="test", by=None)
+    assert services.jobs_reconcile() == {"requeued": 0, "cancelled": 0}  # within the grace
+    later = timezone.now() + dt.timedelta(seconds=settings.PREEMPTION_GRACE_S + 1)
+    assert services.jobs_reconcile(now=later) == {"requeued": 1, "cancelled": 0}
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    assert job.queued_at < later  # keeps its place by age

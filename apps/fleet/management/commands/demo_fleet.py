@@ -37,7 +37,7 @@ PEOPLE = [
 ]
 RACKS = [("A1", "hall 1, row A, slot 1"), ("A2", "hall 1, row A, slot 2")]
 NODES_PER_RACK = 3
-SLOTS_PER_NODE = 4  # the local provider's "GPUs" are CPU slots on this machine
+SLOTS_PER_NODE = 8  # the local provider's "GPUs" are CPU slots on this machine
 
 
 def logins_path() -> Path:

@@ -1,0 +1,13 @@
+from django.urls import path
+
+from apps.jobs import views
+
+app_name = "jobs"
+urlpatterns = [
+    path("", views.queue, name="queue"),
+    path("queue.csv", views.queue_csv, name="queue-csv"),
+    path("submit/", views.submit, name="submit"),
+    path("submit/layouts/", views.layouts, name="layouts"),
+    path("<int:job_id>/", views.detail, name="detail"),
+    path("<int:job_id>/<str:operation>/", views.operate, name="operate"),
+]

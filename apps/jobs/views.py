@@ -1,0 +1,185 @@
+"""Pages: the Queue, the Submit form (with the layouts that fit), and each Job's page."""
+
+import csv
+import json
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import Http404, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from apps.accounts.models import Team
+from apps.jobs import selectors, services, specs
+from apps.jobs.forms import SubmitForm
+from apps.jobs.services import FINISHED
+from controlplane.errors import ApplicationError
+from workers.trainer.presets import PRESETS
+
+QUEUE_COLUMNS = [
+    "position",
+    "id",
+    "team",
+    "name",
+    "state",
+    "priority",
+    "gpus",
+    "gpu_type",
+    "reason",
+    "estimated_start",
+    "submitted_at",
+]
+
+
+def _filtered_queue(request) -> list[dict]:
+    return _filtered(selectors.queue_for(user=request.user), request)
+
+
+def _filtered(rows: list[dict], request) -> list[dict]:
+    state = request.GET.get("state")
+    team = request.GET.get("team")
+    if state:
+        rows = [r for r in rows if r["state"] == state]
+    if team:
+        rows = [r for r in rows if r["team"] == team]
+    return rows
+
+
+@login_required
+def queue(request):
+    everything = selectors.queue_for(user=request.user)
+    rows = _filtered(everything, request)
+    team_ids = dict(
+        Team.objects.filter(slug__in={r["team"] for r in rows}).values_list("slug", "id")
+    )
+    for row in rows:
+        row["can_cancel"] = not row["anonymous"] and services.job_can_manage(
+            user=request.user,
+            team_id=team_ids.get(row["team"], -1),
+            submitted_by_id=row.get("submitted_by_id"),
+        )
+    return render(
+        request,
+        "jobs/queue.html",
+        {
+            "rows": rows,
+            "states": sorted({r["state"] for r in everything}),
+            "teams": sorted({r["team"] for r in everything}),
+            "filters": {"state": request.GET.get("state", ""), "team": request.GET.get("team", "")},
+        },
+    )
+
+
+@login_required
+def queue_csv(request):
+    response = HttpResponse(content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = 'attachment; filename="queue.csv"'
+    writer = csv.writer(response)
+    writer.writerow(QUEUE_COLUMNS)
+    for row in _filtered_queue(request):
+        writer.writerow([_spreadsheet_safe(row.get(c, "")) for c in QUEUE_COLUMNS])
+    return response
+
+
+def _spreadsheet_safe(value):
+    text = "" if value is None else str(value)
+    return "'" + text if text[:1] in ("=", "+", "-", "@") else text
+
+
+@login_required
+def submit(request):
+    form = SubmitForm(request.POST or None, user=request.user)
+    if request.method == "POST" and form.is_valid():
+        try:
+            job, _ = services.job_submit(
+                team=form.cleaned_data["team"], spec=form.to_spec(), submitted_by=request.user
+            )
+        except ApplicationError as exc:
+            for field, problems in (exc.details or {"__all__": [exc.message]}).items():
+                for problem in problems:
+                    form.add_error(None, f"{field}: {problem}" if field != "__all__" else problem)
+        else:
+            messages.success(request, f"Job {job.pk} submitted.")
+            return redirect("jobs:detail", job_id=job.pk)
+    return render(
+        request,
+        "jobs/submit.html",
+        {
+            "form": form,
+            "layouts": _layouts_for(request.POST or request.GET),
+        },
+    )
+
+
+def _layouts_for(params) -> list[specs.Layout]:
+    preset = params.get("preset") or "tiny"
+    try:
+        gpus = int(params.get("gpus") or 8)
+        per_node = min(int(params.get("gpus_per_node") or 8), gpus)
+    except ValueError:
+        return []
+    if preset not in PRESETS or gpus < 1 or per_node < 1 or gpus % per_node:
+        return []
+    return specs.valid_layouts(PRESETS[preset], nodes=gpus // per_node, gpus_per_node=per_node)
+
+
+@login_required
+def layouts(request):
+    """The layout <select> for the chosen preset and GPU count (the form asks with htmx)."""
+    return render(
+        request,
+        "jobs/_layouts.html",
+        {
+            "layouts": _layouts_for(request.GET),
+            "selected": request.GET.get("layout", ""),
+        },
+    )
+
+
+@login_required
+def detail(request, job_id: int):
+    job = get_object_or_404(
+        selectors.jobs_visible_to(user=request.user).prefetch_related("events"), pk=job_id
+    )
+    return render(
+        request,
+        "jobs/detail.html",
+        {
+            "job": job,
+            "events": list(job.events.all()),
+            "finished": job.state in FINISHED,
+            "can_manage": services.job_can_manage(
+                user=request.user, team_id=job.team_id, submitted_by_id=job.submitted_by_id
+            ),
+            "spec_json": json.dumps(
+                {k: v for k, v in job.spec.items() if k != "fingerprint"},
+                indent=2,
+                sort_keys=True,
+            ),
+        },
+    )
+
+
+OPERATIONS = {
+    "cancel": services.job_cancel,
+    "hold": services.job_hold,
+    "release": services.job_release,
+    "requeue": services.job_requeue,
+}
+
+
+@login_required
+@require_POST
+def operate(request, job_id: int, operation: str):
+    job = get_object_or_404(selectors.jobs_visible_to(user=request.user), pk=job_id)
+    if operation not in OPERATIONS:
+        raise Http404("No such operation.")
+    try:
+        OPERATIONS[operation](job=job, by=request.user)
+        messages.success(request, f"Job {job.pk}: {operation} done.")
+    except ApplicationError as exc:
+        messages.error(request, exc.message)
+    back = request.POST.get("next", "")
+    if back.startswith("/") and not back.startswith("//"):  # only our own pages
+        return redirect(back)
+    return redirect("jobs:detail", job_id=job.pk)

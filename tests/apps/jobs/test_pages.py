@@ -1,0 +1,244 @@
+"""The jobs pages through the Django test client: the Queue, its CSV, Submit and a job's page."""
+
+import csv
+import io
+import re
+
+import pytest
+
+from apps.accounts import services as accounts
+from apps.jobs import services
+from apps.jobs.models import Job, JobState
+from tests import factories
+from tests.apps.jobs.conftest import command_spec
+
+pytestmark = pytest.mark.django_db
+
+
+def submit(team, user, **overrides):
+    job, _ = services.job_submit(team=team, spec=command_spec(team, **overrides), submitted_by=user)
+    return job
+
+
+def logged_in(client, user):
+    client.force_login(user)
+    return client
+
+
+def element_text(html: str, css_class: str) -> str:
+    """The text inside the first element of our templates with this class."""
+    match = re.search(rf'<(\w+) class="{css_class}"[^>]*>(.*?)</\1>', html, re.S)
+    assert match, f"no .{css_class} in the page"
+    return re.sub(r"<[^>]+>", " ", match.group(2))
+
+
+def select_options(html: str, name: str) -> list[str]:
+    match = re.search(rf'<select name="{name}"[^>]*>(.*?)</select>', html, re.S)
+    assert match, f"no <select name={name}> in the page"
+    return re.findall(r'<option value="([^"]*)"', match.group(1))
+
+
+@pytest.fixture
+def other_member(other_team):
+    accounts.team_quota_set(team=other_team, gpu_type="H100", max_gpus=32, by=None)
+    return factories.make_member(team=other_team, role="researcher")
+
+
+def test_the_queue_shows_own_jobs_by_name_and_others_anonymously(
+    client, fleet_pool, quota, team, researcher, other_team, other_member
+):
+    mine = submit(team, researcher, name="alpha-pretrain")
+    theirs = submit(other_team, other_member, name="beta-secret-run")
+
+    response = logged_in(client, researcher).get("/jobs/")
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "<h1>Queue</h1>" in html
+    assert f'<tr data-job="{mine.pk}"' in html
+    assert "alpha-pretrain" in html
+    assert f'href="/jobs/{mine.pk}/"' in html
+    assert "waiting for the next scheduling pass" in html
+    assert "another team&#x27;s job" in html or "another team's job" in html
+    assert "beta-secret-run" not in html
+    assert f'href="/jobs/{theirs.pk}/"' not in html
+    assert '<tr data-job=""' in html
+
+
+def test_the_queue_filters_by_team(
+    client, fleet_pool, quota, team, researcher, other_team, other_member
+):
+    submit(team, researcher, name="alpha-pretrain")
+    submit(other_team, other_member, name="beta-secret-run")
+
+    html = logged_in(client, researcher).get("/jobs/", {"team": "beta"}).content.decode()
+
+    assert "alpha-pretrain" not in html
+    assert html.count("<tr data-job=") == 1
+
+
+def test_the_queue_csv_has_a_header_and_one_row_per_job(
+    client, fleet_pool, quota, team, researcher, other_team, other_member
+):
+    mine = submit(team, researcher, name="alpha-pretrain")
+    submit(other_team, other_member, name="beta-secret-run")
+
+    response = logged_in(client, researcher).get("/jobs/queue.csv")
+
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/csv")
+    rows = list(csv.reader(io.StringIO(response.content.decode())))
+    assert rows[0][:4] == ["position", "id", "team", "name"]
+    assert len(rows) == 3
+    by_team = {row[2]: row for row in rows[1:]}
+    assert by_team["alpha"][1:4] == [str(mine.pk), "alpha", "alpha-pretrain"]
+    assert by_team["beta"][1] == "" and by_team["beta"][3] == ""
+    assert "beta-secret-run" not in response.content.decode()
+
+
+def form_data(team, **overrides) -> dict:
+    data = {
+        "name": "tiny-run",
+        "team": team.pk,
+        "kind": "trainer",
+        "preset": "tiny",
+        "gpu_type": "H100",
+        "gpus": 8,
+        "gpus_per_node": 8,
+        "layout": "",
+        "priority": "normal",
+        "placement": "owned",
+        "time_limit_hours": "2",
+        "dataset": "synthetic",
+        "steps": 10,
+        "global_batch": 64,
+        "seq_len": 128,
+    }
+    data.update(overrides)
+    return data
+
+
+def test_the_submit_page_offers_the_layouts_that_fit(client, fleet_pool, quota, researcher):
+    response = logged_in(client, researcher).get("/jobs/submit/")
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "<h1>Submit a job</h1>" in html
+    assert '<span id="layout-choices">' in html
+    options = select_options(html, "layout")
+    assert options[0] == "" and "1x8x1x1" in options and "1x4x2x1" in options
+    assert not any(value.split("x")[2] in ("4", "8") for value in options[1:])
+
+
+def test_a_good_form_submits_a_pending_job(client, fleet_pool, quota, team, researcher):
+    response = logged_in(client, researcher).post(
+        "/jobs/submit/", form_data(team, layout="1x4x2x1")
+    )
+
+    job = Job.objects.get()
+    assert response.status_code == 302 and response["Location"] == f"/jobs/{job.pk}/"
+    assert (job.state, job.dp_shard, job.tp, job.time_limit_s) == (JobState.PENDING, 4, 2, 7200)
+
+
+def test_a_bad_layout_shows_the_error_and_makes_no_job(client, fleet_pool, quota, team, researcher):
+    response = logged_in(client, researcher).post(
+        "/jobs/submit/", form_data(team, layout="1x2x4x1")
+    )
+
+    assert response.status_code == 200
+    errors = element_text(response.content.decode(), "form-errors")
+    assert "resources.layout.tp" in errors and "4 heads" in errors
+    assert not Job.objects.exists()
+
+
+def test_a_viewer_gets_no_team_to_submit_for(client, fleet_pool, quota, team, viewer):
+    html = logged_in(client, viewer).get("/jobs/submit/").content.decode()
+
+    assert select_options(html, "team") == [""]
+    assert "cannot submit jobs" in html
+
+    response = client.post("/jobs/submit/", form_data(team))
+    assert response.status_code == 200
+    assert not Job.objects.exists()
+
+
+def test_the_job_page_shows_the_summary_the_reason_and_the_timeline(
+    client, fleet_pool, quota, team, researcher
+):
+    job = submit(team, researcher, name="alpha-pretrain")
+    services.job_hold(job=job, by=researcher)
+    services.job_release(job=job, by=researcher)
+
+    response = logged_in(client, researcher).get(f"/jobs/{job.pk}/")
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "<h1>alpha-pretrain</h1>" in html
+    assert "Why it waits" in html and "waiting for the next scheduling pass" in html
+    timeline = re.search(r'<ol class="timeline[^"]*">(.*?)</ol>', html, re.S).group(1)
+    assert timeline.count("<li") == 3
+    assert "submitted" in timeline and f"held by {researcher.username}" in timeline
+    assert f'action="/jobs/{job.pk}/hold/"' in html
+    assert f'action="/jobs/{job.pk}/cancel/"' in html
+    assert f'action="/jobs/{job.pk}/requeue/"' not in html
+
+
+def test_cancel_from_the_job_page(client, fleet_pool, quota, team, researcher):
+    job = submit(team, researcher)
+
+    response = logged_in(client, researcher).post(f"/jobs/{job.pk}/cancel/", follow=True)
+
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED
+    assert response.redirect_chain[-1][0] == f"/jobs/{job.pk}/"
+    html = response.content.decode()
+    assert "Cancelled" in html and "cancel done" in html
+    assert f'action="/jobs/{job.pk}/requeue/"' in html
+    assert f'action="/jobs/{job.pk}/cancel/"' not in html
+
+
+def test_cancel_from_the_queue_goes_back_to_the_queue(client, fleet_pool, quota, team, researcher):
+    job = submit(team, researcher)
+
+    response = logged_in(client, researcher).post(
+        f"/jobs/{job.pk}/cancel/", {"next": "/jobs/?state=pending"}
+    )
+
+    assert response.status_code == 302 and response["Location"] == "/jobs/?state=pending"
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED
+
+
+@pytest.mark.parametrize("jobs", [3, 20])
+def test_the_queue_page_makes_a_bounded_number_of_queries(
+    client, django_assert_max_num_queries, fleet_pool, quota, team, researcher, jobs
+):
+    for n in range(jobs):
+        submit(team, researcher, name=f"job-{n}")
+    logged_in(client, researcher)
+
+    with django_assert_max_num_queries(15):
+        response = client.get("/jobs/")
+
+    assert response.content.decode().count("<tr data-job=") == jobs
+
+
+@pytest.mark.parametrize("layout", ["bogus", "1x8", "1x0x1x1"])
+def test_a_malformed_layout_is_a_form_error_not_a_crash(
+    layout, client, fleet_pool, quota, team, researcher
+):
+    response = logged_in(client, researcher).post("/jobs/submit/", form_data(team, layout=layout))
+    assert response.status_code == 200
+    assert "Choose a layout" in response.content.decode()
+    assert not Job.objects.exists()
+
+
+def test_a_teammate_sees_no_buttons_on_someone_elses_job(
+    client, fleet_pool, quota, team, researcher
+):
+    job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
+    teammate = factories.make_member(team=team, role="researcher")
+    html = logged_in(client, teammate).get(f"/jobs/{job.pk}/").content.decode()
+    assert f'action="/jobs/{job.pk}/cancel/"' not in html
+    queue = client.get("/jobs/").content.decode()
+    assert f'action="/jobs/{job.pk}/cancel/"' not in queue

@@ -1,0 +1,79 @@
+"""A researcher submits a job from the Submit page, sees it pending, and finds it in the Queue."""
+
+import re
+
+import pytest
+from playwright.sync_api import expect
+
+from apps.accounts import services as accounts
+from tests import factories
+from tests.apps.fleet.test_services import ready_node
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def fleet(team):
+    """One owned pool of four 8-GPU H100 nodes, and 32 H100s of quota for the team."""
+    site = factories.make_site(slug="jobs-site")
+    rack = factories.make_rack(site=site, name="J1")
+    pool = factories.make_owned_pool(site=site, slug="h100-owned")
+    for unit in range(4):
+        ready_node(pool=pool, rack=rack, rack_unit=1 + unit * 4, gpu_count=8)
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=32, by=None)
+    return pool
+
+
+def layout_labels(page) -> list[str]:
+    return [text.strip() for text in page.locator("#id_layout option").all_text_contents()]
+
+
+def test_submit_a_tiny_trainer_job_and_find_it_in_the_queue(
+    page, browser_login, fleet, team, researcher
+):
+    base = browser_login(page, researcher)
+    page.goto(f"{base}/jobs/submit/")
+    expect(page.locator("h1")).to_have_text("Submit a job")
+
+    page.fill("#id_name", "tiny-browser-run")
+    page.select_option("#id_team", value=str(team.pk))
+    expect(page.locator("#id_kind")).to_have_value("trainer")
+    expect(page.locator("#id_preset")).to_have_value("tiny")
+    page.select_option("#id_gpus", value="8")
+
+    labels = layout_labels(page)
+    assert labels[0] == "FSDP over all GPUs (default)"
+    assert "FSDP 8" in labels
+    assert "FSDP 4 × TP 2" in labels
+    # tiny has 4 heads and 2 KV heads: tensor parallelism must divide both.
+    assert not [label for label in labels if re.search(r"TP [48]\b", label)]
+
+    page.get_by_role("button", name="Submit", exact=True).click()
+
+    expect(page).to_have_url(re.compile(r"/jobs/\d+/$"))
+    job_id = re.search(r"/jobs/(\d+)/$", page.url).group(1)
+    expect(page.locator("h1")).to_have_text("tiny-browser-run")
+    expect(page.locator(".page-head .badge")).to_have_text("Pending")
+    expect(page.locator(".callout")).to_contain_text("waiting for the next scheduling pass")
+    expect(page.locator(".timeline li")).to_have_count(1)
+
+    page.goto(f"{base}/jobs/")
+    expect(page.locator("h1")).to_have_text("Queue")
+    row = page.locator(f'#queue-table tr[data-job="{job_id}"]')
+    expect(row).to_contain_text("tiny-browser-run")
+    expect(row).to_contain_text("Pending")
+    expect(row).to_contain_text("8 × H100")
+    expect(row.locator("td.reason")).to_have_text("waiting for the next scheduling pass")
+
+
+def test_more_gpus_bring_new_layout_choices(page, browser_login, fleet, researcher):
+    base = browser_login(page, researcher)
+    page.goto(f"{base}/jobs/submit/")
+    assert not [label for label in layout_labels(page) if "replicate" in label]
+
+    page.select_option("#id_gpus", value="16")
+
+    # htmx swaps in the layouts for 2 nodes × 8 GPUs: HSDP (replicate over nodes) appears.
+    expect(page.locator("#id_layout option", has_text="replicate 2").first).to_be_attached()
+    assert "FSDP 16" in layout_labels(page)
+    assert "replicate 2 × FSDP 8" in layout_labels(page)
