@@ -30,6 +30,7 @@ from apps.accounts.models import (
     TokenScope,
 )
 from apps.accounts.selectors import forget_roles, roles_of
+from controlplane.bulk import insert_rows
 from controlplane.errors import ApplicationError
 
 User = get_user_model()
@@ -102,28 +103,53 @@ def audit_record(
     )
 
 
-def audit_record_many(*, actor, action: str, changes: Iterable[tuple[models.Model, dict, dict]]):
-    """One audit row per changed object, inserted in one query (bulk state changes)."""
+AUDIT_BULK_FIELDS = (
+    "at",
+    "actor",
+    "actor_label",
+    "channel",
+    "action",
+    "object_type",
+    "object_id",
+    "object_repr",
+    "team",
+    "before",
+    "after",
+    "address",
+    "request_id",
+)
+
+
+def audit_record_many(
+    *, actor, action: str, changes: Iterable[tuple[models.Model, dict, dict]], team_id=None
+) -> int:
+    """One audit row per changed object, inserted in one bulk statement (bulk state changes)."""
     origin = current_origin()
     label = _actor_label(actor)[:150]
-    rows = [
-        AuditEvent(
-            actor=actor if actor is not None and actor.pk else None,
-            actor_label=label,
-            channel=origin.channel,
-            action=action,
-            object_type=obj._meta.label_lower,
-            object_id=str(obj.pk),
-            object_repr=str(obj)[:200],
-            before=before,
-            after=after,
-            address=origin.address,
-            request_id=origin.request_id,
-        )
-        for obj, before, after in changes
-    ]
-    AuditEvent.objects.bulk_create(rows, batch_size=1000)
-    return rows
+    actor_id = actor.pk if actor is not None and actor.pk else None
+    now = timezone.now()
+    return insert_rows(
+        AuditEvent,
+        AUDIT_BULK_FIELDS,
+        (
+            (
+                now,
+                actor_id,
+                label,
+                origin.channel,
+                action,
+                obj._meta.label_lower,
+                str(obj.pk),
+                str(obj)[:200],
+                team_id,
+                before,
+                after,
+                origin.address,
+                origin.request_id,
+            )
+            for obj, before, after in changes
+        ),
+    )
 
 
 def _validated(obj: models.Model, *, exclude: Iterable[str] = ()) -> None:

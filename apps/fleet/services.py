@@ -28,6 +28,7 @@ from apps.fleet.models import (
     Site,
 )
 from apps.fleet.models.nodes import CapacityType, Provider
+from controlplane.bulk import insert_rows
 from controlplane.errors import ApplicationError
 
 S = NodeState
@@ -401,8 +402,14 @@ def node_heartbeat_record(*, node: Node, at: dt.datetime | None = None) -> Node:
     return locked
 
 
-def _bulk_move(*, candidates: list[tuple[int, str]], to: str, reason: str, now, extra=None):
-    """Move many nodes in one UPDATE per source state, with their events and audit rows."""
+def _bulk_move(
+    *, candidates: list[tuple[int, str]], to: str, reason: str, now, extra=None, audit=True
+):
+    """Move many nodes in one UPDATE per source state, with their events and audit rows.
+
+    `audit=False` for READY ⇄ BUSY, which follow from a job's placement or end: the
+    job's own events and audit rows record that decision, and the node's events its effect.
+    """
     if not candidates:
         return 0
     by_state: dict[str, list[int]] = {}
@@ -414,16 +421,14 @@ def _bulk_move(*, candidates: list[tuple[int, str]], to: str, reason: str, now, 
         values["suspect_from"] = state if to == S.SUSPECT else ""
         values.update(extra or {})
         moved += Node.objects.filter(pk__in=ids, state=state).update(**values)
-    NodeEvent.objects.bulk_create(
-        [
-            NodeEvent(
-                node_id=node_id, from_state=state, to_state=to, reason=reason, actor_label="system"
-            )
-            for node_id, state in candidates
-        ],
-        batch_size=1000,
+    insert_rows(
+        NodeEvent,
+        ("node", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
+        ((node_id, now, state, to, reason, None, "system") for node_id, state in candidates),
     )
-    nodes = Node.objects.in_bulk([node_id for node_id, _ in candidates])
+    if not audit:
+        return moved
+    nodes = Node.objects.only("id", "name").in_bulk([node_id for node_id, _ in candidates])
     audit_record_many(
         actor=None,
         action=f"node.{to}",
@@ -480,7 +485,9 @@ def nodes_work_started(*, node_ids: list[int]) -> int:
         .filter(pk__in=node_ids, state=S.READY)
         .values_list("id", "state")
     )
-    return _bulk_move(candidates=ready, to=S.BUSY, reason="job placed", now=timezone.now())
+    return _bulk_move(
+        candidates=ready, to=S.BUSY, reason="job placed", now=timezone.now(), audit=False
+    )
 
 
 @transaction.atomic
@@ -499,6 +506,8 @@ def nodes_work_ended(*, node_ids: list[int], still_busy: set[int]) -> dict[str, 
     busy = [(i, s) for i, s in rows if s == S.BUSY]
     draining = [(i, s) for i, s in rows if s == S.DRAINING]
     return {
-        "ready": _bulk_move(candidates=busy, to=S.READY, reason="jobs finished", now=now),
+        "ready": _bulk_move(
+            candidates=busy, to=S.READY, reason="jobs finished", now=now, audit=False
+        ),
         "drained": _bulk_move(candidates=draining, to=S.DRAINED, reason="jobs finished", now=now),
     }

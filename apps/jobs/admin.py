@@ -84,7 +84,7 @@ class AllocationAdmin(ReadOnlyAdmin):
 
 @admin.register(TeamUsage)
 class TeamUsageAdmin(ReadOnlyAdmin):
-    list_display = ["team", "gpu_seconds", "updated_at"]
+    list_display = ["team", "scaled_gpu_seconds", "updated_at"]
     readonly_fields = [f.name for f in TeamUsage._meta.fields]
 
 

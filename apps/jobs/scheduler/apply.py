@@ -9,6 +9,7 @@ import datetime as dt
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from django.core.cache import cache
 from django.db import connection, transaction
 from django.db.models import Sum
 from django.utils import timezone
@@ -18,7 +19,8 @@ from apps.fleet import services as fleet
 from apps.fleet.models import Node, NodeState
 from apps.jobs.models import Allocation, Job, JobEvent, JobState, TeamUsage
 from apps.jobs.scheduler import snapshot as plain
-from apps.jobs.scheduler.read import ReadContext, decayed
+from apps.jobs.scheduler.read import ReadContext, decay_scale
+from controlplane.bulk import insert_rows
 
 SCHEDULABLE = (NodeState.READY, NodeState.BUSY)
 NOT_STARTED = (JobState.ADMITTED, JobState.PROVISIONING)
@@ -37,14 +39,12 @@ def _events_and_audit(rows: list[tuple[int, str, str, str]], *, now: dt.datetime
     """rows: (job id, from, to, reason) → JobEvents and audit rows, two bulk inserts."""
     if not rows:
         return
-    JobEvent.objects.bulk_create(
-        [
-            JobEvent(job_id=j, from_state=f, to_state=t, reason=r[:300], actor_label="scheduler")
-            for j, f, t, r in rows
-        ],
-        batch_size=1000,
+    insert_rows(
+        JobEvent,
+        ("job", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
+        ((j, now, f, t, r[:300], None, "scheduler") for j, f, t, r in rows),
     )
-    jobs = Job.objects.in_bulk([j for j, _, _, _ in rows])
+    jobs = Job.objects.only("id", "name").in_bulk([j for j, _, _, _ in rows])
     by_action: dict[str, list] = defaultdict(list)
     for j, f, t, r in rows:
         by_action[f"job.{t}"].append((jobs[j], {"state": f}, {"state": t, "reason": r[:300]}))
@@ -90,13 +90,10 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
         accepted.append(placement)
     if not accepted:
         return
-    Allocation.objects.bulk_create(
-        [
-            Allocation(job_id=p.job_id, node_id=node_id, gpus=gpus, started_at=now)
-            for p in accepted
-            for node_id, gpus in p.node_gpus
-        ],
-        batch_size=1000,
+    insert_rows(
+        Allocation,
+        ("job", "node", "gpus", "started_at", "ended_at"),
+        ((p.job_id, node_id, gpus, now, None) for p in accepted for node_id, gpus in p.node_gpus),
     )
     by_pool: dict[tuple[int, bool], list[int]] = defaultdict(list)
     for p in accepted:
@@ -195,19 +192,16 @@ def _write_reasons(rows: list[tuple[int, str, dt.datetime | None]]) -> None:
     if not rows:
         return
     if connection.vendor == "postgresql":
-        # One UPDATE ... FROM (VALUES ...) per chunk: thousands of rows a statement.
-        table = Job._meta.db_table
-        for start in range(0, len(rows), 5000):
-            chunk = rows[start : start + 5000]
-            values = ", ".join(["(%s::bigint, %s::varchar, %s::timestamptz)"] * len(chunk))
-            params = [item for row in chunk for item in row]
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    f"UPDATE {table} AS j SET pending_reason = v.reason, "  # noqa: S608
-                    "estimated_start = v.estimated "
-                    f"FROM (VALUES {values}) AS v(id, reason, estimated) WHERE j.id = v.id",
-                    params,
-                )
+        # One UPDATE from three arrays: three parameters, however many rows.
+        ids, reasons, starts = (list(column) for column in zip(*rows, strict=True))
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {Job._meta.db_table} AS j "  # noqa: S608 (our own table name)
+                "SET pending_reason = v.reason, estimated_start = v.estimated "
+                "FROM unnest(%s::bigint[], %s::varchar[], %s::timestamptz[]) "
+                "AS v(id, reason, estimated) WHERE j.id = v.id",
+                [ids, reasons, starts],
+            )
         return
     # Elsewhere: one UPDATE per distinct (reason, start); many jobs share a reason.
     groups: dict[tuple[str, dt.datetime | None], list[int]] = defaultdict(list)
@@ -220,28 +214,34 @@ def _write_reasons(rows: list[tuple[int, str, dt.datetime | None]]) -> None:
             )
 
 
+LAST_PASS_KEY = "jobs:last-pass-at"  # noqa: S105 (a cache key)
+
+
 def _advance_usage(ctx: ReadContext) -> None:
-    """Decay every team's usage to now and add what it held since the last pass."""
+    """Add what each team held since the last pass (scaled; decay needs no write)."""
     now = ctx.now
-    rows = {u.team_id: u for u in TeamUsage.objects.select_for_update()}
-    updates = []
-    for team_id, usage in rows.items():
-        since = usage.updated_at
-        elapsed = max((now - since).total_seconds(), 0.0)
-        usage.gpu_seconds = decayed(usage.gpu_seconds, since=since, now=now) + (
-            ctx.held_by_team.get(team_id, 0) * elapsed
+    last = cache.get(LAST_PASS_KEY)
+    cache.set(LAST_PASS_KEY, now.timestamp(), timeout=None)
+    if last is None:
+        return  # the first pass (or the cache was lost): nothing to add yet
+    elapsed = max(now.timestamp() - last, 0.0)
+    scale = decay_scale(now)
+    rows = [
+        (team_id, held * elapsed * scale, now)
+        for team_id, held in ctx.held_by_team.items()
+        if held and elapsed
+    ]
+    if not rows:
+        return
+    table = TeamUsage._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.executemany(
+            f"INSERT INTO {table} (team_id, scaled_gpu_seconds, updated_at) "  # noqa: S608
+            "VALUES (%s, %s, %s) ON CONFLICT (team_id) DO UPDATE SET "
+            f"scaled_gpu_seconds = {table}.scaled_gpu_seconds + excluded.scaled_gpu_seconds, "
+            "updated_at = excluded.updated_at",
+            rows,
         )
-        usage.updated_at = now
-        updates.append(usage)
-    TeamUsage.objects.bulk_update(updates, ["gpu_seconds", "updated_at"], batch_size=1000)
-    TeamUsage.objects.bulk_create(
-        [
-            TeamUsage(team_id=team_id, gpu_seconds=0.0, updated_at=now)
-            for team_id in ctx.held_by_team
-            if team_id not in rows
-        ],
-        ignore_conflicts=True,
-    )
 
 
 @transaction.atomic

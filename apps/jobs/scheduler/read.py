@@ -11,6 +11,7 @@ from apps.accounts.models import TeamQuota
 from apps.fleet.models import Node, NodePool, NodeState
 from apps.jobs.models import Allocation, Job, JobState, Reservation, TeamUsage
 from apps.jobs.models.jobs import PRIORITY_RANK
+from apps.jobs.models.usage import USAGE_EPOCH
 from apps.jobs.scheduler import snapshot as plain
 
 SCHEDULABLE = {NodeState.READY, NodeState.BUSY}
@@ -39,9 +40,9 @@ def _epoch(moment: dt.datetime) -> float:
     return moment.timestamp()
 
 
-def decayed(value: float, *, since: dt.datetime, now: dt.datetime) -> float:
-    elapsed = max((now - since).total_seconds(), 0.0)
-    return value * 0.5 ** (elapsed / settings.FAIR_SHARE_HALF_LIFE_S)
+def decay_scale(now: dt.datetime) -> float:
+    """2^((now - epoch) / half-life): stored usage ÷ this = usage now."""
+    return 2.0 ** ((now - USAGE_EPOCH).total_seconds() / settings.FAIR_SHARE_HALF_LIFE_S)
 
 
 def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, ReadContext]:
@@ -193,11 +194,10 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
     ):
         quotas[(team_id, gpu_type)] = plain.Quota(nominal=nominal, borrow=borrow)
         shares[team_id] += nominal
+    scale = decay_scale(now)
     usage = {
-        team_id: decayed(value, since=updated_at, now=now)
-        for team_id, value, updated_at in TeamUsage.objects.values_list(
-            "team_id", "gpu_seconds", "updated_at"
-        )
+        team_id: value / scale
+        for team_id, value in TeamUsage.objects.values_list("team_id", "scaled_gpu_seconds")
     }
 
     window_nodes: dict[int, set[int]] = defaultdict(set)

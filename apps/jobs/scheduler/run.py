@@ -37,9 +37,8 @@ def scheduling_pass() -> PassReport:
     applied = decisions_apply(decisions, ctx)
     done = time.perf_counter()
     # Queue positions for the API and pages, without writing 50,000 rows a pass.
-    cache.set(
-        QUEUE_ORDER_KEY, [j for j in decisions.order if j not in set(applied.placed)], timeout=3600
-    )
+    placed = set(applied.placed)
+    cache.set(QUEUE_ORDER_KEY, [j for j in decisions.order if j not in placed], timeout=3600)
     return PassReport(
         pending=len(snapshot.pending),
         placed=len(applied.placed),

@@ -1,0 +1,931 @@
+"""One scheduling pass as a pure function: `plan(snapshot) -> decisions` (standard library only).
+
+The pass walks the queue once, highest priority first, against an index of free
+capacity per pool, and never scans every node for a job:
+
+- per rack, how many nodes have at least k free GPUs, and per k the racks bucketed by
+  that count, so the best-fitting rack for a gang is a few set look-ups;
+- per exact free-GPU count a heap of nodes, so a one-node job takes the tightest node;
+- per pool, how many nodes have at least k free GPUs, so a job that cannot fit fails
+  in O(1) and a full fleet costs the rest of the queue nothing but reasons.
+
+The first job that cannot start in a pool gets a shadow reservation (EASY backfill):
+the nodes it would get at its earliest start, worked out from the time limits of what
+runs there. Per pool and GPUs-per-node size, a sorted list says when each node will
+have that many GPUs free and no reservation on it; the pass keeps it up to date as it
+books and reserves nodes, so an earliest start is the n-th entry. Later jobs may take
+reserved nodes only if they end by the reservation's start. After the first blocked
+job each pool tries at most `backfill_depth` more jobs (Slurm's bf_max_job_test); the
+jobs after that are told they wait behind higher ones. Every blocked job tried gets a
+reservation of its own, on nodes that no earlier reservation holds at that time.
+"""
+
+import heapq
+import time
+from bisect import bisect_left, bisect_right, insort
+
+from apps.jobs.scheduler.priority import queue_order
+from apps.jobs.scheduler.snapshot import (
+    ANY_GPU,
+    CLOUD,
+    OWNED,
+    OWNED_THEN_CLOUD,
+    BurstRequest,
+    Decisions,
+    NodeSlot,
+    Pending,
+    Placement,
+    PoolInfo,
+    Preemption,
+    Running,
+    Snapshot,
+    Wait,
+    Window,
+)
+
+CLASS_NAMES = {0: "low", 1: "normal", 2: "high", 3: "urgent"}
+INFINITY = float("inf")
+NO_NODES: frozenset[int] = frozenset()
+BEYOND_DEPTH = "beyond the backfill depth: waiting for higher jobs"
+KINDS_FOR = {OWNED: ("owned",), CLOUD: ("cloud",), OWNED_THEN_CLOUD: ("owned", "cloud")}
+
+
+def plan(snapshot: Snapshot) -> Decisions:
+    """Place what fits now, reserve for what does not, preempt and burst where allowed."""
+    return _Pass(snapshot).run()
+
+
+# --- words ---------------------------------------------------------------------------------
+
+
+def clock(moment: float, now: float) -> str:
+    """HH:MM UTC, with the date in front when it is not today's."""
+    t = time.gmtime(moment)
+    hm = f"{t.tm_hour:02d}:{t.tm_min:02d} UTC"
+    if time.gmtime(now)[:3] != t[:3]:
+        return f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d} {hm}"
+    return hm
+
+
+def _nodes_word(count: int) -> str:
+    return "1 node" if count == 1 else f"{count} nodes"
+
+
+def _gpu_word(job: Pending) -> str:
+    return "GPUs of any type" if job.gpu_type == ANY_GPU else job.gpu_type
+
+
+def _what(job: Pending) -> str:
+    """'2 × 8 H100' for a gang, '4 H100' for one node."""
+    if job.nodes == 1:
+        return f"{job.gpus_per_node} {_gpu_word(job)}"
+    return f"{job.nodes} × {job.gpus_per_node} {_gpu_word(job)}"
+
+
+def _blocks(w: Window, team: int, start: float, end: float) -> bool:
+    """Whether window w keeps a job of `team` running over [start, end) off its nodes."""
+    return (w.team_id is None or w.team_id != team) and start < w.end and end > w.start
+
+
+# --- the free-capacity index of one pool -----------------------------------------------------
+
+
+class PoolCapacity:
+    """One pool's schedulable nodes and their free GPUs, indexed for best-fit look-ups.
+
+    Within a pass GPUs are only taken, never given back, so the free counts only fall.
+    """
+
+    __slots__ = (
+        "attempts",
+        "blocked_seen",
+        "bucket",
+        "burst_nodes",
+        "exhausted",
+        "free",
+        "gpu_type",
+        "gpus_max",
+        "heaps",
+        "id",
+        "info",
+        "is_cloud",
+        "levels",
+        "max_rack",
+        "node_count",
+        "node_windows",
+        "nodes_with",
+        "now",
+        "pool_cnt",
+        "rack_cnt",
+        "rack_nodes",
+        "rack_of",
+        "ready_cache",
+        "releases",
+        "reserved",
+        "reserved_free",
+        "reserved_until",
+        "victim_order",
+        "window_nodes",
+        "windows",
+    )
+
+    def __init__(self, info: PoolInfo, nodes: list[NodeSlot], now: float, sizes: set[int]):
+        """`sizes`: the GPUs per node that jobs ask for; only those levels are kept up to
+        date as GPUs are taken (the counts for other levels go stale)."""
+        self.info = info
+        self.now = now
+        self.id = info.id
+        self.gpu_type = info.gpu_type
+        self.is_cloud = info.kind == "cloud"
+        self.node_count = len(nodes)  # every node the pool has, for its burst limit
+        self.burst_nodes = 0  # nodes asked for by this pass's burst requests
+        self.gpus_max = g_max = max((n.gpus_total for n in nodes), default=0)
+        # nodes_with[g]: how many nodes (schedulable or not) have at least g GPUs in all.
+        totals = [0] * (g_max + 2)
+        for n in nodes:
+            if n.gpus_total > 0:
+                totals[n.gpus_total] += 1
+        self.nodes_with = with_ = [0] * (g_max + 1)
+        running_sum = 0
+        for g in range(g_max, -1, -1):
+            running_sum += totals[g]
+            with_[g] = running_sum
+
+        # Racks in the order of their ids (no rack last), so the lowest position is the lowest id.
+        schedulable = sorted(
+            (n for n in nodes if n.schedulable and n.gpus_total > 0),
+            key=lambda n: (n.rack_id is None, n.rack_id or 0, n.id),
+        )
+        rack_pos: dict = {}
+        rack_nodes: list[list[int]] = []
+        free: dict[int, int] = {}
+        rack_of: dict[int, int] = {}
+        for n in schedulable:
+            pos = rack_pos.get(n.rack_id)
+            if pos is None:
+                pos = rack_pos[n.rack_id] = len(rack_nodes)
+                rack_nodes.append([])
+            rack_nodes[pos].append(n.id)
+            f = n.gpus_free
+            free[n.id] = 0 if f < 0 else (n.gpus_total if f > n.gpus_total else f)
+            rack_of[n.id] = pos
+        self.free = free
+        self.rack_of = rack_of
+        self.rack_nodes = rack_nodes
+        self.max_rack = max_rack = max((len(r) for r in rack_nodes), default=0)
+        self.levels = levels = sorted(k for k in sizes if 0 < k <= g_max)
+
+        rack_cnt = []
+        pool_cnt = [0] * (g_max + 1)
+        heaps: list[list[int]] = [[] for _ in range(g_max + 1)]
+        bucket = [[set() for _ in range(max_rack + 1)] for _ in range(g_max + 1)]
+        for r, members in enumerate(rack_nodes):
+            per_free = [0] * (g_max + 2)
+            for x in members:
+                f = free[x]
+                per_free[f] += 1
+                if f:
+                    heaps[f].append(x)
+            counts = [0] * (g_max + 1)
+            c = 0
+            for k in range(g_max, 0, -1):
+                c += per_free[k]
+                counts[k] = c
+                pool_cnt[k] += c
+            for k in levels:
+                if counts[k]:
+                    bucket[k][counts[k]].add(r)
+            counts[0] = len(members)
+            rack_cnt.append(counts)
+        for h in heaps:
+            heapq.heapify(h)
+        self.rack_cnt = rack_cnt
+        self.pool_cnt = pool_cnt
+        self.bucket = bucket
+        self.heaps = heaps
+
+        # node -> (time, GPUs) coming back as running jobs and this pass's reach their limits.
+        self.releases: dict[int, list[tuple[float, int]]] = {}
+        # g -> (sorted (time, node), node -> time): when each node outside any window has g
+        # free GPUs and no reservation holding it; built on first use, then kept up to date.
+        self.ready_cache: dict[int, tuple[list[tuple[float, int]], dict[int, float]]] = {}
+        self.victim_order: list[Running] = []
+        self.windows: list[tuple[Window, frozenset[int]]] = []
+        self.window_nodes: set[int] = set()
+        self.node_windows: dict[int, list[Window]] = {}
+        self.reserved: dict[int, float] = {}  # node -> start of its first reservation
+        self.reserved_until: dict[int, float] = {}  # node -> end of its last reservation
+        self.reserved_free: set[int] = set()  # reserved nodes with a free GPU now
+        self.blocked_seen = False  # a job that could use this pool could not start
+        self.attempts = 0  # jobs tried here since then
+        self.exhausted = False  # attempts reached the backfill depth
+
+    # -- looking ---------------------------------------------------------------------------
+
+    def count_fitting(self, g: int, blocked=NO_NODES) -> int:
+        """Nodes with at least g free GPUs, leaving out `blocked`."""
+        if g > self.gpus_max:
+            return 0
+        free = self.free
+        return self.pool_cnt[g] - sum(1 for x in blocked if free.get(x, 0) >= g)
+
+    def best_fit(self, n: int, g: int, blocked) -> tuple[tuple, list[int]] | None:
+        """The tightest place for n nodes of g free GPUs now: (score, node ids), or None.
+
+        Lower scores are tighter: (0, spare) for one node or one rack, (1, racks, spare)
+        for a gang across racks. `blocked` holds the nodes with free GPUs it may not use.
+        """
+        if g > self.gpus_max or g <= 0:
+            return None
+        if n == 1:
+            return self._best_node(g, blocked)
+        free = self.free
+        rack_of = self.rack_of
+        dec: dict[int, int] = {}
+        for x in blocked:
+            if free.get(x, 0) >= g:
+                r = rack_of[x]
+                dec[r] = dec.get(r, 0) + 1
+        if self.pool_cnt[g] - sum(dec.values()) < n:
+            return None
+        bucket = self.bucket[g]
+        max_rack = self.max_rack
+        if dec:
+            # A view of the buckets with the blocked nodes' racks moved down.
+            rack_cnt = self.rack_cnt
+            moved: list[list[int]] = [[] for _ in range(max_rack + 1)]
+            for r, d in dec.items():
+                moved[rack_cnt[r][g] - d].append(r)
+
+            def racks_with(c: int):
+                racks = [r for r in bucket[c] if r not in dec]
+                racks.extend(moved[c])
+                return racks
+        else:
+
+            def racks_with(c: int):
+                return bucket[c]
+
+        for c in range(n, max_rack + 1):  # one rack, the one left with the fewest spare nodes
+            racks = racks_with(c)
+            if racks:
+                r = min(racks)
+                return (0, c - n), self._pick_in_rack(r, n, g, blocked)
+        # Across racks: whole racks, fullest first, then the tightest rack for the rest.
+        chosen: list[tuple[int, int]] = []
+        taken: set[int] = set()
+        rest = n
+        spare = 0
+        for c in range(max_rack, 0, -1):
+            racks = racks_with(c)
+            if not racks:
+                continue
+            if c <= rest:
+                k = rest // c
+                pick = sorted(racks) if k >= len(racks) else heapq.nsmallest(k, racks)
+                chosen.extend((r, c) for r in pick)
+                taken.update(pick)
+                rest -= c * len(pick)
+                if rest == 0:
+                    break
+            if c > rest or len(pick) < len(racks):
+                # The remainder is smaller than what is left of the bigger racks: best fit.
+                for c2 in range(rest, max_rack + 1):
+                    left = [r for r in racks_with(c2) if r not in taken]
+                    if left:
+                        chosen.append((min(left), rest))
+                        spare = c2 - rest
+                        rest = 0
+                        break
+                break
+        if rest:
+            return None  # cannot happen: the pool count said there was room
+        picked: list[int] = []
+        for r, take in chosen:
+            picked.extend(self._pick_in_rack(r, take, g, blocked))
+        return (1, len(chosen), spare), picked
+
+    def _best_node(self, g: int, blocked) -> tuple[tuple, list[int]] | None:
+        free = self.free
+        heaps = self.heaps
+        for f in range(g, self.gpus_max + 1):
+            h = heaps[f]
+            skipped = []
+            found = None
+            while h:
+                x = h[0]
+                if free[x] != f:  # stale: the node has fewer free GPUs now
+                    heapq.heappop(h)
+                elif x in blocked:
+                    skipped.append(heapq.heappop(h))
+                else:
+                    found = x
+                    break
+            for x in skipped:
+                heapq.heappush(h, x)
+            if found is not None:
+                return (0, f - g), [found]
+        return None
+
+    def _pick_in_rack(self, r: int, n: int, g: int, blocked) -> list[int]:
+        """The n nodes of rack r with the fewest free GPUs that still fit."""
+        free = self.free
+        fits = sorted((free[x], x) for x in self.rack_nodes[r] if free[x] >= g and x not in blocked)
+        return [x for _, x in fits[:n]]
+
+    # -- booking ---------------------------------------------------------------------------
+
+    def book(self, x: int, gpus: int, until: float) -> None:
+        """Give a placement `gpus` GPUs of node x, which come back at `until`."""
+        self.take(x, gpus)
+        insort(self.releases.setdefault(x, []), (until, gpus))
+        self.refresh(x)
+
+    def take(self, x: int, gpus: int) -> None:
+        free = self.free
+        a = free[x]
+        b = a - gpus
+        free[x] = b
+        r = self.rack_of[x]
+        counts = self.rack_cnt[r]
+        bucket = self.bucket
+        pool_cnt = self.pool_cnt
+        for k in self.levels:
+            if k <= b:
+                continue
+            if k > a:
+                break
+            c = counts[k]
+            bk = bucket[k]
+            bk[c].discard(r)
+            c -= 1
+            counts[k] = c
+            if c:
+                bk[c].add(r)
+            pool_cnt[k] -= 1
+        if b > 0:
+            heapq.heappush(self.heaps[b], x)
+        elif x in self.reserved_free:
+            self.reserved_free.discard(x)
+
+    def reserve(self, nodes, start: float, until: float) -> None:
+        """Hold nodes for a blocked job from `start` to `until` (INFINITY: no known end).
+
+        Jobs placed now may use them only if they end by the first reservation's start;
+        later reservations may use them only after the last one's end.
+        """
+        free = self.free
+        for x in nodes:
+            if x not in self.reserved:
+                self.reserved[x] = start
+            self.reserved_until[x] = until
+            if free[x] > 0:
+                self.reserved_free.add(x)
+            self.refresh(x)
+
+    # -- the future --------------------------------------------------------------------------
+
+    def ready_at(self, x: int, g: int) -> float:
+        """When node x has g free GPUs and no reservation holds it (INFINITY: never)."""
+        f = self.free[x]
+        t = self.now
+        if f < g:
+            t = INFINITY
+            for when, gpus in self.releases.get(x, ()):
+                f += gpus
+                if f >= g:
+                    t = when
+                    break
+        held_until = self.reserved_until.get(x)
+        return t if held_until is None or held_until <= t else held_until
+
+    def ready_list(self, g: int) -> list[tuple[float, int]]:
+        cached = self.ready_cache.get(g)
+        if cached is None:
+            window_nodes = self.window_nodes
+            times = {x: self.ready_at(x, g) for x in self.free if x not in window_nodes}
+            cached = self.ready_cache[g] = (sorted((t, x) for x, t in times.items()), times)
+        return cached[0]
+
+    def refresh(self, x: int) -> None:
+        """Move node x in the ready lists after its free GPUs or reservations changed."""
+        if x in self.window_nodes:
+            return
+        for g, (ready, times) in self.ready_cache.items():
+            old, new = times[x], self.ready_at(x, g)
+            if new != old:
+                del ready[bisect_left(ready, (old, x))]
+                insort(ready, (new, x))
+                times[x] = new
+
+    def window_usable(self, x: int, team: int, start: float, end: float) -> bool:
+        return not any(_blocks(w, team, start, end) for w in self.node_windows.get(x, ()))
+
+    def earliest_start(self, job: Pending) -> tuple[float, list[int]] | None:
+        """When, at the earliest, n nodes with g free GPUs are usable by the job, and which.
+
+        Capacity comes back as running jobs and this pass's placements reach their time
+        limits. A node reserved for a higher job counts only after that reservation ends
+        (so reservations never overlap); a node under a window only at times it allows.
+        """
+        g, n = job.gpus_per_node, job.nodes
+        if g > self.gpus_max or self.nodes_with[g] < n or len(self.free) < n:
+            return None
+        ready = self.ready_list(g)
+        if not self.window_nodes:
+            if len(ready) < n or ready[n - 1][0] == INFINITY:
+                return None
+            start = ready[n - 1][0]
+            return start, self._pick_ready(ready, n, start, [])
+        # Window nodes count only while their windows allow the job: try each time at
+        # which the count of usable nodes can rise, in order.
+        team, tl = job.team_id, job.time_limit_s
+        watched = [(t, x) for x in self.window_nodes if (t := self.ready_at(x, g)) < INFINITY]
+        times = {t for t, _ in watched}
+        times.update(w.end for w, _ in self.windows if w.end > self.now)
+        times.update(t for t, _ in ready[max(0, n - len(watched) - 1) : n])
+        for t in sorted(times):
+            if t == INFINITY:
+                break
+            count = bisect_right(ready, (t, INFINITY))
+            if count >= n:
+                return t, self._pick_ready(ready, n, t, [])
+            usable = [x for tx, x in watched if tx <= t and self.window_usable(x, team, t, t + tl)]
+            if count + len(usable) >= n:
+                return t, self._pick_ready(ready, n, t, sorted(usable))
+        return None
+
+    def _pick_ready(self, ready, n: int, start: float, usable: list[int]) -> list[int]:
+        """n nodes for a reservation at `start`: those busy now first (what is free now
+        stays free for backfill), then window nodes, then nodes free now."""
+        upto = bisect_right(ready, (start, INFINITY))
+        free_now = bisect_right(ready, (self.now, INFINITY))
+        picked = [x for _, x in ready[free_now:upto][:n]]
+        picked.extend(usable[: n - len(picked)])
+        picked.extend(x for _, x in ready[: min(free_now, upto)][: n - len(picked)])
+        return picked
+
+
+# --- the pass -------------------------------------------------------------------------------
+
+
+class _Pass:
+    """The state of one pass; thrown away once it has returned its decisions."""
+
+    def __init__(self, snapshot: Snapshot):
+        self.snap = snapshot
+        self.now = now = snapshot.now
+        self.settings = snapshot.settings
+        self.decisions = Decisions()
+        by_pool: dict[int, list[NodeSlot]] = {pid: [] for pid in snapshot.pools}
+        for n in snapshot.nodes:
+            if n.pool_id in by_pool:
+                by_pool[n.pool_id].append(n)
+        sizes = {j.gpus_per_node for j in snapshot.pending}
+        self.pools = {
+            pid: PoolCapacity(info, by_pool[pid], now, sizes)
+            for pid, info in sorted(snapshot.pools.items())
+        }
+        pool_of = {x: pool for pool in self.pools.values() for x in pool.free}
+        self.held: dict[tuple[int, str], int] = {}
+        for r in snapshot.running:
+            key = (r.team_id, r.gpu_type)
+            self.held[key] = self.held.get(key, 0) + sum(g for _, g in r.node_gpus)
+            end = r.expected_end if r.expected_end > now else now
+            for x, gpus in r.node_gpus:
+                pool = pool_of.get(x)
+                if pool is not None:
+                    pool.releases.setdefault(x, []).append((end, gpus))
+            pool = self.pools.get(r.pool_id)
+            if pool is not None:
+                pool.victim_order.append(r)
+        for pool in self.pools.values():
+            for coming_back in pool.releases.values():
+                coming_back.sort()
+            # Lowest class first, then the youngest (the latest expected end) first.
+            pool.victim_order.sort(key=lambda r: (r.priority, -r.expected_end, r.job_id))
+        for w in sorted(snapshot.windows, key=lambda w: w.id):
+            if w.end <= now:
+                continue
+            for pool in self.pools.values():
+                mine = frozenset(x for x in w.node_ids if x in pool.free)
+                if mine:
+                    pool.windows.append((w, mine))
+                    pool.window_nodes |= mine
+                    for x in mine:
+                        pool.node_windows.setdefault(x, []).append(w)
+        self.quotas = snapshot.quotas
+        self.limits = {key: q.nominal + q.borrow for key, q in snapshot.quotas.items()}
+        self.victims: set[int] = set()
+        self.quota_waits: dict[tuple, Wait] = {}  # one Wait per wording, shared by its jobs
+        self.depth = max(self.settings.backfill_depth, 0)
+
+    # -- the walk ----------------------------------------------------------------------------
+
+    def run(self) -> Decisions:
+        decisions = self.decisions
+        order = queue_order(self.snap)
+        decisions.order = [job.job_id for job in order]
+        waits = decisions.waits
+        held = self.held
+        limits = self.limits
+        depth = self.depth
+        shapes: dict[tuple, tuple] = {}
+        beyond = Wait(reason=BEYOND_DEPTH)
+        quota_waits = self.quota_waits
+        quotas = self.quotas
+        for job in order:
+            shape = (job.gpu_type, job.placement, job.nodes, job.gpus_per_node)
+            known = shapes.get(shape)
+            if known is None:
+                known = shapes[shape] = self.shape(job)
+            pools, single_type, types, never = known
+            if never is not None:
+                waits[job.job_id] = never
+                continue
+            gpus = job.nodes * job.gpus_per_node
+            team = job.team_id
+            if single_type is not None:
+                key = (team, single_type)
+                limit = limits.get(key)
+                if limit is not None and (h := held.get(key, 0)) + gpus > limit:
+                    q = quotas[key]
+                    wkey = (single_type, h, gpus, q.nominal, q.borrow)  # the words, not the team
+                    w = quota_waits.get(wkey)
+                    if w is None:
+                        w = quota_waits[wkey] = Wait(self.quota_reason(job, [single_type]))
+                    waits[job.job_id] = w
+                    continue
+                fitting = pools
+            else:
+                allowed = [
+                    t
+                    for t in types
+                    if (limit := limits.get((team, t))) is None
+                    or held.get((team, t), 0) + gpus <= limit
+                ]
+                if not allowed:
+                    waits[job.job_id] = Wait(self.quota_reason(job, types))
+                    continue
+                fitting = (
+                    pools
+                    if len(allowed) == len(types)
+                    else tuple(p for p in pools if p.gpu_type in allowed)
+                )
+            for p in fitting:
+                if not p.exhausted:
+                    break
+            else:
+                waits[job.job_id] = beyond
+                continue
+            for p in fitting:
+                if p.blocked_seen:
+                    p.attempts += 1
+                    if p.attempts >= depth:
+                        p.exhausted = True
+            if not self.try_place(job, fitting):
+                self.blocked(job, fitting)
+                for p in fitting:
+                    if not p.blocked_seen:
+                        p.blocked_seen = True
+                        p.exhausted = depth == 0
+        return decisions
+
+    def shape(self, job: Pending) -> tuple:
+        """For jobs of one shape: (eligible pools, their GPU type if only one, all their GPU
+        types, and a Wait when no eligible pool can ever hold the shape)."""
+        pools = tuple(
+            p
+            for kind in KINDS_FOR.get(job.placement, ())
+            for p in self.pools.values()
+            if p.info.enabled
+            and p.info.kind == kind
+            and (job.gpu_type == ANY_GPU or p.gpu_type == job.gpu_type)
+        )
+        n, g = job.nodes, job.gpus_per_node
+        can_hold = (
+            n > 0
+            and g > 0
+            and any(
+                (g <= p.gpus_max and p.nodes_with[g] >= n)
+                or (p.is_cloud and p.info.max_nodes >= n and g <= p.info.gpus_per_node)
+                for p in pools
+            )
+        )
+        if not can_hold:
+            word = "GPUs" if job.gpu_type == ANY_GPU else job.gpu_type
+            where = {OWNED: " among owned pools", CLOUD: " among cloud pools"}.get(
+                job.placement, ""
+            )
+            reason = f"no eligible pool can hold {_nodes_word(n)} of {g} {word}{where}"
+            return pools, None, [], Wait(reason=reason)
+        types = sorted({p.gpu_type for p in pools})
+        return pools, (types[0] if len(types) == 1 else None), types, None
+
+    def wait(self, job: Pending, reason: str, estimated_start: float | None = None) -> None:
+        self.decisions.waits[job.job_id] = Wait(reason=reason, estimated_start=estimated_start)
+
+    def quota_reason(self, job: Pending, types: list[str]) -> str:
+        """'waiting for 64 H100: team quota 192/192 in use', or that the job alone is more
+        than the whole quota."""
+        what = f"{job.gpus} {'GPUs' if job.gpu_type == ANY_GPU else job.gpu_type}"
+        quotas = [
+            (t, self.quotas[(job.team_id, t)]) for t in types if (job.team_id, t) in self.quotas
+        ]
+        many = len(types) > 1
+        if quotas and all(job.gpus > q.limit for _, q in quotas):
+            if not many:
+                q = quotas[0][1]
+                split = f" ({q.nominal} nominal + {q.borrow} borrowable)" if q.borrow else ""
+                whole = f"the team's whole {types[0]} quota of {q.limit}{split}"
+                return f"waiting for {what}: more than {whole}"
+            limits = ", ".join(f"{t} {q.limit}" for t, q in quotas)
+            return f"waiting for {what}: more than the team's whole quota of any type ({limits})"
+        parts = []
+        for gpu_type, q in quotas:
+            part = f"{self.held.get((job.team_id, gpu_type), 0)}/{q.limit}"
+            if q.borrow:
+                part += f" ({q.nominal} nominal + {q.borrow} borrowable)"
+            parts.append(f"{gpu_type} {part}" if many else part)
+        return f"waiting for {what}: team quota {', '.join(parts)} in use"
+
+    def windows_in_way(self, job: Pending, pool: PoolCapacity, start: float) -> list:
+        end = start + job.time_limit_s
+        return [(w, nodes) for w, nodes in pool.windows if _blocks(w, job.team_id, start, end)]
+
+    def blocked_nodes(self, job: Pending, pool: PoolCapacity):
+        """Nodes with free GPUs that this job may not take now: those of windows it would
+        overlap, and reserved ones it would still run on when the reservation starts."""
+        if not pool.windows and not pool.reserved_free:
+            return NO_NODES
+        out: set[int] = set()
+        for _, nodes in self.windows_in_way(job, pool, self.now):
+            out |= nodes
+        end = self.now + job.time_limit_s
+        reserved = pool.reserved
+        out.update(x for x in pool.reserved_free if reserved[x] < end)
+        return out
+
+    def try_place(self, job: Pending, pools: tuple[PoolCapacity, ...]) -> bool:
+        """Place the job in the tightest pool of the first kind (owned, cloud) with room."""
+        n, g = job.nodes, job.gpus_per_node
+        best = best_pool = None
+        for p in pools:
+            if best is not None and p.is_cloud != best_pool.is_cloud:
+                break  # an owned pool had room: cloud pools come only after
+            if g > p.gpus_max or p.pool_cnt[g] < n:
+                continue
+            fit = p.best_fit(n, g, self.blocked_nodes(job, p))
+            if fit is not None and (best is None or fit[0] < best[0]):
+                best, best_pool = fit, p
+        if best is None:
+            return False
+        p = best_pool
+        nodes = best[1]
+        end = self.now + job.time_limit_s
+        for x in nodes:
+            p.book(x, g, end)
+        node_gpus = tuple((x, g) for x in nodes)
+        self.decisions.placements.append(
+            Placement(
+                job_id=job.job_id, pool_id=p.id, node_gpus=node_gpus, backfilled=p.blocked_seen
+            )
+        )
+        key = (job.team_id, p.gpu_type)
+        self.held[key] = self.held.get(key, 0) + n * g
+        return True
+
+    # -- a job that cannot start now ---------------------------------------------------------
+
+    def blocked(self, job: Pending, pools: tuple[PoolCapacity, ...]) -> None:
+        """Preempt for it, or burst for it, or reserve its earliest start; say why it waits."""
+        if self.settings.preemption and self.preempt_for(job, pools):
+            return
+        burst_to, budget_stopped, burst_at = self.burst_target(job, pools)
+        if burst_to is not None:
+            spot = burst_to.info.spot and job.spot_allowed
+            burst_to.burst_nodes += job.nodes
+            self.decisions.bursts.append(
+                BurstRequest(job_id=job.job_id, pool_id=burst_to.id, nodes=job.nodes, spot=spot)
+            )
+            self.wait(
+                job,
+                f"waiting for {_what(job)}: {_nodes_word(job.nodes)} requested from "
+                f"cloud pool {burst_to.id} ({'spot' if spot else 'on-demand'})",
+            )
+            return
+        n, g = job.nodes, job.gpus_per_node
+        if budget_stopped and not any(g <= p.gpus_max and p.nodes_with[g] >= n for p in pools):
+            self.wait(job, f"budget exhausted: {_what(job)} could only run on new cloud nodes")
+            return
+        start = where = None
+        for p in pools:
+            found = p.earliest_start(job)
+            if found is not None and (start is None or found[0] < start[0]):
+                start, where = found, p
+        reason = f"waiting for {_what(job)}{' in one pool' if n > 1 else ''}: "
+        reason += self.capacity_reason(job, pools)
+        if budget_stopped:
+            reason += "; no cloud burst: budget exhausted"
+        elif burst_at is not None:
+            reason += f"; cloud burst from {clock(burst_at, self.now)}"
+        if start is None:
+            self.wait(job, reason)
+            return
+        where.reserve(start[1], start[0], start[0] + job.time_limit_s)
+        reason += f"; earliest start {clock(start[0], self.now)} (reserved)"
+        self.wait(job, reason, start[0])
+
+    def capacity_reason(self, job: Pending, pools) -> str:
+        """Name what stands in the way: capacity, a window, or reservations for higher jobs."""
+        g, n = job.gpus_per_node, job.nodes
+        raw = usable = outside_windows = 0
+        in_way: list[Window] = []
+        for p in pools:
+            raw = max(raw, p.count_fitting(g))
+            windowed: set[int] = set()
+            for w, nodes in self.windows_in_way(job, p, self.now):
+                windowed |= nodes
+                in_way.append(w)
+            outside_windows = max(outside_windows, p.count_fitting(g, windowed))
+            usable = max(usable, p.count_fitting(g, self.blocked_nodes(job, p)))
+        if raw >= n and outside_windows < n and in_way:
+            w = min(in_way, key=lambda w: (w.start, w.id))
+            what = "a maintenance window" if w.team_id is None else f"team {w.team_id}'s window"
+            span = f"{clock(w.start, self.now)} to {clock(w.end, self.now)}"
+            return f"held back by {what} on {_nodes_word(len(w.node_ids))} ({span})"
+        if outside_windows >= n and usable < n:
+            return f"{_nodes_word(outside_windows)} free now, held for higher-priority jobs"
+        if n == 1:
+            return f"no node has {g} free GPUs now"
+        return f"{_nodes_word(usable) if usable else 'no node'} free now"
+
+    def burst_target(self, job: Pending, pools) -> tuple[PoolCapacity | None, bool, float | None]:
+        """The cloud pool to ask nodes of now; whether only the budget stopped that; and
+        when the job may burst if only the burst delay stands in the way."""
+        if job.placement == OWNED:
+            return None, False, None
+        waited = self.now - job.queued_at
+        burst_at = None
+        for p in pools:
+            info = p.info
+            if not (
+                p.is_cloud
+                and job.gpus_per_node <= info.gpus_per_node
+                and p.node_count + p.burst_nodes + job.nodes <= info.max_nodes
+            ):
+                continue
+            if waited < info.burst_delay_s:
+                at = job.queued_at + info.burst_delay_s
+                burst_at = at if burst_at is None else min(burst_at, at)
+            elif not job.budget_ok:
+                return None, True, None
+            else:
+                return p, False, None
+        return None, False, (burst_at if job.budget_ok else None)
+
+    # -- preemption ------------------------------------------------------------------------------
+
+    def preempt_for(self, job: Pending, pools) -> bool:
+        """Checkpoint and stop lower jobs (or borrowers, to give a team its nominal quota
+        back) so the job fits in one pool; it starts in a later pass, once they stopped."""
+        best = None
+        why = "priority"
+        for p in pools:
+            if p.victim_order and job.priority > p.victim_order[0].priority:
+                found = self.victims_in(p, job, self.lower_class(job, p))
+                if found is not None and (best is None or len(found[0]) < len(best[1][0])):
+                    best = (p, found)
+        if best is None:
+            why = "reclaim"
+            for p in pools:
+                q = self.quotas.get((job.team_id, p.gpu_type))
+                if (
+                    not p.victim_order
+                    or q is None
+                    or self.held.get((job.team_id, p.gpu_type), 0) + job.gpus > q.nominal
+                ):
+                    continue
+                found = self.victims_in(p, job, self.borrowers(job, p))
+                if found is not None and (best is None or len(found[0]) < len(best[1][0])):
+                    best = (p, found)
+        if best is None:
+            return False
+        p, (victims, nodes) = best
+        if why == "priority":
+            name = CLASS_NAMES.get(job.priority, str(job.priority))
+            reason = f"preempted by a higher-priority job ({name} job {job.job_id})"
+        else:
+            reason = (
+                f"preempted: team {job.team_id} reclaims its nominal {p.gpu_type} quota "
+                f"(job {job.job_id}) from borrowers"
+            )
+        reason += "; checkpoint, then stop"
+        for r in victims:
+            self.victims.add(r.job_id)
+            self.decisions.preemptions.append(
+                Preemption(job_id=r.job_id, for_job_id=job.job_id, reason=reason)
+            )
+        p.reserve(nodes, self.now, INFINITY)  # it starts once the victims have stopped
+        key = (job.team_id, p.gpu_type)
+        self.held[key] = self.held.get(key, 0) + job.gpus  # promised: the team's next jobs see it
+        count = len(victims)
+        self.wait(
+            job,
+            f"waiting for {count} preempted job{'s' if count != 1 else ''} to checkpoint and stop",
+        )
+        return True
+
+    def lower_class(self, job: Pending, pool: PoolCapacity):
+        """Preemptible jobs of a lower class: the lowest class first, the youngest first."""
+        victims = self.victims
+        for r in pool.victim_order:
+            if r.priority >= job.priority:
+                return
+            if r.preemptible and r.job_id not in victims:
+                yield r
+
+    def borrowers(self, job: Pending, pool: PoolCapacity):
+        """Preemptible jobs of other teams that hold more than their nominal quota, while
+        they still would after the victims chosen before them."""
+        held = self.held
+        quotas = self.quotas
+        victims = self.victims
+        taken: dict[tuple[int, str], int] = {}
+        for r in pool.victim_order:
+            if r.team_id == job.team_id or not r.preemptible or r.job_id in victims:
+                continue
+            key = (r.team_id, r.gpu_type)
+            q = quotas.get(key)
+            if q is not None and held.get(key, 0) - taken.get(key, 0) > q.nominal:
+                taken[key] = taken.get(key, 0) + r.gpus
+                yield r
+
+    def victims_in(self, pool: PoolCapacity, job: Pending, candidates):
+        """The fewest victims (taken in the candidates' order, then pruned) that make room
+        for the job in this pool, and the nodes it would get; None if they cannot."""
+        g, n = job.gpus_per_node, job.nodes
+        if g > pool.gpus_max or pool.nodes_with[g] < n or len(pool.free) < n:
+            return None
+        free = pool.free
+        reserved = pool.reserved
+        windowed: set[int] = set()
+        for _, nodes in self.windows_in_way(job, pool, self.now):
+            windowed |= nodes
+        blocked_free = windowed | pool.reserved_free
+
+        def usable(x):
+            return x in free and x not in reserved and x not in windowed
+
+        cnt = pool.count_fitting(g, blocked_free)
+        extra: dict[int, int] = {}
+        chosen: list[Running] = []
+        for r in candidates:
+            touched = False
+            for x, gp in r.node_gpus:
+                if usable(x):
+                    e = extra.get(x, 0)
+                    old = free[x] + e
+                    extra[x] = e + gp
+                    if old < g <= old + gp:
+                        cnt += 1
+                    touched = True
+            if touched:
+                chosen.append(r)
+                if cnt >= n:
+                    break
+        else:
+            return None
+        if not chosen:
+            return None  # it fits without anyone stopping: nothing to preempt for
+        # Drop the victims the others make unnecessary, the last chosen first.
+        for r in list(reversed(chosen)):
+            loss = 0
+            for x, gp in r.node_gpus:
+                if usable(x):
+                    have = free[x] + extra[x]
+                    if have >= g > have - gp:
+                        loss += 1
+            if cnt - loss >= n:
+                cnt -= loss
+                chosen.remove(r)
+                for x, gp in r.node_gpus:
+                    if usable(x):
+                        extra[x] -= gp
+        rack_of = pool.rack_of
+        rack_nodes = pool.rack_nodes
+        free_now = {
+            x
+            for racks in pool.bucket[g][1:]  # racks with at least one node of g free GPUs
+            for r in racks
+            for x in rack_nodes[r]
+            if free[x] >= g and usable(x)
+        }
+        fits = [
+            (0 if extra.get(x) else 1, rack_of[x], x)
+            for x in set(extra) | free_now
+            if free[x] + extra.get(x, 0) >= g
+        ]
+        fits.sort()
+        chosen.sort(key=lambda r: r.job_id)
+        return chosen, [x for _, _, x in fits[:n]]

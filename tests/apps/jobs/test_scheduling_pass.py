@@ -1,0 +1,145 @@
+"""A whole scheduling pass on the database: read the snapshot, plan, apply."""
+
+import pytest
+
+from apps.accounts import services as accounts
+from apps.fleet.models import Node, NodeState
+from apps.fleet.services import node_drain
+from apps.jobs import services
+from apps.jobs.models import Allocation, Job, JobEvent, JobState, TeamUsage
+from apps.jobs.scheduler.run import scheduling_pass
+from tests.apps.jobs.conftest import command_spec
+
+pytestmark = pytest.mark.django_db
+
+
+def submit(team, user, **overrides):
+    job, _ = services.job_submit(team=team, spec=command_spec(team, **overrides), submitted_by=user)
+    return job
+
+
+def test_a_pass_places_a_gang_and_marks_its_nodes_busy(fleet_pool, quota, team, researcher):
+    job = submit(team, researcher, resources={"gpu_type": "H100", "nodes": 2, "gpus_per_node": 8})
+    report = scheduling_pass()
+    assert report.placed == 1
+    job.refresh_from_db()
+    assert job.state == JobState.ADMITTED and job.pool == fleet_pool
+    allocations = list(Allocation.objects.filter(job=job))
+    assert len(allocations) == 2 and {a.gpus for a in allocations} == {8}
+    assert len({a.node_id for a in allocations}) == 2
+    for allocation in allocations:
+        assert Node.objects.get(pk=allocation.node_id).state == NodeState.BUSY
+    assert JobEvent.objects.filter(job=job, to_state=JobState.ADMITTED).exists()
+
+
+def test_a_job_that_does_not_fit_now_waits_with_a_reason(fleet_pool, quota, team, researcher):
+    big = submit(
+        team, researcher, name="big", resources={"gpu_type": "H100", "nodes": 3, "gpus_per_node": 8}
+    )
+    other = submit(
+        team,
+        researcher,
+        name="other",
+        resources={"gpu_type": "H100", "nodes": 2, "gpus_per_node": 8},
+    )
+    scheduling_pass()
+    big.refresh_from_db()
+    other.refresh_from_db()
+    assert big.state == JobState.ADMITTED
+    assert other.state == JobState.PENDING
+    assert other.pending_reason and "waiting for the next" not in other.pending_reason
+
+
+def test_the_quota_holds_jobs_back(fleet_pool, team, researcher):
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    first = submit(team, researcher, name="first")
+    second = submit(team, researcher, name="second")
+    scheduling_pass()
+    states = dict(Job.objects.values_list("name", "state"))
+    assert states == {"first": JobState.ADMITTED, "second": JobState.PENDING}
+    second.refresh_from_db()
+    assert "quota" in second.pending_reason
+    services.job_cancel(job=first, by=None)
+    scheduling_pass()
+    second.refresh_from_db()
+    assert second.state == JobState.ADMITTED
+
+
+def test_a_drained_node_takes_no_work_and_cancel_frees_gpus(
+    fleet_pool, quota, team, researcher, ops_user
+):
+    for node in Node.objects.filter(pool=fleet_pool)[:3]:
+        node_drain(node=node, reason="maintenance", by=ops_user)
+    job = submit(team, researcher, resources={"gpu_type": "H100", "nodes": 2, "gpus_per_node": 8})
+    scheduling_pass()
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    one = submit(team, researcher, name="one")
+    scheduling_pass()
+    one.refresh_from_db()
+    assert one.state == JobState.ADMITTED
+    services.job_cancel(job=one, by=researcher)
+    assert not Allocation.objects.filter(job=one, ended_at__isnull=True).exists()
+    node = Node.objects.get(pool=fleet_pool, state=NodeState.READY)
+    assert not node.allocations.filter(ended_at__isnull=True).exists()
+
+
+def test_a_second_pass_rewrites_only_changed_reasons(fleet_pool, team, researcher):
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    for i in range(4):
+        submit(team, researcher, name=f"j{i}")
+    first = scheduling_pass()
+    second = scheduling_pass()
+    assert first.reasons_written == 3
+    assert second.reasons_written == 0
+
+
+def test_usage_accumulates_for_fair_share(fleet_pool, quota, team, researcher):
+    submit(team, researcher)
+    scheduling_pass()
+    scheduling_pass()
+    assert TeamUsage.objects.filter(team=team).exists()
+
+
+def test_a_held_job_is_never_placed(fleet_pool, quota, team, researcher):
+    job = submit(team, researcher)
+    services.job_hold(job=job, by=researcher)
+    scheduling_pass()
+    job.refresh_from_db()
+    assert job.state == JobState.HELD
+
+
+def test_the_schedule_task_runs_a_pass(fleet_pool, quota, team, researcher):
+    from workers.tasks.jobs import schedule
+
+    submit(team, researcher)
+    result = schedule()
+    assert result["placed"] == 1
+
+
+def test_urgent_preempts_low_that_has_not_started(fleet_pool, team, researcher):
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=64, by=None)
+    low = submit(
+        team,
+        researcher,
+        name="low",
+        priority="low",
+        resources={"gpu_type": "H100", "nodes": 4, "gpus_per_node": 8},
+    )
+    scheduling_pass()
+    low.refresh_from_db()
+    assert low.state == JobState.ADMITTED
+    urgent = submit(
+        team,
+        researcher,
+        name="urgent",
+        priority="urgent",
+        resources={"gpu_type": "H100", "nodes": 2, "gpus_per_node": 8},
+    )
+    scheduling_pass()
+    low.refresh_from_db()
+    assert low.state == JobState.PENDING  # not started yet: straight back to the queue
+    assert JobEvent.objects.filter(job=low, to_state=JobState.PENDING).count() == 2
+    scheduling_pass()
+    urgent.refresh_from_db()
+    assert urgent.state == JobState.ADMITTED
