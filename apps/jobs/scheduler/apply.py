@@ -103,6 +103,7 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
             state=JobState.ADMITTED,
             pool_id=pool_id,
             admitted_at=now,
+            state_changed_at=now,
             pending_reason="",
             estimated_start=None,
             state_reason="placed (backfilled)" if backfilled else "placed",
@@ -144,6 +145,7 @@ def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: App
             pool=None,
             state_reason="preempted before it started",
             pending_reason="preempted; waiting for the next scheduling pass",
+            state_changed_at=now,
         )
         _release_allocations(back, now=now)
     if stopping:
@@ -174,15 +176,12 @@ def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Appl
     for job_id, wait in waits.items():
         if job_id in placed or job_id not in ctx.reasons:
             continue
-        estimated = (
-            dt.datetime.fromtimestamp(wait.estimated_start, tz=dt.UTC).replace(
-                second=0, microsecond=0
-            )
-            if wait.estimated_start is not None
-            else None
-        )
+        # Stored to the minute, so a start that moves by seconds is not a change.
+        start = None if wait.estimated_start is None else wait.estimated_start // 60 * 60
         reason = wait.reason[:300]
-        if (reason, estimated) != ctx.reasons[job_id]:
+        old_reason, old_start = ctx.reasons[job_id]
+        if reason != old_reason or start != (None if old_start is None else round(old_start)):
+            estimated = None if start is None else dt.datetime.fromtimestamp(start, tz=dt.UTC)
             changed.append((job_id, reason, estimated))
     _write_reasons(changed)
     applied.reasons_written = len(changed)

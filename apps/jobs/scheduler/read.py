@@ -5,7 +5,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import Sum
+from django.db.models import FloatField, Func, Sum
 
 from apps.accounts.models import TeamQuota
 from apps.fleet.models import Node, NodePool, NodeState
@@ -32,12 +32,32 @@ class ReadContext:
     """What the apply step needs besides the decisions: the reasons as they stand now."""
 
     now: dt.datetime
-    reasons: dict[int, tuple[str, dt.datetime | None]]  # pending job -> (reason, estimated start)
+    # pending job -> (reason, estimated start in epoch seconds, or None)
+    reasons: dict[int, tuple[str, float | None]]
     held_by_team: dict[int, int]  # GPUs each team holds now (for the decayed usage)
 
 
 def _epoch(moment: dt.datetime) -> float:
     return moment.timestamp()
+
+
+class Epoch(Func):
+    """A datetime column as seconds since 1970 (a float): 50,000 datetimes cost more to parse."""
+
+    output_field = FloatField()
+
+    def as_postgresql(self, compiler, connection, **extra):
+        return self.as_sql(
+            compiler, connection, template="EXTRACT(EPOCH FROM %(expressions)s)::float8", **extra
+        )
+
+    def as_sqlite(self, compiler, connection, **extra):
+        return self.as_sql(
+            compiler,
+            connection,
+            template="((julianday(%(expressions)s) - 2440587.5) * 86400.0)",
+            **extra,
+        )
 
 
 def decay_scale(now: dt.datetime) -> float:
@@ -134,11 +154,12 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
     budget_by_team: dict[int, bool] = {}
     for row in (
         Job.objects.filter(state=JobState.PENDING)
+        .annotate(queued=Epoch("queued_at"), estimated=Epoch("estimated_start"))
         .values_list(
             "id",
             "team_id",
             "priority_class",
-            "queued_at",
+            "queued",
             "gpu_type",
             "nodes",
             "gpus_per_node",
@@ -146,7 +167,7 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
             "spot_allowed",
             "time_limit_s",
             "pending_reason",
-            "estimated_start",
+            "estimated",
             "max_cost_usd",
         )
         .order_by("id")
@@ -175,7 +196,7 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
                 job_id=job_id,
                 team_id=team_id,
                 priority=PRIORITY_RANK[priority],
-                queued_at=_epoch(queued_at),
+                queued_at=queued_at,
                 gpu_type=gpu_type,
                 nodes=n_nodes,
                 gpus_per_node=per_node,
