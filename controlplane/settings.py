@@ -274,3 +274,14 @@ CELERY_BEAT_SCHEDULE["jobs-schedule"] = {
     "schedule": float(SCHEDULE_EVERY_S),
 }
 CELERY_BEAT_SCHEDULE["jobs-reconcile"] = {"task": "jobs.reconcile", "schedule": 60.0}
+
+# Team secrets are encrypted with these Fernet keys (newest first); empty: derived
+# from SECRET_KEY. Generate one with
+# `python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"`.
+SECRETS_ENCRYPTION_KEYS = env_str("SECRETS_ENCRYPTION_KEYS")
+
+# Webhooks: https only, and never to private addresses, unless turned on here
+# (the test suite's receiver listens on 127.0.0.1).
+WEBHOOK_ALLOW_HTTP = env_bool("WEBHOOK_ALLOW_HTTP", DEBUG)
+WEBHOOK_ALLOW_PRIVATE = env_bool("WEBHOOK_ALLOW_PRIVATE", DEBUG)
+CELERY_BEAT_SCHEDULE["jobs-webhooks"] = {"task": "jobs.deliver_webhooks", "schedule": 15.0}

@@ -12,6 +12,7 @@ from apps.accounts.models import (
     ServiceAccount,
     Team,
     TeamQuota,
+    TeamSecret,
 )
 from apps.accounts.services import audited_create, audited_delete, audited_update
 from controlplane.errors import ApplicationError
@@ -198,3 +199,22 @@ class AuditEventAdmin(ReadOnlyAdmin):
     list_filter = ["channel", "action"]
     search_fields = ["object_repr", "actor_label", "object_id"]
     readonly_fields = [f.name for f in AuditEvent._meta.fields]
+
+
+@admin.register(TeamSecret)
+class TeamSecretAdmin(admin.ModelAdmin):
+    """Names only: values are set through the API and never shown."""
+
+    list_display = ["name", "team", "updated_at"]
+    fields = ["team", "name", "created_by", "created_at", "updated_at"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request):
+        return False
+
+    def delete_model(self, request, obj):
+        services.team_secret_delete(secret=obj, by=request.user)
+
+    def delete_queryset(self, request, queryset):
+        for secret in queryset:
+            services.team_secret_delete(secret=secret, by=request.user)

@@ -2,7 +2,15 @@
 
 import django_filters as filters
 
-from apps.accounts.models import ApiToken, AuditEvent, Membership, ServiceAccount, Team, TeamQuota
+from apps.accounts.models import (
+    ApiToken,
+    AuditEvent,
+    Membership,
+    ServiceAccount,
+    Team,
+    TeamQuota,
+    TeamSecret,
+)
 from controlplane.filters import IdFilter, InstantFilter
 
 
@@ -55,3 +63,11 @@ class AuditEventFilterSet(filters.FilterSet):
     class Meta:
         model = AuditEvent
         fields = ["action", "object_type", "object_id", "actor_label", "channel"]
+
+
+class TeamSecretFilterSet(filters.FilterSet):
+    team_id = IdFilter(field_name="team_id")
+
+    class Meta:
+        model = TeamSecret
+        fields = ["name"]

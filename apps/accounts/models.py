@@ -200,3 +200,36 @@ class AuditEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor_label} {self.action} {self.object_repr}"
+
+
+class TeamSecret(models.Model):
+    """A team's secret (an API key, a token), stored encrypted; jobs name it, nodes get it.
+
+    The value is never shown again after it is set: not in the API, the pages,
+    the audit log or job logs (where the node agent masks it).
+    """
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="secrets")
+    name = models.CharField(
+        max_length=128,
+        validators=[RegexValidator(r"^[A-Za-z_][A-Za-z0-9_]*$", "An environment variable name.")],
+    )
+    ciphertext = models.BinaryField(editable=False)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["team__name", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["team", "name"], name="secret_name_per_team")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.team.slug}/{self.name}"

@@ -15,6 +15,7 @@ from apps.accounts.models import (
     Team,
     TeamQuota,
     TeamRole,
+    TeamSecret,
 )
 
 User = get_user_model()
@@ -138,3 +139,12 @@ def users_visible_to(*, user) -> QuerySet:
     if not getattr(user, "is_authenticated", False):
         return User.objects.none()
     return User.objects.filter(is_active=True)
+
+
+def team_secrets_visible_to(*, user) -> QuerySet[TeamSecret]:
+    """Names (never values) of the secrets of the user's teams."""
+    roles = roles_of(user)
+    secrets = TeamSecret.objects.select_related("team")
+    if roles.superuser:
+        return secrets
+    return secrets.filter(team_id__in=roles.team_ids)

@@ -27,8 +27,10 @@ from apps.accounts.models import (
     Team,
     TeamQuota,
     TeamRole,
+    TeamSecret,
     TokenScope,
 )
+from apps.accounts.secrets import decrypt, encrypt
 from apps.accounts.selectors import forget_roles, roles_of
 from controlplane.bulk import insert_rows
 from controlplane.errors import ApplicationError
@@ -36,7 +38,7 @@ from controlplane.errors import ApplicationError
 User = get_user_model()
 
 # Never copied into the audit log.
-SECRET_FIELDS = {"password", "digest", "host_key_private", "secret"}
+SECRET_FIELDS = {"password", "digest", "host_key_private", "secret", "ciphertext"}
 
 TOKEN_PREFIX = "cp_"  # noqa: S105  (a prefix, not a secret)
 LAST_USED_RESOLUTION = dt.timedelta(minutes=1)
@@ -518,3 +520,43 @@ def token_allows(token: ApiToken, scope: str) -> bool:
     for held in token.scopes:
         granted |= SCOPE_IMPLIES.get(held, set())
     return scope in granted
+
+
+# --- team secrets --------------------------------------------------------------------
+
+
+@transaction.atomic
+def team_secret_set(*, team: Team, name: str, value: str, by) -> TeamSecret:
+    """Set (or replace) a team secret. Team admins only; the value is stored encrypted."""
+    require_team_admin(by, team)
+    if not value:
+        raise ApplicationError("A secret needs a value.", details={"value": ["Required."]})
+    existing = TeamSecret.objects.select_for_update().filter(team=team, name=name).first()
+    if existing is not None:
+        existing.ciphertext = encrypt(value)
+        existing.save(update_fields=["ciphertext", "updated_at"])
+        audit_record(
+            actor=by, action="team_secret.replace", obj=existing, team=team, after={"name": name}
+        )
+        return existing
+    secret = TeamSecret(
+        team=team,
+        name=name,
+        ciphertext=encrypt(value),
+        created_by=by if by is not None and by.pk else None,
+    )
+    _validated(secret, exclude=["ciphertext"])
+    _saved(secret)
+    audit_record(actor=by, action="team_secret.create", obj=secret, team=team, after={"name": name})
+    return secret
+
+
+def team_secret_delete(*, secret: TeamSecret, by) -> None:
+    require_team_admin(by, secret.team)
+    audited_delete(instance=secret, by=by, action="team_secret.delete", team=secret.team)
+
+
+def team_secret_values(*, team: Team, names: list[str]) -> dict[str, str]:
+    """The decrypted values, for the run plan of a job on its nodes (never for display)."""
+    rows = TeamSecret.objects.filter(team=team, name__in=names)
+    return {row.name: decrypt(row.ciphertext) for row in rows}

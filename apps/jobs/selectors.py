@@ -4,7 +4,7 @@ from django.core.cache import cache
 from django.db.models import QuerySet
 
 from apps.accounts.selectors import roles_of
-from apps.jobs.models import Job, JobState, Reservation
+from apps.jobs.models import Job, JobState, Reservation, Webhook
 
 QUEUED = [JobState.PENDING, JobState.HELD]
 ACTIVE = [
@@ -67,3 +67,11 @@ def queue_for(*, user) -> list[dict]:
 
 def reservations_visible() -> QuerySet[Reservation]:
     return Reservation.objects.select_related("team").prefetch_related("nodes")
+
+
+def webhooks_visible_to(*, user) -> QuerySet[Webhook]:
+    roles = roles_of(user)
+    hooks = Webhook.objects.select_related("team", "job")
+    if roles.superuser or roles.ops:
+        return hooks
+    return hooks.filter(team_id__in=roles.team_ids)

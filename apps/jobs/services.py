@@ -4,19 +4,31 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import secrets
 
 from django.conf import settings
 from django.core.cache import cache
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from apps.accounts.models import TeamQuota
+from apps.accounts.models import TeamQuota, TeamSecret
+from apps.accounts.secrets import decrypt, encrypt
 from apps.accounts.selectors import roles_of
 from apps.accounts.services import audit_record, snapshot
 from apps.fleet import services as fleet
 from apps.fleet.selectors import pools_capacity
-from apps.jobs import specs
-from apps.jobs.models import Allocation, Job, JobEvent, JobKind, JobState, Reservation
+from apps.jobs import specs, webhooks
+from apps.jobs.models import (
+    Allocation,
+    Job,
+    JobEvent,
+    JobKind,
+    JobState,
+    Reservation,
+    Webhook,
+    WebhookDelivery,
+)
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -125,6 +137,15 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
         )
     if spec.get("command"):
         specs.check_command(spec["command"], errors)
+    wanted_secrets = set(spec.get("secrets") or [])
+    if wanted_secrets:
+        known = set(
+            TeamSecret.objects.filter(team=team, name__in=wanted_secrets).values_list(
+                "name", flat=True
+            )
+        )
+        for name in sorted(wanted_secrets - known):
+            errors.add("secrets", f"{team.slug} has no secret named {name}.")
     errors.raise_if_any()
 
     placement = spec.get("placement", {})
@@ -245,6 +266,8 @@ def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
         after=snapshot(locked),
         team=locked.team,
     )
+    if to in FINISHED:
+        _owe_webhook_calls(locked, now=now)
     if to in (J.PENDING, J.CANCELLED, J.FAILED, J.SUCCEEDED):
         schedule_soon()
     return locked
@@ -388,4 +411,133 @@ def jobs_reconcile(*, now: dt.datetime | None = None) -> dict[str, int]:
                 counts["cancelled"] += 1
         except ApplicationError:
             continue  # it moved on by itself meanwhile
+    return counts
+
+
+# --- webhooks --------------------------------------------------------------------------------
+
+
+def webhook_create(*, team, url: str, by, job: Job | None = None) -> tuple[Webhook, str]:
+    """A webhook for the team's jobs (or one job). Returns it and its signing key, shown once."""
+    if job is not None:
+        if job.team_id != team.pk:
+            raise ApplicationError(
+                "The job belongs to another team.", details={"job": ["Not a job of this team."]}
+            )
+        if by is not None and not _can_manage(by, job):
+            raise _deny("Only the submitter, the team's admins and ops add a job's webhook.")
+    elif by is not None and not roles_of(by).is_team_admin(team.pk):
+        raise _deny(f"Only admins of {team.slug} add team webhooks.")
+    try:
+        webhooks.check_destination(url)
+    except webhooks.RefusedAddress as exc:
+        raise ApplicationError(str(exc), details={"url": [str(exc)]}) from None
+    key = secrets.token_urlsafe(32)
+    with transaction.atomic():
+        hook = Webhook.objects.create(
+            team=team,
+            job=job,
+            url=url,
+            signing_key=encrypt(key),
+            created_by=by if by is not None and by.pk else None,
+        )
+        audit_record(
+            actor=by,
+            action="webhook.create",
+            obj=hook,
+            team=team,
+            after={"url": url, "job": job.pk if job else None},
+        )
+    return hook, key
+
+
+def webhook_delete(*, webhook: Webhook, by) -> None:
+    if (
+        by is not None
+        and not roles_of(by).is_team_admin(webhook.team_id)
+        and not (webhook.job is not None and _can_manage(by, webhook.job))
+    ):
+        raise _deny("Only the team's admins remove its webhooks.")
+    with transaction.atomic():
+        audit_record(
+            actor=by,
+            action="webhook.delete",
+            obj=webhook,
+            team=webhook.team,
+            before={"url": webhook.url},
+        )
+        webhook.delete()
+
+
+def _owe_webhook_calls(job: Job, *, now: dt.datetime) -> None:
+    hooks = Webhook.objects.filter(team_id=job.team_id, active=True).filter(
+        Q(job__isnull=True) | Q(job=job)
+    )
+    payload = {
+        "job": job.pk,
+        "uuid": str(job.uuid),
+        "name": job.name,
+        "team": job.team.slug,
+        "state": job.state,
+        "reason": job.state_reason,
+        "finished_at": now.isoformat(),
+    }
+    rows = [
+        WebhookDelivery(webhook=hook, job=job, payload=payload, next_attempt_at=now)
+        for hook in hooks
+    ]
+    if rows:
+        WebhookDelivery.objects.bulk_create(rows)
+        transaction.on_commit(_send_webhooks_soon)
+
+
+def _send_webhooks_soon() -> None:
+    from controlplane.celery import app
+
+    try:
+        app.send_task("jobs.deliver_webhooks")
+    except Exception:  # the beat sends them anyway
+        log.warning("could not enqueue webhook deliveries", exc_info=True)
+
+
+def webhook_deliveries_send(*, now: dt.datetime | None = None, limit: int = 100) -> dict:
+    """Send the calls that are due. Each is claimed for a minute first, so two workers
+    never send the same call, and the network wait holds no database lock."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        due = list(
+            WebhookDelivery.objects.select_for_update(skip_locked=True)
+            .filter(state=WebhookDelivery.State.PENDING, next_attempt_at__lte=now)
+            .order_by("next_attempt_at")[:limit]
+            .values_list("id", flat=True)
+        )
+        WebhookDelivery.objects.filter(pk__in=due).update(
+            next_attempt_at=now + dt.timedelta(seconds=60)
+        )
+    counts = {"delivered": 0, "retrying": 0, "failed": 0}
+    for delivery in WebhookDelivery.objects.select_related("webhook").filter(pk__in=due):
+        status, error = None, ""
+        try:
+            status = webhooks.send(
+                delivery.webhook.url,
+                decrypt(delivery.webhook.signing_key).encode(),
+                delivery.payload,
+            )
+        except (OSError, webhooks.RefusedAddress, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"[:300]
+        attempts = delivery.attempts + 1
+        if status is not None and 200 <= status < 300:
+            changes = {"state": WebhookDelivery.State.DELIVERED, "delivered_at": timezone.now()}
+            counts["delivered"] += 1
+        else:
+            retry_at = webhooks.next_attempt(attempts, timezone.now())
+            if retry_at is None:
+                changes = {"state": WebhookDelivery.State.FAILED}
+                counts["failed"] += 1
+            else:
+                changes = {"next_attempt_at": retry_at}
+                counts["retrying"] += 1
+        WebhookDelivery.objects.filter(pk=delivery.pk).update(
+            attempts=attempts, last_status=status, last_error=error or "", **changes
+        )
     return counts

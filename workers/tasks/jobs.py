@@ -40,3 +40,11 @@ def reconcile() -> dict:
             return {"skipped": "another reconcile is running"}
         with acting_from(Origin(channel="task", label="task:jobs.reconcile")):
             return jobs_reconcile()
+
+
+@shared_task(name="jobs.deliver_webhooks", acks_late=True, reject_on_worker_lost=True)
+def deliver_webhooks() -> dict:
+    """Send the webhook calls that are due (finished jobs), with retries and backoff."""
+    from apps.jobs.services import webhook_deliveries_send
+
+    return webhook_deliveries_send()

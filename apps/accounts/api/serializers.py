@@ -12,6 +12,7 @@ from apps.accounts.models import (
     Team,
     TeamQuota,
     TeamRole,
+    TeamSecret,
     TokenScope,
 )
 from apps.accounts.selectors import (
@@ -188,3 +189,27 @@ class MeSerializer(StrictSerializer):
             "teams": [{"id": t.id, "slug": t.slug, "role": roles.team_roles[t.id]} for t in teams],
             "token_scopes": token.scopes if token else None,
         }
+
+
+class TeamSecretSerializer(StrictModelSerializer):
+    team = ScopedPrimaryKeyField(selector=teams_visible_to)
+    value = Text(
+        write_only=True,
+        max_length=65536,
+        help_text="The secret itself: stored encrypted, never shown again.",
+    )
+
+    class Meta:
+        model = TeamSecret
+        fields = ["id", "team", "name", "value", "created_at", "updated_at"]
+        read_only_fields = ["created_at", "updated_at"]
+        validators = []  # setting an existing name replaces its value
+
+
+class TeamSecretUpdateSerializer(StrictModelSerializer):
+    value = Text(write_only=True, max_length=65536)
+
+    class Meta:
+        model = TeamSecret
+        fields = ["id", "team", "name", "value", "created_at", "updated_at"]
+        read_only_fields = ["team", "name", "created_at", "updated_at"]

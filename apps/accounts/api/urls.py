@@ -10,5 +10,6 @@ router.register("memberships", views.MembershipViewSet, basename="membership")
 router.register("service-accounts", views.ServiceAccountViewSet, basename="service-account")
 router.register("tokens", views.ApiTokenViewSet, basename="token")
 router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
+router.register("team-secrets", views.TeamSecretViewSet, basename="team-secret")
 
 urlpatterns = [path("me/", views.MeView.as_view(), name="me"), *router.urls]

@@ -14,6 +14,7 @@ from apps.accounts.filtersets import (
     ServiceAccountFilterSet,
     TeamFilterSet,
     TeamQuotaFilterSet,
+    TeamSecretFilterSet,
 )
 from apps.accounts.models import TokenScope
 from controlplane.api import ServiceViewSet
@@ -157,3 +158,30 @@ class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):
 
     def get_queryset(self):
         return selectors.audit_events_visible_to(user=self.request.user)
+
+
+class TeamSecretViewSet(ServiceViewSet):
+    """Team secrets by name. POST sets one (or replaces its value); values are never returned."""
+
+    filterset_class = TeamSecretFilterSet
+    ordering_fields = ["name", "updated_at"]
+    create_service = services.team_secret_set
+    delete_service = services.team_secret_delete
+    instance_kwarg = "secret"
+
+    def get_queryset(self):
+        return selectors.team_secrets_visible_to(user=self.request.user)
+
+    def get_serializer_class(self):
+        if self.action in ("update", "partial_update"):
+            return s.TeamSecretUpdateSerializer
+        return s.TeamSecretSerializer
+
+    def perform_update(self, serializer):
+        secret = serializer.instance
+        serializer.instance = services.team_secret_set(
+            team=secret.team,
+            name=secret.name,
+            value=serializer.validated_data.get("value", ""),
+            by=self.request.user,
+        )

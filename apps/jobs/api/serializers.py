@@ -11,8 +11,9 @@ from rest_framework import serializers
 from apps.accounts.models import GPU_TYPES
 from apps.accounts.selectors import teams_visible_to
 from apps.fleet.models import Node
-from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation
+from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
 from apps.jobs.models.jobs import ANY_GPU
+from apps.jobs.selectors import jobs_visible_to
 from controlplane.api import ScopedPrimaryKeyField, StrictModelSerializer, StrictSerializer, Text
 from workers.trainer.presets import PRESETS
 
@@ -242,3 +243,23 @@ class ReservationSerializer(StrictModelSerializer):
         model = Reservation
         fields = ["id", "name", "team", "reason", "nodes", "starts_at", "ends_at", "created_at"]
         read_only_fields = ["created_at"]
+
+
+class WebhookSerializer(StrictModelSerializer):
+    team = ScopedPrimaryKeyField(selector=teams_visible_to)
+    job = ScopedPrimaryKeyField(selector=jobs_visible_to, required=False, allow_null=True)
+
+    class Meta:
+        model = Webhook
+        fields = ["id", "team", "job", "url", "active", "created_at"]
+        read_only_fields = ["active", "created_at"]
+
+
+class WebhookCreatedSerializer(WebhookSerializer):
+    signing_key = serializers.CharField(
+        read_only=True,
+        help_text="Shown once: check X-Controlplane-Signature (sha256 HMAC of the body) with it.",
+    )
+
+    class Meta(WebhookSerializer.Meta):
+        fields = [*WebhookSerializer.Meta.fields, "signing_key"]

@@ -134,3 +134,31 @@ class ReservationViewSet(ServiceViewSet):
         data = dict(serializer.validated_data)
         data.setdefault("team", None)
         serializer.instance = services.reservation_create(by=self.request.user, **data)
+
+
+class WebhookViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.DestroyModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Webhooks called when a job of the team (or one job) ends. The signing key is shown once."""
+
+    serializer_class = s.WebhookSerializer
+    lookup_value_regex = ServiceViewSet.lookup_value_regex
+    required_scope = TokenScope.SUBMIT
+
+    def get_queryset(self):
+        return selectors.webhooks_visible_to(user=self.request.user).order_by("id")
+
+    @extend_schema(request=s.WebhookSerializer, responses={201: s.WebhookCreatedSerializer})
+    def create(self, request, *args, **kwargs):
+        body = s.WebhookSerializer(data=request.data, context=self.get_serializer_context())
+        body.is_valid(raise_exception=True)
+        hook, key = services.webhook_create(by=request.user, **body.validated_data)
+        hook.signing_key = key
+        answer = s.WebhookCreatedSerializer(hook, context=self.get_serializer_context()).data
+        return Response(answer, status=status.HTTP_201_CREATED)
+
+    def perform_destroy(self, instance):
+        services.webhook_delete(webhook=instance, by=self.request.user)

@@ -11,6 +11,7 @@ from apps.jobs.models.jobs import (
 )
 from apps.jobs.models.reservations import Reservation
 from apps.jobs.models.usage import TeamUsage
+from apps.jobs.models.webhooks import Webhook, WebhookDelivery
 
 __all__ = [
     "Allocation",
@@ -22,4 +23,6 @@ __all__ = [
     "PriorityClass",
     "Reservation",
     "TeamUsage",
+    "Webhook",
+    "WebhookDelivery",
 ]

@@ -1,0 +1,112 @@
+"""Webhooks: a finished job calls its team's endpoints, signed, retried until delivered."""
+
+import hashlib
+import hmac
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from apps.jobs import services, webhooks
+from apps.jobs.models import WebhookDelivery
+from tests.apps.jobs.conftest import command_spec
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def receiver(settings):
+    """A real HTTP endpoint on 127.0.0.1 that records calls and answers the next status."""
+    settings.WEBHOOK_ALLOW_PRIVATE = True
+    settings.WEBHOOK_ALLOW_HTTP = True
+    calls = []
+    answers = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            calls.append((dict(self.headers), body))
+            self.send_response(answers.pop(0) if answers else 204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield {"url": f"http://127.0.0.1:{server.server_port}/hook", "calls": calls, "answers": answers}
+    server.shutdown()
+
+
+def test_a_cancelled_job_calls_the_team_webhook_signed(
+    fleet_pool, quota, team, team_admin, researcher, api_for, receiver
+):
+    made = api_for(team_admin).post(
+        "/api/v1/webhooks/", {"team": team.pk, "url": receiver["url"]}, format="json"
+    )
+    assert made.status_code == 201, made.content
+    key = made.json()["signing_key"]
+    assert "signing_key" not in api_for(team_admin).get("/api/v1/webhooks/").content.decode()
+    job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
+    services.job_cancel(job=job, by=researcher, reason="not needed")
+    assert services.webhook_deliveries_send() == {"delivered": 1, "retrying": 0, "failed": 0}
+    headers, body = receiver["calls"][0]
+    expected = "sha256=" + hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
+    assert headers["X-Controlplane-Signature"] == expected
+    payload = json.loads(body)
+    assert (payload["job"], payload["state"], payload["reason"]) == (
+        job.pk,
+        "cancelled",
+        "not needed",
+    )
+    assert WebhookDelivery.objects.get().state == WebhookDelivery.State.DELIVERED
+
+
+def test_a_failing_endpoint_is_retried_with_backoff(
+    fleet_pool, quota, team, team_admin, researcher, receiver
+):
+    services.webhook_create(team=team, url=receiver["url"], by=team_admin)
+    receiver["answers"].extend([500])
+    job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
+    services.job_cancel(job=job, by=researcher)
+    assert services.webhook_deliveries_send()["retrying"] == 1
+    delivery = WebhookDelivery.objects.get()
+    assert (delivery.attempts, delivery.last_status) == (1, 500)
+    assert services.webhook_deliveries_send()["delivered"] == 0  # not due yet
+    later = delivery.next_attempt_at
+    assert services.webhook_deliveries_send(now=later)["delivered"] == 1
+    assert len(receiver["calls"]) == 2
+
+
+def test_researchers_add_webhooks_only_to_their_own_jobs(
+    fleet_pool, quota, team, researcher, api_for, receiver
+):
+    client = api_for(researcher)
+    team_wide = client.post(
+        "/api/v1/webhooks/", {"team": team.pk, "url": receiver["url"]}, format="json"
+    )
+    assert team_wide.status_code == 403
+    job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
+    own = client.post(
+        "/api/v1/webhooks/", {"team": team.pk, "job": job.pk, "url": receiver["url"]}, format="json"
+    )
+    assert own.status_code == 201, own.content
+
+
+def test_private_addresses_are_refused_by_default(team, team_admin, api_for, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    response = api_for(team_admin).post(
+        "/api/v1/webhooks/", {"team": team.pk, "url": "https://127.0.0.1/hook"}, format="json"
+    )
+    assert response.status_code == 400
+    assert "private address" in str(response.json()["error"]["details"]["url"])
+
+
+def test_the_retry_schedule_gives_up():
+    import datetime as dt
+
+    now = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+    assert webhooks.next_attempt(0, now) == now + dt.timedelta(seconds=10)
+    assert webhooks.next_attempt(len(webhooks.RETRY_DELAYS_S), now) is None
