@@ -17,7 +17,7 @@ QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory"
 DEV_ENV := DJANGO_DEBUG=1 SECRET_KEY_FILE=var/secret_key SECURE_COOKIES=0 \
 	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL=
 
-.PHONY: run test test-fast lint format bench bench-scheduler clean install system-test-deps
+.PHONY: run test test-fast lint format bench bench-api bench-scheduler clean install system-test-deps
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ bench: $(VENV)/.installed
 	$(BIN)/python -m bench.fleet
 
 # The scheduling pass at design size; set DATABASE_URL to measure on PostgreSQL.
+# Job submissions through the API under gunicorn, loaded by Debian's wrk (PostgreSQL).
+bench-api: $(VENV)/.installed
+	@command -v wrk >/dev/null || ( apt-get update -qq && apt-get install -y -qq wrk >/dev/null )
+	$(BIN)/python -m bench.api
+
 bench-scheduler: $(VENV)/.installed
 	$(BIN)/python -m bench.scheduler_plan
 	$(BIN)/python -m bench.scheduler
