@@ -1,13 +1,11 @@
 """Fleet pages: the overview of sites, racks, nodes and GPUs, and its CSV export."""
 
-import csv
-
 from django.contrib.auth.decorators import login_required
-from django.http import HttpResponse
 from django.shortcuts import render
 
 from apps.fleet.filtersets import NodeFilterSet
 from apps.fleet.selectors import fleet_overview, nodes_for_listing
+from controlplane.exports import csv_response
 
 NODE_CSV_COLUMNS = [
     ("name", lambda n: n.name),
@@ -40,18 +38,9 @@ def overview(request):
 @login_required
 def nodes_csv(request):
     nodes = NodeFilterSet(request.GET, queryset=nodes_for_listing())
-    response = HttpResponse(content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = 'attachment; filename="nodes.csv"'
-    writer = csv.writer(response)
-    writer.writerow([name for name, _ in NODE_CSV_COLUMNS])
-    for node in nodes.qs.iterator(chunk_size=2000) if nodes.is_valid() else []:
-        writer.writerow([_spreadsheet_safe(value(node)) for _, value in NODE_CSV_COLUMNS])
-    return response
-
-
-def _spreadsheet_safe(value):
-    """Keep a cell from being read as a formula by a spreadsheet (CSV injection)."""
-    text = str(value)
-    if text and text[0] in "=+-@\t\r":
-        return "'" + text
-    return value
+    rows = nodes.qs.iterator(chunk_size=2000) if nodes.is_valid() else []
+    return csv_response(
+        "nodes.csv",
+        [name for name, _ in NODE_CSV_COLUMNS],
+        ([value(node) for _, value in NODE_CSV_COLUMNS] for node in rows),
+    )

@@ -1,11 +1,10 @@
 """Pages: the Queue, the Submit form (with the layouts that fit), and each Job's page."""
 
-import csv
 import json
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import Http404, HttpResponse
+from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
@@ -14,6 +13,7 @@ from apps.jobs import selectors, services, specs
 from apps.jobs.forms import SubmitForm
 from apps.jobs.services import FINISHED
 from controlplane.errors import ApplicationError
+from controlplane.exports import csv_response
 from workers.trainer.presets import PRESETS
 
 QUEUE_COLUMNS = [
@@ -72,18 +72,10 @@ def queue(request):
 
 @login_required
 def queue_csv(request):
-    response = HttpResponse(content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = 'attachment; filename="queue.csv"'
-    writer = csv.writer(response)
-    writer.writerow(QUEUE_COLUMNS)
-    for row in _filtered_queue(request):
-        writer.writerow([_spreadsheet_safe(row.get(c, "")) for c in QUEUE_COLUMNS])
-    return response
-
-
-def _spreadsheet_safe(value):
-    text = "" if value is None else str(value)
-    return "'" + text if text[:1] in ("=", "+", "-", "@") else text
+    rows = _filtered_queue(request)
+    return csv_response(
+        "queue.csv", QUEUE_COLUMNS, ([row.get(c, "") for c in QUEUE_COLUMNS] for row in rows)
+    )
 
 
 @login_required
