@@ -143,3 +143,30 @@ def test_urgent_preempts_low_that_has_not_started(fleet_pool, team, researcher):
     scheduling_pass()
     urgent.refresh_from_db()
     assert urgent.state == JobState.ADMITTED
+
+
+def _queued_messages() -> int:
+    """Messages waiting in the real broker: files in the filesystem queue, or Redis' list."""
+    from pathlib import Path
+
+    from django.conf import settings
+
+    if settings.CELERY_BROKER_URL.startswith("filesystem://"):
+        folder = Path(settings.CELERY_BROKER_TRANSPORT_OPTIONS["data_folder_in"])
+        return len(list(folder.glob("*"))) if folder.exists() else 0
+    import redis
+
+    return redis.Redis.from_url(settings.CELERY_BROKER_URL).llen("celery")
+
+
+def test_a_burst_of_submits_asks_for_one_pass(
+    fleet_pool, quota, team, researcher, django_capture_on_commit_callbacks
+):
+    from django.core.cache import cache
+
+    cache.delete("jobs:schedule:queued")
+    before = _queued_messages()
+    with django_capture_on_commit_callbacks(execute=True):
+        for i in range(100):
+            submit(team, researcher, name=f"burst-{i}")
+    assert _queued_messages() - before == 1
