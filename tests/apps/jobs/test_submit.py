@@ -308,3 +308,30 @@ def test_reconcile_requeues_a_job_stuck_preempting(
     job.refresh_from_db()
     assert job.state == JobState.PENDING
     assert job.queued_at < later  # keeps its place by age
+
+
+@pytest.mark.parametrize(
+    ("role", "status"),
+    [
+        ("superuser", 201),
+        ("admin", 201),
+        ("researcher", 201),
+        ("viewer", 403),
+        ("ops", 403),
+        ("finance", 403),
+    ],
+)
+def test_who_submits_for_a_team(role, status, fleet_pool, quota, team, user_for_role, api_for):
+    response = submit(api_for(user_for_role(role)), command_spec(team))
+    assert response.status_code == status, response.content
+    assert Job.objects.count() == (1 if status == 201 else 0)
+
+
+@pytest.mark.parametrize("role", ["ops", "finance", "superuser"])
+def test_ops_and_finance_see_every_teams_jobs(
+    role, fleet_pool, quota, team, researcher, user_for_role, api_for
+):
+    job_id = submit(api_for(researcher), command_spec(team)).json()["id"]
+    detail = api_for(user_for_role(role)).get(f"/api/v1/jobs/{job_id}/")
+    assert detail.status_code == 200
+    assert [e["to_state"] for e in detail.json()["events"]] == ["pending"]
