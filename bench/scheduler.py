@@ -115,12 +115,12 @@ def build(rng: random.Random) -> None:
 
 def finish_some(rng: random.Random, fraction: float) -> int:
     from apps.jobs.models import Job, JobState
-    from apps.jobs.services import _release_allocations
+    from apps.jobs.services import allocations_release
 
     running = list(Job.objects.filter(state=JobState.ADMITTED).values_list("id", flat=True))
     done = rng.sample(running, max(1, int(len(running) * fraction))) if running else []
     Job.objects.filter(pk__in=done).update(state=JobState.SUCCEEDED, finished_at=timezone.now())
-    _release_allocations(done, now=timezone.now())
+    allocations_release(job_ids=done, now=timezone.now())
     return len(done)
 
 

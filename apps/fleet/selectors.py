@@ -4,7 +4,16 @@ from dataclasses import dataclass, field
 
 from django.db.models import Count, Prefetch, Q, QuerySet
 
-from apps.fleet.models import Gpu, GpuHealth, Node, NodePool, NodeState, Rack, Site
+from apps.fleet.models import (
+    GONE_STATES,
+    Gpu,
+    GpuHealth,
+    Node,
+    NodePool,
+    NodeState,
+    Rack,
+    Site,
+)
 
 
 def nodes_for_listing() -> QuerySet[Node]:
@@ -127,9 +136,6 @@ class PoolCapacity:
         if self.kind == "cloud":
             return self.burst_node_gpus >= gpus_per_node and self.max_nodes >= nodes
         return sum(1 for g in self.node_gpus if g >= gpus_per_node) >= nodes
-
-
-GONE_STATES = (NodeState.FAILED, NodeState.TERMINATING, NodeState.TERMINATED)
 
 
 def pools_capacity() -> list[PoolCapacity]:

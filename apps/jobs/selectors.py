@@ -5,18 +5,7 @@ from django.db.models import QuerySet
 
 from apps.accounts.selectors import roles_of
 from apps.jobs.models import Job, JobState, Reservation, Webhook
-
-QUEUED = [JobState.PENDING, JobState.HELD]
-ACTIVE = [
-    JobState.PENDING,
-    JobState.HELD,
-    JobState.ADMITTED,
-    JobState.PROVISIONING,
-    JobState.STARTING,
-    JobState.RUNNING,
-    JobState.PREEMPTING,
-    JobState.STOPPING,
-]
+from apps.jobs.models.jobs import ACTIVE_STATES
 
 
 def jobs_visible_to(*, user) -> QuerySet[Job]:
@@ -39,7 +28,9 @@ def queue_for(*, user) -> list[dict]:
     position = {job_id: i + 1 for i, job_id in enumerate(order)}
     rows = []
     for job in (
-        Job.objects.filter(state__in=ACTIVE).select_related("team").order_by("queued_at", "id")
+        Job.objects.filter(state__in=ACTIVE_STATES)
+        .select_related("team")
+        .order_by("queued_at", "id")
     ):
         mine = roles.sees_every_team or job.team_id in roles.team_ids
         row = {

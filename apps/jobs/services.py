@@ -29,6 +29,7 @@ from apps.jobs.models import (
     Webhook,
     WebhookDelivery,
 )
+from apps.jobs.models.jobs import FINISHED_STATES, HOLDING_STATES, NOT_STARTED_STATES
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,6 @@ JOB_TRANSITIONS: dict[str, set[str]] = {
     J.FAILED: {J.PENDING},
     J.CANCELLED: {J.PENDING},
 }
-# States that hold GPUs (allocations open).
-HOLDING = {J.ADMITTED, J.PROVISIONING, J.STARTING, J.RUNNING, J.PREEMPTING, J.STOPPING}
-# A job in these has no process yet: it can be stopped without a checkpoint.
-NOT_STARTED = {J.ADMITTED, J.PROVISIONING}
-FINISHED = {J.SUCCEEDED, J.FAILED, J.CANCELLED}
 
 
 def _label(by) -> str:
@@ -240,7 +236,7 @@ def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
     locked.state_reason = reason[:300]
     now = timezone.now()
     locked.state_changed_at = now
-    if to in FINISHED:
+    if to in FINISHED_STATES:
         locked.finished_at = now
     if to == J.PENDING:
         locked.pending_reason = "waiting for the next scheduling pass"
@@ -248,8 +244,8 @@ def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
     for name, value in fields.items():
         setattr(locked, name, value)
     locked.save()
-    if came_from in HOLDING and to not in HOLDING:
-        _release_allocations([locked.pk], now=now)
+    if came_from in HOLDING_STATES and to not in HOLDING_STATES:
+        allocations_release(job_ids=[locked.pk], now=now)
     JobEvent.objects.create(
         job=locked,
         from_state=came_from,
@@ -266,7 +262,7 @@ def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
         after=snapshot(locked),
         team=locked.team,
     )
-    if to in FINISHED:
+    if to in FINISHED_STATES:
         _owe_webhook_calls(locked, now=now)
     if to in (J.PENDING, J.CANCELLED, J.FAILED, J.SUCCEEDED):
         schedule_soon()
@@ -279,7 +275,7 @@ def job_cancel(*, job: Job, by, reason: str = "") -> Job:
         raise _deny("Only the submitter, the team's admins and ops cancel a job.")
     why = reason.strip() or f"cancelled by {_label(by)}"
     current = Job.objects.get(pk=job.pk).state
-    if current in (J.PENDING, J.HELD) or current in NOT_STARTED:
+    if current in (J.PENDING, J.HELD) or current in NOT_STARTED_STATES:
         return job_transition(job=job, to=J.CANCELLED, reason=why, by=by)
     return job_transition(job=job, to=J.STOPPING, reason=why, by=by)
 
@@ -310,7 +306,8 @@ def job_requeue(*, job: Job, by, reason: str = "") -> Job:
 # --- allocations ----------------------------------------------------------------------
 
 
-def _release_allocations(job_ids: list[int], *, now: dt.datetime) -> None:
+def allocations_release(*, job_ids: list[int], now: dt.datetime) -> None:
+    """End the jobs' open allocations; their nodes become READY (or DRAINED) when idle."""
     node_ids = list(
         Allocation.objects.filter(job_id__in=job_ids, ended_at__isnull=True)
         .values_list("node_id", flat=True)

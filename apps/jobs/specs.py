@@ -8,10 +8,10 @@ its path in the spec (`resources.layout.tp`), so a 400 says exactly what to fix.
 from dataclasses import dataclass
 
 from apps.fleet.selectors import PoolCapacity
+from apps.jobs.models.jobs import ANY_GPU
 from controlplane.errors import ApplicationError
 from workers.trainer.presets import PRESETS, ModelShape
 
-ANY_GPU = "ANY"
 OWNED_KINDS = {"owned": ("owned",), "cloud": ("cloud",), "owned_then_cloud": ("owned", "cloud")}
 
 

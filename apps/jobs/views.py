@@ -11,7 +11,7 @@ from django.views.decorators.http import require_POST
 from apps.accounts.models import Team
 from apps.jobs import selectors, services, specs
 from apps.jobs.forms import SubmitForm
-from apps.jobs.services import FINISHED
+from apps.jobs.models.jobs import FINISHED_STATES
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
 from workers.trainer.presets import PRESETS
@@ -139,7 +139,7 @@ def detail(request, job_id: int):
         {
             "job": job,
             "events": list(job.events.all()),
-            "finished": job.state in FINISHED,
+            "finished": job.state in FINISHED_STATES,
             "can_manage": services.job_can_manage(
                 user=request.user, team_id=job.team_id, submitted_by_id=job.submitted_by_id
             ),

@@ -1,11 +1,21 @@
 """The fleet: where GPUs live (sites, racks, pools) and what they are (nodes, GPUs)."""
 
 from apps.fleet.models.catalogue import InstanceType
-from apps.fleet.models.nodes import Gpu, GpuHealth, Node, NodeEvent, NodeState
+from apps.fleet.models.nodes import (
+    GONE_STATES,
+    SCHEDULABLE_STATES,
+    Gpu,
+    GpuHealth,
+    Node,
+    NodeEvent,
+    NodeState,
+)
 from apps.fleet.models.pools import CapacityPreference, NodePool, PoolKind
 from apps.fleet.models.sites import Rack, Site
 
 __all__ = [
+    "GONE_STATES",
+    "SCHEDULABLE_STATES",
     "CapacityPreference",
     "Gpu",
     "GpuHealth",

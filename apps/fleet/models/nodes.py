@@ -28,6 +28,11 @@ class NodeState(models.TextChoices):
     TERMINATED = "terminated", "Terminated"
 
 
+# Nodes that can take work, and nodes that are gone for good.
+SCHEDULABLE_STATES = frozenset({NodeState.READY, NodeState.BUSY})
+GONE_STATES = frozenset({NodeState.FAILED, NodeState.TERMINATING, NodeState.TERMINATED})
+
+
 class Provider(models.TextChoices):
     LOCAL = "local", "Local processes"
     SSH = "ssh", "SSH (owned)"

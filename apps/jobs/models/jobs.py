@@ -27,6 +27,18 @@ class JobState(models.TextChoices):
     CANCELLED = "cancelled", "Cancelled"
 
 
+J = JobState
+# Groups of states the services, the scheduler and the pages all ask about.
+HOLDING_STATES = frozenset(
+    {J.ADMITTED, J.PROVISIONING, J.STARTING, J.RUNNING, J.PREEMPTING, J.STOPPING}
+)  # allocations open: the job holds GPUs
+NOT_STARTED_STATES = frozenset({J.ADMITTED, J.PROVISIONING})  # no process yet: no checkpoint
+STARTED_STATES = frozenset({J.STARTING, J.RUNNING})
+STOPPING_STATES = frozenset({J.PREEMPTING, J.STOPPING})  # on their way out; not preempted again
+FINISHED_STATES = frozenset({J.SUCCEEDED, J.FAILED, J.CANCELLED})
+ACTIVE_STATES = frozenset({J.PENDING, J.HELD} | HOLDING_STATES)
+
+
 class PriorityClass(models.TextChoices):
     LOW = "low", "Low"
     NORMAL = "normal", "Normal"

@@ -16,15 +16,12 @@ from django.utils import timezone
 
 from apps.accounts.services import audit_record_many
 from apps.fleet import services as fleet
-from apps.fleet.models import Node, NodeState
+from apps.fleet.models import SCHEDULABLE_STATES, Node
 from apps.jobs.models import Allocation, Job, JobEvent, JobState, TeamUsage
+from apps.jobs.models.jobs import NOT_STARTED_STATES, STARTED_STATES
 from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
 from controlplane.bulk import insert_rows
-
-SCHEDULABLE = (NodeState.READY, NodeState.BUSY)
-NOT_STARTED = (JobState.ADMITTED, JobState.PROVISIONING)
-STARTED = (JobState.STARTING, JobState.RUNNING)
 
 
 @dataclass
@@ -78,7 +75,7 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
     for placement in placements:
         fits = placement.job_id in still_pending and all(
             node_id in nodes
-            and nodes[node_id][0] in SCHEDULABLE
+            and nodes[node_id][0] in SCHEDULABLE_STATES
             and held.get(node_id, 0) + gpus <= nodes[node_id][1]
             for node_id, gpus in placement.node_gpus
         )
@@ -127,18 +124,18 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
 def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: Applied) -> None:
     if not preemptions:
         return
-    from apps.jobs.services import _release_allocations
+    from apps.jobs.services import allocations_release
 
     reasons = {p.job_id: p.reason for p in preemptions}
     victims = list(
         Job.objects.select_for_update()
-        .filter(pk__in=reasons, state__in=(*NOT_STARTED, *STARTED))
+        .filter(pk__in=reasons, state__in=NOT_STARTED_STATES | STARTED_STATES)
         .values_list("id", "state")
     )
     # Not started yet: nothing to checkpoint, straight back to the queue.
-    back = [job_id for job_id, state in victims if state in NOT_STARTED]
+    back = [job_id for job_id, state in victims if state in NOT_STARTED_STATES]
     # Running: checkpoint first, then stop (PREEMPTING → PENDING, by the agent or the reconcile).
-    stopping = [job_id for job_id, state in victims if state in STARTED]
+    stopping = [job_id for job_id, state in victims if state in STARTED_STATES]
     if back:
         Job.objects.filter(pk__in=back).update(
             state=JobState.PENDING,
@@ -147,7 +144,7 @@ def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: App
             pending_reason="preempted; waiting for the next scheduling pass",
             state_changed_at=now,
         )
-        _release_allocations(back, now=now)
+        allocations_release(job_ids=back, now=now)
     if stopping:
         Job.objects.filter(pk__in=stopping).update(
             state=JobState.PREEMPTING,
@@ -159,7 +156,7 @@ def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: App
             (
                 job_id,
                 state,
-                JobState.PENDING if state in NOT_STARTED else JobState.PREEMPTING,
+                JobState.PENDING if state in NOT_STARTED_STATES else JobState.PREEMPTING,
                 reasons[job_id],
             )
             for job_id, state in victims

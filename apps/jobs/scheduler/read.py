@@ -8,23 +8,11 @@ from django.conf import settings
 from django.db.models import FloatField, Func, Sum
 
 from apps.accounts.models import TeamQuota
-from apps.fleet.models import Node, NodePool, NodeState
+from apps.fleet.models import GONE_STATES, SCHEDULABLE_STATES, Node, NodePool
 from apps.jobs.models import Allocation, Job, JobState, Reservation, TeamUsage
-from apps.jobs.models.jobs import PRIORITY_RANK
+from apps.jobs.models.jobs import HOLDING_STATES, PRIORITY_RANK, STOPPING_STATES
 from apps.jobs.models.usage import USAGE_EPOCH
 from apps.jobs.scheduler import snapshot as plain
-
-SCHEDULABLE = {NodeState.READY, NodeState.BUSY}
-GONE = {NodeState.FAILED, NodeState.TERMINATING, NodeState.TERMINATED}
-HOLDING = [
-    JobState.ADMITTED,
-    JobState.PROVISIONING,
-    JobState.STARTING,
-    JobState.RUNNING,
-    JobState.PREEMPTING,
-    JobState.STOPPING,
-]
-NOT_PREEMPTIBLE = {JobState.PREEMPTING, JobState.STOPPING}
 
 
 @dataclass
@@ -79,9 +67,9 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
             rack_id=rack_id,
             gpus_total=gpus,
             gpus_free=max(gpus - held_per_node.get(node_id, 0), 0),
-            schedulable=state in SCHEDULABLE,
+            schedulable=state in SCHEDULABLE_STATES,
         )
-        for node_id, pool_id, rack_id, gpus, state in Node.objects.exclude(state__in=GONE)
+        for node_id, pool_id, rack_id, gpus, state in Node.objects.exclude(state__in=GONE_STATES)
         .values_list("id", "pool_id", "rack_id", "gpu_count", "state")
         .order_by("id")
     )
@@ -125,7 +113,7 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
     running = []
     held_by_team: dict[int, int] = defaultdict(int)
     for job_id, team_id, priority, pool_id, admitted_at, limit, state in (
-        Job.objects.filter(state__in=HOLDING)
+        Job.objects.filter(state__in=HOLDING_STATES)
         .values_list(
             "id", "team_id", "priority_class", "pool_id", "admitted_at", "time_limit_s", "state"
         )
@@ -144,7 +132,7 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
                 pool_id=pool_id,
                 node_gpus=held,
                 expected_end=_epoch(started) + limit,
-                preemptible=state not in NOT_PREEMPTIBLE,
+                preemptible=state not in STOPPING_STATES,
             )
         )
         held_by_team[team_id] += sum(g for _, g in held)
