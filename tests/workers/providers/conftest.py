@@ -1,0 +1,82 @@
+"""Real servers for the provider tests: an OpenSSH sshd and a moto server on 127.0.0.1.
+
+No database: providers take and return plain dataclasses.
+"""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.workers.providers.servers import SSHD, SshServer, free_port, keygen
+
+
+def _sshd_usable() -> str:
+    """Why sshd cannot run here, or '' when it can."""
+    if not SSHD.exists():
+        return "needs /usr/sbin/sshd (apt-get install -y openssh-server; make test installs it)"
+    if shutil.which("ssh-keygen") is None:
+        return "needs ssh-keygen (openssh-client)"
+    try:
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
+    except PermissionError:
+        if not Path("/run/sshd").is_dir():
+            return "sshd needs /run/sshd, which only root can create"
+    return ""
+
+
+@pytest.fixture(scope="session")
+def client_key(tmp_path_factory) -> Path:
+    return keygen(tmp_path_factory.mktemp("client") / "id_ed25519")
+
+
+@pytest.fixture(scope="session")
+def ssh_server_factory(tmp_path_factory, client_key):
+    """Start extra sshd servers (each with its own port and host key); stopped at the end."""
+    reason = _sshd_usable()
+    if reason:
+        pytest.skip(reason)
+    servers = []
+
+    def start() -> SshServer:
+        server = SshServer(directory=tmp_path_factory.mktemp("sshd"), client_key=client_key)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def ssh_server(ssh_server_factory) -> SshServer:
+    """The sshd most tests share."""
+    return ssh_server_factory()
+
+
+# --- moto --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A moto server on 127.0.0.1 for the whole session; its state is reset per test."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws_endpoint(moto_endpoint, monkeypatch):
+    """The moto server, emptied, with dummy credentials in the environment for boto3."""
+    requests.post(f"{moto_endpoint}/moto-api/reset", timeout=10).raise_for_status()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    return moto_endpoint
