@@ -99,6 +99,28 @@ class StrictSerializer(StrictSerializerMixin, serializers.Serializer):
     pass
 
 
+class SharedFieldsMixin:
+    """Build the serializer's fields once per process instead of once per instance.
+
+    DRF deep-copies every declared field (nested serializers' fields included) for
+    each serializer instance, which on a hot endpoint costs more than the
+    validation itself. Only for serializers whose fields read nothing from the
+    request or the instance's context, and that never run partial updates: the
+    shared fields are bound to one prototype, whose context is empty.
+    """
+
+    @property
+    def fields(self):
+        cls = type(self)
+        shared = cls.__dict__.get("_shared_fields")
+        if shared is None:
+            prototype = cls.__new__(cls)
+            serializers.BaseSerializer.__init__(prototype)
+            shared = serializers.Serializer.fields.func(prototype)
+            cls._shared_fields = shared
+        return shared
+
+
 class Text(StorableTextMixin, serializers.CharField):
     """A CharField for plain serializers that refuses what the database cannot store."""
 

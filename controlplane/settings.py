@@ -115,7 +115,7 @@ REDIS_URL = env_str("REDIS_URL")
 if REDIS_URL:
     CACHES = {
         "default": {
-            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "BACKEND": "controlplane.cache.SharedClientRedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": env_str("CACHE_KEY_PREFIX", "cp"),
         }
@@ -269,6 +269,11 @@ SCHEDULE_COALESCE_S = env_int("SCHEDULE_COALESCE_S", 2)
 FAIR_SHARE_HALF_LIFE_S = env_int("FAIR_SHARE_HALF_LIFE_S", 7 * 86400)
 BACKFILL_DEPTH = env_int("BACKFILL_DEPTH", 100)
 PREEMPTION_GRACE_S = env_int("PREEMPTION_GRACE_S", 300)
+# How long submission may trust a cached answer to "could any pool ever hold this job?"
+CAPACITY_CACHE_S = env_int("CAPACITY_CACHE_S", 10)
+# How long an API token's user and roles are answered from the cache (0: never);
+# changes to them mark the entry stale at once (apps/accounts/principals.py).
+AUTH_CACHE_S = env_int("AUTH_CACHE_S", 60)
 CELERY_BEAT_SCHEDULE["jobs-schedule"] = {
     "task": "jobs.schedule",
     "schedule": float(SCHEDULE_EVERY_S),

@@ -7,4 +7,9 @@ class AccountsConfig(AppConfig):
     verbose_name = "Accounts and teams"
 
     def ready(self):
-        from apps.accounts import schema  # noqa: F401  (registers the OpenAPI auth extensions)
+        from apps.accounts import (
+            schema,  # noqa: F401  (registers the OpenAPI auth extensions)
+            signals,
+        )
+
+        signals.connect()

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from django.contrib.auth import get_user_model
-from django.db.models import Q, QuerySet
+from django.db.models import Q, QuerySet, Value
 
 from apps.accounts.models import (
     ApiToken,
@@ -66,8 +66,20 @@ def roles_of(user) -> Roles:
     cached = getattr(user, "_controlplane_roles", None)
     if cached is not None:
         return cached
-    org = set(OrgRole.objects.filter(user=user).values_list("role", flat=True))
-    team_roles = dict(Membership.objects.filter(user=user).values_list("team_id", "role"))
+    # One round trip: organisation roles (team 0) and team memberships together.
+    org_roles = (
+        OrgRole.objects.filter(user_id=user.pk)
+        .annotate(team=Value(0))
+        .values_list("team", "role")
+        .order_by()
+    )
+    rows = Membership.objects.filter(user_id=user.pk).values_list("team_id", "role").order_by()
+    org, team_roles = set(), {}
+    for team_id, role in rows.union(org_roles, all=True):
+        if team_id == 0:
+            org.add(role)
+        else:
+            team_roles[team_id] = role
     roles = Roles(
         superuser=user.is_superuser,
         ops=OrgRoleName.OPS in org,

@@ -17,6 +17,7 @@ from django.db import IntegrityError, models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.accounts import principals
 from apps.accounts.context import current_origin
 from apps.accounts.models import (
     ApiToken,
@@ -494,24 +495,40 @@ class TokenRejected(Exception):
 
 
 def api_token_use(*, raw: str, now: dt.datetime | None = None) -> ApiToken:
-    """Authenticate one request's token; note its use at most once a minute."""
+    """Authenticate one request's token; note its use at most once a minute.
+
+    Answered from the auth cache when it can be (principals.py). An entry lives
+    until its last_used_at is a minute old, so last_used_at is written when the
+    entry expires and the database is read again.
+    """
     now = now or timezone.now()
-    token = ApiToken.objects.select_related("user").filter(digest=token_digest(raw)).first()
-    if token is None:
-        raise TokenRejected("Invalid token.")
+    digest = token_digest(raw)
+    stale = now - LAST_USED_RESOLUTION
+    cached = principals.recall(digest)
+    if cached is not None and cached[0].last_used_at > stale:
+        token, roles = cached
+        token.user._controlplane_roles = roles
+    else:
+        cached = None
+        token = ApiToken.objects.select_related("user").filter(digest=digest).first()
+        if token is None:
+            raise TokenRejected("Invalid token.")
     if token.revoked_at is not None:
         raise TokenRejected("This token has been revoked.")
     if token.expires_at is not None and token.expires_at <= now:
         raise TokenRejected("This token has expired.")
     if not token.user.is_active:
         raise TokenRejected("The token's user is inactive.")
-    stale = now - LAST_USED_RESOLUTION
-    if token.last_used_at is None or token.last_used_at <= stale:
-        # Conditional, so concurrent requests write the row once, not each.
-        ApiToken.objects.filter(pk=token.pk).filter(
-            Q(last_used_at__isnull=True) | Q(last_used_at__lte=stale)
-        ).update(last_used_at=now)
-        token.last_used_at = now
+    if cached is None:
+        if token.last_used_at is None or token.last_used_at <= stale:
+            # Conditional, so concurrent requests write the row once, not each.
+            ApiToken.objects.filter(pk=token.pk).filter(
+                Q(last_used_at__isnull=True) | Q(last_used_at__lte=stale)
+            ).update(last_used_at=now)
+            token.last_used_at = now
+        # Cached only until its last_used_at goes stale, so a hit never needs a write.
+        fresh_for = (token.last_used_at - stale).total_seconds()
+        principals.remember(digest, token, roles_of(token.user), timeout=fresh_for)
     return token
 
 

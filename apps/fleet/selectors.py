@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from django.conf import settings
+from django.core.cache import cache
 from django.db.models import Count, Prefetch, Q, QuerySet
 
 from apps.fleet.models import (
@@ -126,7 +128,8 @@ class PoolCapacity:
     kind: str
     gpu_type: str
     enabled: bool
-    node_gpus: tuple[int, ...]  # GPUs of each node that is not failed or gone (owned pools)
+    # (GPUs per node, how many nodes of that size) over nodes not failed or gone (owned pools)
+    node_sizes: tuple[tuple[int, int], ...]
     burst_node_gpus: int  # GPUs of the largest allowed instance type (cloud pools)
     max_nodes: int
 
@@ -135,16 +138,33 @@ class PoolCapacity:
             return False
         if self.kind == "cloud":
             return self.burst_node_gpus >= gpus_per_node and self.max_nodes >= nodes
-        return sum(1 for g in self.node_gpus if g >= gpus_per_node) >= nodes
+        return sum(n for gpus, n in self.node_sizes if gpus >= gpus_per_node) >= nodes
 
 
-def pools_capacity() -> list[PoolCapacity]:
-    """Every pool with its node sizes, in three queries."""
-    sizes: dict[int, list[int]] = {}
-    for pool_id, gpus in Node.objects.exclude(state__in=GONE_STATES).values_list(
-        "pool_id", "gpu_count"
-    ):
-        sizes.setdefault(pool_id, []).append(gpus)
+# Submission asks "could any pool ever hold this?" on every request; the answer
+# changes only when pools or nodes come and go, which the fleet's services announce
+# by deleting this key (capacity_changed). The TTL bounds a lost race.
+CAPACITY_CACHE_KEY = "fleet:pools-capacity:v2"
+
+
+def pools_capacity(*, cached: bool = False) -> list[PoolCapacity]:
+    """Every pool with the sizes of its nodes, in three queries (a few rows each).
+
+    `cached=True` answers from Django's cache for up to CAPACITY_CACHE_S seconds.
+    """
+    if cached:
+        hit = cache.get(CAPACITY_CACHE_KEY)
+        if hit is not None:
+            return hit
+    sizes: dict[int, list[tuple[int, int]]] = {}
+    rows = (
+        Node.objects.exclude(state__in=GONE_STATES)
+        .values_list("pool_id", "gpu_count")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    for pool_id, gpus, n in rows:
+        sizes.setdefault(pool_id, []).append((gpus, n))
     out = []
     for pool in NodePool.objects.prefetch_related("instance_types").order_by("id"):
         instance_gpus = [t.gpu_count for t in pool.instance_types.all()]
@@ -155,9 +175,11 @@ def pools_capacity() -> list[PoolCapacity]:
                 kind=pool.kind,
                 gpu_type=pool.gpu_type,
                 enabled=pool.enabled,
-                node_gpus=tuple(sizes.get(pool.pk, ())),
+                node_sizes=tuple(sorted(sizes.get(pool.pk, ()))),
                 burst_node_gpus=max(instance_gpus, default=0),
                 max_nodes=pool.max_nodes,
             )
         )
+    if cached:
+        cache.set(CAPACITY_CACHE_KEY, out, settings.CAPACITY_CACHE_S)
     return out

@@ -3,6 +3,7 @@
 import datetime as dt
 
 from django.conf import settings
+from django.core.cache import cache
 from django.db import transaction
 from django.utils import timezone
 
@@ -27,7 +28,8 @@ from apps.fleet.models import (
     Rack,
     Site,
 )
-from apps.fleet.models.nodes import CapacityType, Provider
+from apps.fleet.models.nodes import GONE_STATES, CapacityType, Provider
+from apps.fleet.selectors import CAPACITY_CACHE_KEY
 from controlplane.bulk import insert_rows
 from controlplane.errors import ApplicationError
 
@@ -124,6 +126,11 @@ def _check_pool_instance_types(*, gpu_type: str, kind: str, instance_types) -> N
         )
 
 
+def capacity_changed() -> None:
+    """Pools or nodes came or went: forget submission's cached capacity once this commits."""
+    transaction.on_commit(lambda: cache.delete(CAPACITY_CACHE_KEY))
+
+
 @transaction.atomic
 def pool_create(*, by, instance_types=None, **fields) -> NodePool:
     require_fleet_manager(by)
@@ -135,6 +142,7 @@ def pool_create(*, by, instance_types=None, **fields) -> NodePool:
     pool = audited_create(model=NodePool, by=by, fields=fields, action="pool.create")
     if instance_types:
         pool.instance_types.set(instance_types)
+    capacity_changed()
     return pool
 
 
@@ -155,12 +163,15 @@ def pool_update(*, pool: NodePool, by, instance_types=None, **changes) -> NodePo
     pool = audited_update(instance=pool, by=by, changes=changes, action="pool.update")
     if instance_types is not None:
         pool.instance_types.set(instance_types)
+    capacity_changed()
     return pool
 
 
+@transaction.atomic
 def pool_delete(*, pool: NodePool, by) -> None:
     require_fleet_manager(by)
     audited_delete(instance=pool, by=by, action="pool.delete")
+    capacity_changed()
 
 
 def _check_node_fields(fields: dict) -> None:
@@ -226,6 +237,7 @@ def node_create(*, by, **fields) -> Node:
         actor=by,
         actor_label=_actor_label(by),
     )
+    capacity_changed()
     return node
 
 
@@ -256,6 +268,7 @@ def node_update(*, node: Node, by, **changes) -> Node:
                 status=409,
             )
         changes.update(_pinned_key_fields(changes.pop("host_key")))
+    capacity_changed()
     return audited_update(instance=node, by=by, changes=changes, action="node.update")
 
 
@@ -267,7 +280,9 @@ def node_delete(*, node: Node, by) -> None:
             code="invalid_state",
             status=409,
         )
-    audited_delete(instance=node, by=by, action="node.delete")
+    with transaction.atomic():
+        audited_delete(instance=node, by=by, action="node.delete")
+        capacity_changed()
 
 
 def gpu_create(*, by, **fields) -> Gpu:
@@ -321,6 +336,8 @@ def node_transition(*, node: Node, to: str, reason: str, by, **fields) -> Node:
         actor_label=_actor_label(by),
     )
     audit_record(actor=by, action=f"node.{to}", obj=locked, before=before, after=snapshot(locked))
+    if to in GONE_STATES or came_from in GONE_STATES:
+        capacity_changed()
     return locked
 
 

@@ -58,7 +58,7 @@ def eligible_pools(pools: list[PoolCapacity], *, gpu_type: str, where: str) -> l
 
 
 def _node_size(pools: list[PoolCapacity]) -> int:
-    sizes = [g for p in pools for g in p.node_gpus] + [p.burst_node_gpus for p in pools]
+    sizes = [g for p in pools for g, _ in p.node_sizes] + [p.burst_node_gpus for p in pools]
     return max([s for s in sizes if s], default=8)
 
 

@@ -14,24 +14,35 @@ from apps.fleet.models import Node
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
 from apps.jobs.models.jobs import ANY_GPU
 from apps.jobs.selectors import jobs_visible_to
-from controlplane.api import ScopedPrimaryKeyField, StrictModelSerializer, StrictSerializer, Text
+from controlplane.api import (
+    ScopedPrimaryKeyField,
+    SharedFieldsMixin,
+    StrictModelSerializer,
+    StrictSerializer,
+    Text,
+)
 from workers.trainer.presets import PRESETS
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+class SpecSerializer(SharedFieldsMixin, StrictSerializer):
+    """A part of the job spec: its fields read nothing from the request, so they are
+    built once per process (submission is the API's hottest write)."""
 
 
 def _count(maximum: int, **kwargs):
     return serializers.IntegerField(min_value=1, max_value=maximum, **kwargs)
 
 
-class LayoutSerializer(StrictSerializer):
+class LayoutSerializer(SpecSerializer):
     dp_replicate = _count(4096, required=False)
     dp_shard = _count(4096, required=False)
     tp = _count(64, required=False)
     pp = _count(512, required=False)
 
 
-class ResourcesSerializer(StrictSerializer):
+class ResourcesSerializer(SpecSerializer):
     gpu_type = serializers.ChoiceField(choices=[*GPU_TYPES, (ANY_GPU, "Any")], default=ANY_GPU)
     gpus = _count(32768, required=False)
     nodes = _count(4096, required=False)
@@ -39,12 +50,12 @@ class ResourcesSerializer(StrictSerializer):
     layout = LayoutSerializer(required=False)
 
 
-class PlacementSerializer(StrictSerializer):
+class PlacementSerializer(SpecSerializer):
     where = serializers.ChoiceField(choices=Placement.choices, default=Placement.OWNED_THEN_CLOUD)
     spot = serializers.BooleanField(default=False)
 
 
-class ModelSizesSerializer(StrictSerializer):
+class ModelSizesSerializer(SpecSerializer):
     layers = _count(1024)
     dim = _count(65536)
     heads = _count(1024)
@@ -54,7 +65,7 @@ class ModelSizesSerializer(StrictSerializer):
     max_seq_len = _count(1048576, required=False)
 
 
-class TrainerSerializer(StrictSerializer):
+class TrainerSerializer(SpecSerializer):
     preset = serializers.ChoiceField(choices=sorted(PRESETS), required=False)
     model = ModelSizesSerializer(required=False)
     dataset = Text(
@@ -72,7 +83,7 @@ class TrainerSerializer(StrictSerializer):
     compile = serializers.BooleanField(default=False)
 
 
-class GitSourceSerializer(StrictSerializer):
+class GitSourceSerializer(SpecSerializer):
     repo = Text(max_length=1024)
     ref = Text(max_length=255)
 
@@ -101,14 +112,14 @@ class ArgvField(serializers.ListField):
         return super().to_internal_value(data)
 
 
-class CommandSerializer(StrictSerializer):
+class CommandSerializer(SpecSerializer):
     argv = ArgvField(min_length=1, max_length=512)
     git = GitSourceSerializer(required=False)
     path = Text(max_length=1024, required=False, help_text="The code's path on shared storage.")
     workdir = Text(max_length=1024, required=False)
 
 
-class NcclSerializer(StrictSerializer):
+class NcclSerializer(SpecSerializer):
     profile = Text(max_length=100, required=False)
     overrides = serializers.DictField(child=Text(max_length=1024), required=False)
 
@@ -126,9 +137,13 @@ class EnvField(serializers.DictField):
         return value
 
 
-class JobSubmitSerializer(StrictSerializer):
+class JobSubmitSerializer(SpecSerializer):
     name = Text(max_length=100)
-    team = ScopedPrimaryKeyField(selector=teams_visible_to)
+    team = serializers.IntegerField(
+        min_value=1,
+        max_value=2147483647,
+        help_text="The team's id; one you may submit for (others do not exist for you).",
+    )
     priority = serializers.ChoiceField(choices=PriorityClass.choices, default=PriorityClass.NORMAL)
     time_limit_s = serializers.IntegerField(min_value=60, max_value=30 * 86400)
     max_cost_usd = serializers.DecimalField(
@@ -156,7 +171,7 @@ class JobEventSerializer(StrictModelSerializer):
         read_only_fields = fields
 
 
-class JobSerializer(StrictModelSerializer):
+class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
     team_slug = serializers.CharField(source="team.slug", read_only=True)
     submitted_by = serializers.CharField(
         source="submitted_by.username", read_only=True, default=None

@@ -7,6 +7,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.accounts.models import TokenScope
+from apps.accounts.selectors import teams_visible_to
 from apps.jobs import selectors, services
 from apps.jobs.api import serializers as s
 from apps.jobs.filtersets import JobFilterSet, ReservationFilterSet
@@ -46,7 +47,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     )
     def create(self, request, *args, **kwargs):
         """Submit a job. 201 with the new job, or 200 with the first one for a reused key."""
-        body = s.JobSubmitSerializer(data=request.data, context=self.get_serializer_context())
+        body = s.JobSubmitSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         key = request.headers.get("Idempotency-Key", "").strip()
         if len(key) > 200 or (key and not key.isprintable()):
@@ -56,7 +57,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             )
         reject_unstorable_text(key)
         spec = dict(body.validated_data)
-        team = spec.pop("team")
+        team = _team_visible(request.user, spec.pop("team"))
         job, created = services.job_submit(
             team=team, spec=_jsonable(spec), submitted_by=request.user, idempotency_key=key
         )
@@ -94,6 +95,17 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         body = s.ReasonSerializer(data=request.data or {})
         body.is_valid(raise_exception=True)
         return self._operate(request, services.job_requeue, **body.validated_data)
+
+
+def _team_visible(user, team_id: int):
+    """The spec's team, if the user may see it; others answer as if they did not exist."""
+    team = teams_visible_to(user=user).filter(pk=team_id).first()
+    if team is None:
+        raise ApplicationError(
+            "Invalid input: team.",
+            details={"team": [f'Invalid pk "{team_id}" - object does not exist.']},
+        )
+    return team
 
 
 def _jsonable(value):

@@ -4,6 +4,8 @@ import datetime as dt
 import hashlib
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from apps.accounts import services
@@ -63,7 +65,7 @@ def test_no_credentials_is_401_with_the_error_shape(anon_api):
     assert set(response.json()["error"]) == {"code", "message", "details"}
 
 
-def test_last_used_is_written_at_most_once_a_minute(researcher, django_assert_num_queries):
+def test_last_used_is_written_at_most_once_a_minute(researcher):
     token, secret = services.api_token_create(
         user=researcher, name="t", scopes=["read"], by=researcher
     )
@@ -71,8 +73,10 @@ def test_last_used_is_written_at_most_once_a_minute(researcher, django_assert_nu
     services.api_token_use(raw=secret, now=start)
     first = ApiToken.objects.get(pk=token.pk).last_used_at
     assert first == start
-    with django_assert_num_queries(1):  # the look-up only, no UPDATE
+    with CaptureQueriesContext(connection) as queries:  # a look-up at most, no UPDATE
         services.api_token_use(raw=secret, now=start + dt.timedelta(seconds=30))
+    assert len(queries) <= 1
+    assert not [q for q in queries if q["sql"].startswith("UPDATE")]
     assert ApiToken.objects.get(pk=token.pk).last_used_at == start
     later = start + dt.timedelta(seconds=61)
     services.api_token_use(raw=secret, now=later)
@@ -147,3 +151,45 @@ def test_tokens_of_an_inactive_user_stop_working(anon_api):
     user.save()
     anon_api.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
     assert anon_api.get("/api/v1/me/").status_code == 401
+
+
+def _bearer(secret):
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    return client
+
+
+def test_a_cached_token_is_refused_as_soon_as_it_is_revoked(
+    researcher, django_capture_on_commit_callbacks
+):
+    token, secret = services.api_token_create(
+        user=researcher, name="t", scopes=["read"], by=researcher
+    )
+    client = _bearer(secret)
+    assert client.get("/api/v1/me/").status_code == 200
+    assert client.get("/api/v1/me/").status_code == 200  # answered from the auth cache
+    with django_capture_on_commit_callbacks(execute=True):  # the revocation commits
+        services.api_token_revoke(token=token, by=researcher)
+    assert client.get("/api/v1/me/").status_code == 401
+
+
+def test_a_cached_token_follows_its_users_roles_and_activity(
+    team, other_team, researcher, django_capture_on_commit_callbacks
+):
+    _, secret = services.api_token_create(user=researcher, name="t", scopes=["read"], by=None)
+    client = _bearer(secret)
+    assert client.get(f"/api/v1/teams/{team.pk}/").status_code == 200
+    assert client.get(f"/api/v1/teams/{other_team.pk}/").status_code == 404
+    # Each change commits (as in production) before the next request.
+    with django_capture_on_commit_callbacks(execute=True):
+        factories.make_member(team=other_team, role="viewer", user=researcher)
+    assert client.get(f"/api/v1/teams/{other_team.pk}/").status_code == 200  # joined: seen at once
+    with django_capture_on_commit_callbacks(execute=True):
+        researcher.memberships.filter(team=team).delete()
+    assert client.get(f"/api/v1/teams/{team.pk}/").status_code == 404  # left: gone at once
+    with django_capture_on_commit_callbacks(execute=True):
+        researcher.is_active = False
+        researcher.save()
+    assert client.get("/api/v1/me/").status_code == 401
