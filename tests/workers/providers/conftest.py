@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import requests
 
 from tests.workers.providers.servers import SSHD, SshServer, free_port, keygen
 
@@ -61,7 +60,7 @@ def ssh_server(ssh_server_factory) -> SshServer:
 
 @pytest.fixture(scope="session")
 def moto_endpoint():
-    """A moto server on 127.0.0.1 for the whole session; its state is reset per test."""
+    """A moto server on 127.0.0.1 for the whole session."""
     from moto.server import ThreadedMotoServer
 
     port = free_port()
@@ -73,8 +72,7 @@ def moto_endpoint():
 
 @pytest.fixture
 def aws_endpoint(moto_endpoint, monkeypatch):
-    """The moto server, emptied, with dummy credentials in the environment for boto3."""
-    requests.post(f"{moto_endpoint}/moto-api/reset", timeout=10).raise_for_status()
+    """The moto server, with dummy credentials in the environment for boto3."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.delenv("AWS_PROFILE", raising=False)
