@@ -373,7 +373,8 @@ class AwsProvider:
             ids = [instance["InstanceId"] for instance in orphans]
             logger.warning("Terminating orphan instances %s", ", ".join(ids))
             with _aws_errors("Terminating orphans"):
-                self.ec2.terminate_instances(InstanceIds=ids)
+                for start in range(0, len(ids), 500):
+                    self.ec2.terminate_instances(InstanceIds=ids[start : start + 500])
         return [
             Orphan(
                 instance_id=instance["InstanceId"],
@@ -531,7 +532,7 @@ class AwsProvider:
     def _find(self, uuid: str) -> NodeDescription | None:
         instances = sorted(
             self._instances(_our_filters(self.config, node=uuid)),
-            key=lambda instance: instance.get("LaunchTime") or dt.datetime.min,
+            key=_launched_at,
         )
         if not instances:
             return None
@@ -579,6 +580,11 @@ def _our_filters(config: AwsConfig, *, node: str | None = None) -> list[dict]:
     if node is not None:
         filters.append({"Name": f"tag:{TAG_NODE_UUID}", "Values": [node]})
     return filters
+
+
+def _launched_at(instance: dict) -> float:
+    launch_time = instance.get("LaunchTime")
+    return launch_time.timestamp() if launch_time is not None else float("inf")
 
 
 def _tags(instance: dict) -> dict[str, str]:

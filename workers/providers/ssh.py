@@ -258,6 +258,8 @@ lock() {
 }
 """.replace("UUID_VARIABLE", NODE_UUID_VARIABLE)
 
+_BUSY = 75  # the start script's status when another one holds the node's lock
+
 # $1 node dir, $2 node uuid: prints the agent's pid if it is running.
 _AGENT_PID_SCRIPT = (
     _FUNCTIONS
@@ -382,6 +384,11 @@ class SshProvider:
             ],
             check=False,
         )
+        if result.exit_status == _BUSY:
+            raise ProvisioningFailed(
+                f"Another bootstrap or terminate of node {spec.uuid} holds its lock.",
+                retryable=True,
+            )
         if result.exit_status != 0:
             raise ProvisioningFailed(
                 f"The agent did not start on {spec.address}: {result.stderr.strip()[-500:]}",
