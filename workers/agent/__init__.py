@@ -1,1 +1,9 @@
-"""The node agent, copied to every node: standard library only."""
+"""The node agent: registers, heartbeats, runs the control plane's run plans, relays logs.
+
+Copied to every node by bootstrap and run there as `python3 -m workers.agent`
+from the node directory. Standard library only (ARCHITECTURE.md): nodes have
+no Django and may have no third-party packages at all.
+"""
+
+# The control plane upgrades agents that report an older version than its own.
+VERSION = "1.0.0"

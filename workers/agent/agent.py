@@ -1,0 +1,254 @@
+"""The agent's loop: register, then heartbeat, fetch run plans, run them, report, relay output.
+
+Threads: the main loop (heartbeats, plans, run exits), the outbox (reports that
+must arrive, in order), the log shipper, and on AWS the spot watch. When the
+control plane cannot be reached, heartbeats are skipped, reports and output
+wait in memory, and the runs carry on.
+
+The protocol (paths under /api/v1/agent/, JSON, `Authorization: Bearer <node token>`):
+
+    POST register            {version, hostname, metrics, nccl_version, slots}
+    POST heartbeat           {seq, version, metrics, disk_free_bytes, nccl_version, runs}
+    GET  runs/               -> {"start": [plan, ...], "stop": [{"id", "reason"}, ...]}
+    POST runs/{id}/status    {state: running | exited | refused, pid, exit_code, signal,
+                              reason, status}
+    POST runs/{id}/logs      {lines: [{seq, stream, at, text}], dropped}
+    POST events              {kind: "spot_interruption", notice, runs}
+"""
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+from workers.agent import VERSION, metrics
+from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
+from workers.agent.config import AgentConfig
+from workers.agent.runs import LogBuffer, Plan, PlanRefused, Run
+from workers.agent.spot import SpotWatch
+
+log = logging.getLogger("agent")
+API = "/api/v1/agent"
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, control: ControlPlane | None = None):
+        self.config = config
+        self.control = control or ControlPlane(
+            config.url, config.token, timeout_s=config.request_timeout_s
+        )
+        self.outbox = Outbox(self.control)
+        self.logs = LogBuffer(config.max_buffered_lines)
+        self.runs: dict[int, Run] = {}
+        self.seen: set[int] = set()  # every run id ever started here: plans are re-sent until acked
+        self.stopping = threading.Event()
+        self.heartbeats = 0
+        self.spot_notice: dict | None = None  # set by the spot watch thread
+        self._spot_handled = False
+        self._nccl_version = ""
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def register(self) -> None:
+        """Say who we are; retried until the control plane answers."""
+        self._nccl_version = metrics.nccl_version()
+        delay = 1.0
+        while not self.stopping.is_set():
+            try:
+                answer = self.control.call(
+                    "POST",
+                    f"{API}/register",
+                    {
+                        "version": VERSION,
+                        "hostname": socket.gethostname(),
+                        "metrics": metrics.gpu_metrics(slots=self.config.slots),
+                        "nccl_version": self._nccl_version,
+                        "slots": self.config.slots,
+                    },
+                )
+            except Unreachable as exc:
+                log.warning("register: control plane unreachable (%s); retrying", exc)
+                self.stopping.wait(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            log.info("registered: %s", answer)
+            return
+
+    def run(self) -> None:
+        self.register()
+        threads = [
+            threading.Thread(target=self.outbox.run, args=(self.stopping,), name="outbox"),
+            threading.Thread(target=self._ship_logs, name="logs"),
+        ]
+        if self.config.imds_url:
+            threads.append(threading.Thread(target=self._watch_spot, name="spot"))
+        for thread in threads:
+            thread.daemon = True
+            thread.start()
+        next_heartbeat = next_plans = 0.0
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            if now >= next_plans:
+                self._fetch_plans()
+                next_plans = now + self.config.plans_every_s
+            if now >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = now + self.config.heartbeat_every_s
+            self._act_on_spot_notice()
+            self._reap()
+            self.stopping.wait(0.2)
+        self._shutdown(threads)
+
+    def stop(self, *_args) -> None:
+        self.stopping.set()
+
+    def _shutdown(self, threads) -> None:
+        for run in self.runs.values():
+            run.stop(reason="agent stopping", grace_s=self.config.stop_grace_s)
+        deadline = time.monotonic() + self.config.stop_grace_s + 5
+        while self.runs and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.2)
+        self._send_logs()
+        self.outbox.flush(timeout_s=5)
+
+    # --- heartbeats and plans -----------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        self.heartbeats += 1
+        body = {
+            "seq": self.heartbeats,
+            "version": VERSION,
+            "metrics": metrics.gpu_metrics(slots=self.config.slots),
+            "disk_free_bytes": metrics.disk_free_bytes(self.config.work_dir),
+            "nccl_version": self._nccl_version,
+            "runs": [{"id": i, "pid": r.pid} for i, r in self.runs.items()],
+        }
+        try:
+            self.control.call("POST", f"{API}/heartbeat", body)
+        except (Unreachable, Refused) as exc:
+            # A missed heartbeat is not buffered: the next one says the same, newer.
+            log.warning("heartbeat %d not delivered: %s", self.heartbeats, exc)
+
+    def _fetch_plans(self) -> None:
+        try:
+            answer = self.control.call("GET", f"{API}/runs/")
+        except (Unreachable, Refused) as exc:
+            log.warning("could not fetch run plans: %s", exc)
+            return
+        for data in answer.get("start", []):
+            self._start(data)
+        for item in answer.get("stop", []):
+            run = self.runs.get(int(item["id"]))
+            if run is not None:
+                run.stop(reason=str(item.get("reason", "")), grace_s=self.config.stop_grace_s)
+
+    def _start(self, data: dict) -> None:
+        try:
+            run_id = int(data["id"])
+        except (KeyError, TypeError, ValueError):
+            log.error("a run plan without an id: ignored")
+            return
+        if run_id in self.seen:
+            return  # already started here; our "running" report is on its way
+        self.seen.add(run_id)
+        run = None
+        try:
+            plan = Plan.from_json(data)
+            run = Run(
+                plan,
+                runs_dir=self.config.work_dir / "runs",
+                logs=self.logs,
+                base_env=dict(os.environ),
+            )
+            run.start()
+        except (PlanRefused, KeyError, TypeError, ValueError, OSError) as exc:
+            if run is not None:
+                run.note(f"could not start: {exc}")
+            self._report(run_id, {"state": "refused", "reason": str(exc)[:300]})
+            return
+        self.runs[run_id] = run
+        self._report(run_id, {"state": "running", "pid": run.pid})
+
+    def _reap(self) -> None:
+        for run_id, run in list(self.runs.items()):
+            code = run.poll()
+            if code is None:
+                continue
+            report = run.exit_report(code)
+            if self.spot_notice is not None and not report["reason"]:
+                report["reason"] = "spot interruption"
+            del self.runs[run_id]
+            self._report(run_id, report)
+
+    def _report(self, run_id: int, body: dict) -> None:
+        self.outbox.put(
+            Message("POST", f"{API}/runs/{run_id}/status", body, f"run {run_id} {body['state']}")
+        )
+
+    # --- output ----------------------------------------------------------------------------------
+
+    def _ship_logs(self) -> None:
+        while not self.stopping.is_set():
+            if not self._send_logs():
+                self.stopping.wait(2.0)  # unreachable: wait a little longer
+            self.stopping.wait(0.5)
+
+    def _send_logs(self) -> bool:
+        batch = self.logs.take()
+        for run_id, lines in batch.items():
+            body = {
+                "lines": [
+                    {"seq": x.seq, "stream": x.stream, "at": x.at, "text": x.text} for x in lines
+                ],
+                "dropped": self.logs.dropped.pop(run_id, 0),
+            }
+            try:
+                self.control.call("POST", f"{API}/runs/{run_id}/logs", body)
+            except Unreachable:
+                # Back to the front of the buffer, in order; sent when it answers again.
+                rest = [x for r, xs in batch.items() if r >= run_id for x in xs]
+                self.logs.put_back(rest)
+                if body["dropped"]:
+                    self.logs.dropped[run_id] = self.logs.dropped.get(run_id, 0) + body["dropped"]
+                return False
+            except Refused as exc:
+                log.error("output of run %d refused: %s", run_id, exc)
+        return True
+
+    # --- spot ------------------------------------------------------------------------------------
+
+    def _watch_spot(self) -> None:
+        """Only notices the notice; the main loop acts on it (it alone touches the runs)."""
+        watch = SpotWatch(self.config.imds_url)
+        while not self.stopping.is_set() and self.spot_notice is None:
+            notice = watch.check()
+            if notice is not None:
+                log.warning("spot interruption notice: %s", notice)
+                self.spot_notice = notice
+                return
+            self.stopping.wait(self.config.spot_poll_s)
+
+    def _act_on_spot_notice(self) -> None:
+        if self.spot_notice is None or self._spot_handled:
+            return
+        self._spot_handled = True
+        runs = list(self.runs.values())
+        for run in runs:
+            run.note(f"spot interruption notice: {self.spot_notice}")
+            run.stop(reason="spot interruption", grace_s=self.config.stop_grace_s)
+        body = {
+            "kind": "spot_interruption",
+            "notice": self.spot_notice,
+            "runs": [r.plan.id for r in runs],
+        }
+        self.outbox.put(Message("POST", f"{API}/events", body, "spot notice"))
+
+
+def main(config: AgentConfig) -> None:
+    agent = Agent(config)
+    signal.signal(signal.SIGTERM, agent.stop)
+    signal.signal(signal.SIGINT, agent.stop)
+    agent.run()

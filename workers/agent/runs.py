@@ -1,0 +1,264 @@
+"""Running one run plan on this node: its directory, its files, its code, its process, its output.
+
+A run plan (from the control plane) says what to run: an argument list (never a
+shell string), environment variables, secrets (injected as variables, and
+masked in every output line the agent relays), a working directory, files to
+write, and optionally a git repository and ref to check out first. The process
+starts in a new session, so a stop or a spot notice signals torchrun and all
+its workers together.
+"""
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+log = logging.getLogger("agent")
+
+STATUS_FILE_VARIABLE = "CONTROLPLANE_STATUS_FILE"
+RUN_ID_VARIABLE = "CONTROLPLANE_RUN_ID"
+MASK = "********"
+# Variables the run inherits from the agent; everything else comes from the plan.
+INHERITED = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")
+_REF = re.compile(r"[\w./-]+\Z")
+
+
+class PlanRefused(Exception):
+    """The plan cannot be run as given (a file outside the run directory, a bad ref...)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    id: int
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    workdir: str = ""
+    files: tuple[dict, ...] = ()
+    git: dict | None = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        argv = data.get("argv")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise PlanRefused("argv must be a non-empty list of strings")
+        return cls(
+            id=int(data["id"]),
+            argv=tuple(argv),
+            env={str(k): str(v) for k, v in (data.get("env") or {}).items()},
+            secrets={str(k): str(v) for k, v in (data.get("secrets") or {}).items()},
+            workdir=str(data.get("workdir") or ""),
+            files=tuple(data.get("files") or ()),
+            git=data.get("git") or None,
+        )
+
+
+class Masker:
+    """Replaces every secret value in a line with a mask, longest values first."""
+
+    def __init__(self, values):
+        # Very short values would mask ordinary text ("1", "on"); they are not secrets.
+        self._values = sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        for value in self._values:
+            if value in text:
+                text = text.replace(value, MASK)
+        return text
+
+
+@dataclass
+class LogLine:
+    run_id: int
+    seq: int
+    stream: str  # "stdout" | "stderr" | "agent"
+    at: float
+    text: str
+
+
+class LogBuffer:
+    """Output lines waiting to be sent, bounded: beyond `limit`, the oldest are dropped
+    and counted, so a control plane that is away for hours cannot fill the node's memory."""
+
+    def __init__(self, limit: int):
+        self._lines: deque[LogLine] = deque()
+        self._lock = threading.Lock()
+        self._limit = limit
+        self.dropped: dict[int, int] = {}
+
+    def add(self, line: LogLine) -> None:
+        with self._lock:
+            self._lines.append(line)
+            while len(self._lines) > self._limit:
+                old = self._lines.popleft()
+                self.dropped[old.run_id] = self.dropped.get(old.run_id, 0) + 1
+
+    def take(self, limit: int = 2000) -> dict[int, list[LogLine]]:
+        """Up to `limit` lines, by run; they leave the buffer (put_back returns them)."""
+        out: dict[int, list[LogLine]] = {}
+        with self._lock:
+            for _ in range(min(limit, len(self._lines))):
+                line = self._lines.popleft()
+                out.setdefault(line.run_id, []).append(line)
+        return out
+
+    def put_back(self, lines: list[LogLine]) -> None:
+        with self._lock:
+            self._lines.extendleft(reversed(lines))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lines)
+
+
+class Run:
+    def __init__(self, plan: Plan, *, runs_dir: Path, logs: LogBuffer, base_env: dict[str, str]):
+        self.plan = plan
+        self.dir = runs_dir / f"run-{plan.id}"
+        self.status_file = self.dir / "status.json"
+        self._logs = logs
+        self._base_env = base_env
+        self._mask = Masker(plan.secrets.values())
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self.process: subprocess.Popen | None = None
+        self._readers: list[threading.Thread] = []
+        self.stop_reason = ""
+        self._kill_at: float | None = None
+
+    # --- output -------------------------------------------------------------------------
+
+    def note(self, text: str, stream: str = "agent") -> None:
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+        self._logs.add(LogLine(self.plan.id, seq, stream, time.time(), self._mask(text)))
+
+    def _read(self, pipe, stream: str) -> None:
+        for raw in iter(pipe.readline, b""):
+            self.note(raw.decode("utf-8", "replace").rstrip("\r\n"), stream)
+        pipe.close()
+
+    # --- start ----------------------------------------------------------------------------
+
+    def _inside(self, relative: str) -> Path:
+        """A path in the run directory; anything that would leave it is refused."""
+        path = PurePosixPath(relative)
+        if path.is_absolute() or ".." in path.parts:
+            raise PlanRefused(f"{relative!r} is outside the run directory")
+        return self.dir / path
+
+    def _write_files(self) -> None:
+        for item in self.plan.files:
+            target = self._inside(str(item["path"]))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(str(item.get("content", "")), encoding="utf-8")
+            target.chmod(int(item.get("mode", 0o600)))
+
+    def _checkout(self) -> Path:
+        repo, ref = str(self.plan.git["repo"]), str(self.plan.git["ref"])
+        if ref.startswith("-") or not _REF.match(ref):
+            raise PlanRefused(f"{ref!r} is not a branch, tag or commit")
+        if repo.startswith("-"):
+            raise PlanRefused(f"{repo!r} is not a repository")
+        source = self.dir / "src"
+        if not (source / ".git").is_dir():
+            self._git(["git", "clone", "--quiet", "--no-checkout", "--", repo, str(source)])
+        self._git(["git", "-C", str(source), "checkout", "--quiet", "--detach", ref, "--"])
+        return source
+
+    def _git(self, argv: list[str]) -> None:
+        self.note("$ " + " ".join(argv))
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        for line in (done.stdout + done.stderr).splitlines():
+            self.note(line, "stderr")
+        if done.returncode != 0:
+            raise PlanRefused(f"git exited {done.returncode}")
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._write_files()
+        cwd = self._checkout() if self.plan.git else self.dir
+        if self.plan.workdir:
+            workdir = Path(self.plan.workdir)
+            cwd = workdir if workdir.is_absolute() else cwd / workdir
+        env = {k: v for k, v in self._base_env.items() if k in INHERITED}
+        env.update(self.plan.env)
+        env.update(self.plan.secrets)
+        env[STATUS_FILE_VARIABLE] = str(self.status_file)
+        env[RUN_ID_VARIABLE] = str(self.plan.id)
+        self.status_file.unlink(missing_ok=True)
+        try:
+            self.process = subprocess.Popen(
+                list(self.plan.argv),
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise PlanRefused(f"could not start {self.plan.argv[0]!r}: {exc}") from None
+        for pipe, stream in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr")):
+            reader = threading.Thread(target=self._read, args=(pipe, stream), daemon=True)
+            reader.start()
+            self._readers.append(reader)
+
+    # --- while it runs -------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def signal(self, signum: int) -> None:
+        """Signal the whole process group (torchrun and its workers)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
+
+    def stop(self, *, reason: str, grace_s: float) -> None:
+        """SIGTERM now (the trainer checkpoints and exits), SIGKILL after the grace period."""
+        if self._kill_at is None:
+            self.stop_reason = reason
+            self.note(f"stopping: {reason}")
+            self.signal(signal.SIGTERM)
+            self._kill_at = time.monotonic() + grace_s
+
+    def poll(self) -> int | None:
+        if self.process is None:
+            return None
+        code = self.process.poll()
+        if code is None and self._kill_at is not None and time.monotonic() > self._kill_at:
+            self.note("did not stop within the grace period: SIGKILL")
+            self.signal(signal.SIGKILL)
+            self._kill_at = float("inf")
+        return code
+
+    def exit_report(self, code: int) -> dict:
+        """What the control plane learns when the process ends."""
+        for reader in self._readers:
+            reader.join(timeout=5)  # the last lines first
+        status = None
+        if self.status_file.is_file():
+            try:
+                status = json.loads(self.status_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                status = {"unreadable": str(exc)}
+        report = {
+            "state": "exited",
+            "exit_code": code if code >= 0 else None,
+            "signal": -code if code < 0 else None,
+            "reason": self.stop_reason,
+            "status": status,
+        }
+        return report
