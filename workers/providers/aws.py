@@ -79,7 +79,9 @@ _TRANSIENT_CODES = frozenset(
 
 AGENT_BUNDLE_PATH = "/agent/bundle.tar.gz"  # where the control plane serves the agent's files
 CONTROL_PLANE_URL_VARIABLE = "CONTROLPLANE_URL"
-BOOTSTRAP_TOKEN_VARIABLE = "CONTROLPLANE_BOOTSTRAP_TOKEN"  # noqa: S105 (a name, not a secret)
+# The names workers/agent/config.py reads.
+NODE_TOKEN_VARIABLE = "CONTROLPLANE_NODE_TOKEN"  # noqa: S105 (a name, not a secret)
+IMDS_URL_VARIABLE = "AGENT_IMDS_URL"
 
 
 class CapacityPreference(enum.StrEnum):
@@ -97,6 +99,7 @@ class AwsConfig:
     endpoint_url: str | None = None  # a moto server in tests
     agent_bundle_url: str = ""  # default: control_plane_url + AGENT_BUNDLE_PATH
     agent_argv: tuple[str, ...] = ("python3", "-m", "workers.agent")
+    imds_url: str = "http://169.254.169.254"  # where the agent watches for spot notices
     node_root: str = "/opt/controlplane"
     boot_timeout_s: float = 600.0  # bootstrap waits this long for the instance to run
     poll_interval_s: float = 5.0
@@ -132,7 +135,7 @@ class AwsNodeSpec:
     security_group_ids: tuple[str, ...] = ()
     key_name: str = ""
     instance_profile: str = ""  # an IAM instance profile name (or ARN)
-    bootstrap_token: str = field(default="", repr=False)
+    node_token: str = field(default="", repr=False)  # the agent's Bearer token
 
     def __post_init__(self):
         object.__setattr__(self, "uuid", node_uuid(self.uuid))
@@ -178,10 +181,11 @@ def user_data(
     *,
     uuid: str,
     control_plane_url: str,
-    bootstrap_token: str,
+    node_token: str,
     agent_bundle_url: str,
     node_root: str,
     agent_argv: tuple[str, ...],
+    imds_url: str = "",
 ) -> str:
     """The instance's first-boot script: fetch the agent, write its settings, start it.
 
@@ -193,7 +197,8 @@ def user_data(
         {
             CONTROL_PLANE_URL_VARIABLE: control_plane_url,
             NODE_UUID_VARIABLE: uuid,
-            BOOTSTRAP_TOKEN_VARIABLE: bootstrap_token,
+            NODE_TOKEN_VARIABLE: node_token,
+            IMDS_URL_VARIABLE: imds_url,
         }
     ).splitlines()
     archive = f"{node_dir}/agent-bundle.tar.gz"
@@ -484,10 +489,11 @@ class AwsProvider:
             "UserData": user_data(
                 uuid=spec.uuid,
                 control_plane_url=self.config.control_plane_url,
-                bootstrap_token=spec.bootstrap_token,
+                node_token=spec.node_token,
                 agent_bundle_url=self.config.agent_bundle_url,
                 node_root=self.config.node_root,
                 agent_argv=self.config.agent_argv,
+                imds_url=self.config.imds_url,
             ),
             "TagSpecifications": [
                 {"ResourceType": "instance", "Tags": tags},

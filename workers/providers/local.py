@@ -36,7 +36,7 @@ from workers.providers.interface import (
     report,
 )
 
-SLOTS_VARIABLE = "CONTROLPLANE_CPU_SLOTS"
+SLOTS_VARIABLE = "AGENT_SLOTS"  # what workers/agent/config.py reads
 # The agent gets these from our environment and nothing else: a Celery worker's
 # environment holds the control plane's own secrets (database URL, secret key).
 _PASSED_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR")

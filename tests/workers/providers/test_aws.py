@@ -58,7 +58,7 @@ def node(**overrides) -> AwsNodeSpec:
         "pool": "aws-use1-p5",
         "team": "foundation",
         "job": "42",
-        "bootstrap_token": "cpb_secret",
+        "node_token": "cpn_secret",
     }
     return AwsNodeSpec(**(values | overrides))
 
@@ -204,9 +204,10 @@ def test_the_instance_gets_the_user_data_that_installs_the_agent(provider):
 
     script = base64.b64decode(answer["UserData"]["Value"]).decode()
     assert script.startswith("#!/bin/sh\n")
-    assert "CONTROLPLANE_BOOTSTRAP_TOKEN=cpb_secret" in script
+    assert "CONTROLPLANE_NODE_TOKEN=cpn_secret" in script
+    assert "AGENT_IMDS_URL=http://169.254.169.254" in script
     assert "https://cp.example.com/agent/bundle.tar.gz" in script
-    assert "cpb_secret" not in repr(spec), "the token stays out of logs"
+    assert "cpn_secret" not in repr(spec), "the token stays out of logs"
 
 
 def test_the_user_data_script_runs_and_keeps_hostile_values_literal(tmp_path):
@@ -218,15 +219,16 @@ def test_the_user_data_script_runs_and_keeps_hostile_values_literal(tmp_path):
     with tarfile.open(bundle, "w:gz") as archive:
         archive.add(tmp_path / "src" / "workers", arcname="workers")
     marker = tmp_path / "injected"
-    token = f"cpb_'; touch {marker}; echo '$(touch {marker})"
+    token = f"cpn_'; touch {marker}; echo '$(touch {marker})"
     node_uuid = str(uuid.uuid4())
     script = user_data(
         uuid=node_uuid,
         control_plane_url="https://cp.example.com",
-        bootstrap_token=token,
+        node_token=token,
         agent_bundle_url=bundle.as_uri(),
         node_root=str(tmp_path / "opt"),
         agent_argv=(sys.executable, "-c", "import time; time.sleep(600)"),
+        imds_url="http://127.0.0.1:1",
     )
 
     subprocess.run(["sh", "-c", script], check=True, timeout=60, cwd=tmp_path)
@@ -235,7 +237,8 @@ def test_the_user_data_script_runs_and_keeps_hostile_values_literal(tmp_path):
     assert (node_dir / "agent.env").read_text().splitlines() == [
         "CONTROLPLANE_URL=https://cp.example.com",
         f"CONTROLPLANE_NODE_UUID={node_uuid}",
-        f"CONTROLPLANE_BOOTSTRAP_TOKEN={token}",
+        f"CONTROLPLANE_NODE_TOKEN={token}",
+        "AGENT_IMDS_URL=http://127.0.0.1:1",
     ]
     assert (node_dir / "workers" / "agent" / "__init__.py").is_file()
     assert not marker.exists()
@@ -554,7 +557,7 @@ def test_configs_and_specs_are_checked():
         user_data(
             uuid=str(uuid.uuid4()),
             control_plane_url="https://cp.example.com",
-            bootstrap_token="two\nlines",
+            node_token="two\nlines",
             agent_bundle_url="https://cp.example.com/agent/bundle.tar.gz",
             node_root="/opt/controlplane",
             agent_argv=("python3", "-m", "workers.agent"),

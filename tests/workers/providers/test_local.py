@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import stat
 import sys
 import time
@@ -80,7 +81,7 @@ def test_bootstrap_copies_the_packages_and_starts_the_agent_once(provider, spec,
     bundle = Bundle(
         agent_argv=STAND_IN_AGENT,
         nccl_env="NCCL_DEBUG=WARN\n",
-        agent_env={"CONTROLPLANE_URL": "http://127.0.0.1:8000", "CONTROLPLANE_TOKEN": "cpn_x"},
+        agent_env={"CONTROLPLANE_URL": "http://127.0.0.1:8000", "CONTROLPLANE_NODE_TOKEN": "cpn_x"},
     )
     steps = []
 
@@ -97,9 +98,9 @@ def test_bootstrap_copies_the_packages_and_starts_the_agent_once(provider, spec,
     assert stat.S_IMODE(agent_env.stat().st_mode) == 0o600
     assert agent_env.read_text().splitlines() == [
         "CONTROLPLANE_URL=http://127.0.0.1:8000",
-        "CONTROLPLANE_TOKEN=cpn_x",
+        "CONTROLPLANE_NODE_TOKEN=cpn_x",
         f"CONTROLPLANE_NODE_UUID={spec.uuid}",
-        "CONTROLPLANE_CPU_SLOTS=4",
+        "AGENT_SLOTS=4",
     ]
 
     assert report.agent_started is True
@@ -107,7 +108,7 @@ def test_bootstrap_copies_the_packages_and_starts_the_agent_once(provider, spec,
     assert os.getsid(report.agent_pid) == report.agent_pid, "the agent has its own session"
     environment = _read_json(node_dir / "agent-env.json")
     assert environment["CONTROLPLANE_NODE_UUID"] == spec.uuid
-    assert environment["CONTROLPLANE_CPU_SLOTS"] == "4"
+    assert environment["AGENT_SLOTS"] == "4"
     assert "DATABASE_URL" not in environment, "the control plane's secrets stay with it"
     assert steps[-1] == ("start_agent", 100, f"Agent started as {report.agent_pid}.")
 
@@ -118,6 +119,24 @@ def test_bootstrap_copies_the_packages_and_starts_the_agent_once(provider, spec,
     again = provider.bootstrap(spec, bundle)
     assert again.agent_started is False
     assert again.agent_pid == report.agent_pid
+
+
+def test_the_real_agent_runs_from_the_copied_packages(provider, spec):
+    # workers/agent as bootstrap installs it: `python -m workers.agent` in the node
+    # directory, settings from agent.env. No control plane answers at this address;
+    # the agent keeps retrying, as it must through an outage.
+    closed = f"http://127.0.0.1:{_closed_port()}"
+    bundle = Bundle(
+        agent_argv=(sys.executable, "-m", "workers.agent"),
+        agent_env={"CONTROLPLANE_URL": closed, "CONTROLPLANE_NODE_TOKEN": "cpn_x"},
+    )
+
+    report = provider.bootstrap(spec, bundle)
+    time.sleep(1)  # long enough to fail at once on a bad layout or a missing setting
+
+    assert provider.describe(spec).agent_alive is True, _log(provider, spec)
+    provider.terminate(spec)
+    assert not _alive(report.agent_pid)
 
 
 def test_terminate_stops_the_agent_and_removes_the_directory(provider, spec):
@@ -209,6 +228,16 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _log(provider: LocalProvider, spec: LocalNodeSpec) -> str:
+    return (provider.node_dir(spec) / "agent.log").read_text()
 
 
 def _read_json(path: Path) -> dict:

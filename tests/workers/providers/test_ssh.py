@@ -279,7 +279,7 @@ def test_bootstrap_puts_the_files_in_place_and_starts_the_agent_once(
     bundle = Bundle(
         agent_argv=STAND_IN_AGENT,
         nccl_env="NCCL_IB_HCA=mlx5\nNCCL_SOCKET_IFNAME=eth0\n",
-        agent_env={"CONTROLPLANE_URL": "http://127.0.0.1:8000", "CONTROLPLANE_TOKEN": "cpn_x"},
+        agent_env={"CONTROLPLANE_URL": "http://127.0.0.1:8000", "CONTROLPLANE_NODE_TOKEN": "cpn_x"},
     )
     steps = []
 
@@ -294,7 +294,7 @@ def test_bootstrap_puts_the_files_in_place_and_starts_the_agent_once(
     assert (node_dir / "nccl.env").read_text() == bundle.nccl_env
     agent_env = node_dir / "agent.env"
     assert stat.S_IMODE(agent_env.stat().st_mode) == 0o600
-    assert "CONTROLPLANE_TOKEN=cpn_x\n" in agent_env.read_text()
+    assert "CONTROLPLANE_NODE_TOKEN=cpn_x\n" in agent_env.read_text()
     assert f"CONTROLPLANE_NODE_UUID={spec.uuid}\n" in agent_env.read_text()
     assert not list(node_dir.rglob("*.tmp")), "uploads land by rename, leaving no temporary files"
 
