@@ -44,8 +44,18 @@ class NodePoolAdmin(AuditedAdmin):
     delete_service = services.pool_delete
     instance_kwarg = "pool"
     service_m2m = frozenset({"instance_types"})
-    list_display = ["name", "kind", "gpu_type", "site", "region", "enabled", "max_nodes"]
-    list_filter = ["kind", "gpu_type", "enabled"]
+    list_display = [
+        "name",
+        "kind",
+        "gpu_type",
+        "site",
+        "region",
+        "fabric",
+        "nccl_version",
+        "enabled",
+        "max_nodes",
+    ]
+    list_filter = ["kind", "gpu_type", "fabric", "enabled"]
     filter_horizontal = ["instance_types"]
 
 

@@ -34,7 +34,7 @@ class NodePoolFilterSet(filters.FilterSet):
 
     class Meta:
         model = NodePool
-        fields = ["slug", "kind", "gpu_type", "enabled", "capacity_preference"]
+        fields = ["slug", "kind", "gpu_type", "enabled", "capacity_preference", "fabric"]
 
 
 class NodeFilterSet(filters.FilterSet):

@@ -71,6 +71,8 @@ class NodePoolSerializer(StrictModelSerializer):
             "burst_delay_s",
             "idle_timeout_s",
             "enabled",
+            "fabric",
+            "nccl_version",
             "created_at",
         ]
 

@@ -10,13 +10,14 @@ from apps.fleet.models.nodes import (
     NodeEvent,
     NodeState,
 )
-from apps.fleet.models.pools import CapacityPreference, NodePool, PoolKind
+from apps.fleet.models.pools import CapacityPreference, Fabric, NodePool, PoolKind
 from apps.fleet.models.sites import Rack, Site
 
 __all__ = [
     "GONE_STATES",
     "SCHEDULABLE_STATES",
     "CapacityPreference",
+    "Fabric",
     "Gpu",
     "GpuHealth",
     "InstanceType",

@@ -1,6 +1,6 @@
 """Node pools: a set of interchangeable nodes a job's gang is placed in."""
 
-from django.core.validators import MaxValueValidator, MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import F, Q
 
@@ -12,6 +12,18 @@ from apps.fleet.models.sites import Site
 class PoolKind(models.TextChoices):
     OWNED = "owned", "Owned racks"
     CLOUD = "cloud", "Cloud"
+
+
+class Fabric(models.TextChoices):
+    """What a pool's nodes talk to each other over (apps/tuning/catalogue.py uses the values)."""
+
+    INFINIBAND = "infiniband", "InfiniBand"
+    ROCE = "roce", "RoCE"
+    EFA = "efa", "AWS EFA"
+    TCP = "tcp", "TCP sockets"
+
+
+NCCL_VERSION_PATTERN = r"^\d+\.\d+(\.\d+)?$"
 
 
 class CapacityPreference(models.TextChoices):
@@ -53,6 +65,21 @@ class NodePool(models.Model):
     )
     enabled = models.BooleanField(
         default=True, help_text="Cloud pools stay off until credentials are configured."
+    )
+    # Until nodes report theirs (a later issue), the pool says which NCCL settings fit.
+    fabric = models.CharField(
+        max_length=20,
+        choices=Fabric.choices,
+        blank=True,
+        help_text="The inter-node network; picks the pool's default NCCL profile.",
+    )
+    nccl_version = models.CharField(
+        max_length=20,
+        blank=True,
+        validators=[
+            RegexValidator(NCCL_VERSION_PATTERN, "An NCCL version such as 2.21.5.", "invalid")
+        ],
+        help_text="The NCCL version on the pool's nodes, e.g. 2.21.5 (empty: unknown).",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -36,6 +36,8 @@ PEOPLE = [
     ("erin", "admin of vision", ("team", "vision", TeamRole.ADMIN)),
 ]
 RACKS = [("A1", "hall 1, row A, slot 1"), ("A2", "hall 1, row A, slot 2")]
+# What the pools' nodes talk over and which NCCL they run, until nodes report their own.
+DEMO_NCCL_VERSION = "2.26.2"
 NODES_PER_RACK = 3
 SLOTS_PER_NODE = 8  # the local provider's "GPUs" are CPU slots on this machine
 
@@ -119,8 +121,11 @@ class Command(BaseCommand):
             site=site,
             min_nodes=0,
             max_nodes=16,
+            fabric="infiniband",
+            nccl_version=DEMO_NCCL_VERSION,
             by=None,
         )
+        self._record_fabric(pool, "infiniband")
         for rack_name, position in RACKS:
             rack = Rack.objects.filter(site=site, name=rack_name).first() or fleet.rack_create(
                 site=site, name=rack_name, position=position, power_budget_kw="45.00", by=None
@@ -145,7 +150,10 @@ class Command(BaseCommand):
                     Gpu(node=node, index=i, model="local CPU slot", memory_mib=0)
                     for i in range(SLOTS_PER_NODE)
                 )
-        if not NodePool.objects.filter(slug="aws-use1-p5").exists():
+        cloud = NodePool.objects.filter(slug="aws-use1-p5").first()
+        if cloud is not None:
+            self._record_fabric(cloud, "efa")
+        else:
             fleet.pool_create(
                 name="AWS us-east-1 p5",
                 slug="aws-use1-p5",
@@ -158,5 +166,12 @@ class Command(BaseCommand):
                 idle_timeout_s=900,
                 enabled=aws_configured(),
                 instance_types=[InstanceType.objects.get(name="p5.48xlarge")],
+                fabric="efa",
+                nccl_version=DEMO_NCCL_VERSION,
                 by=None,
             )
+
+    def _record_fabric(self, pool, fabric: str) -> None:
+        """Pools made before pools recorded their fabric get it now."""
+        if not pool.fabric:
+            fleet.pool_update(pool=pool, fabric=fabric, nccl_version=DEMO_NCCL_VERSION, by=None)
