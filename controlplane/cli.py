@@ -2,8 +2,8 @@
 
 Standard library only (it runs in CI images without Django). Configuration from
 the environment: CPCTL_URL (default http://127.0.0.1:8000) and CPCTL_TOKEN.
-Exit codes: 0 done, 1 the API said no (its error is printed), 2 bad usage or no
-connection.
+Exit codes: 0 done, 1 the API said no (its error is printed) or `nccl-lint` found an
+error, 2 bad usage or no connection.
 """
 
 import argparse
@@ -252,6 +252,32 @@ def cmd_queue(client, args):
     return 0
 
 
+def cmd_nccl_lint(client, args):
+    """One verdict per variable of an environment block, from the server's linter."""
+    try:
+        with open(args.file, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+    except OSError as exc:
+        print(f"cpctl: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return 2
+    body = {"text": text, "fabric": args.fabric or "", "nccl_version": args.nccl_version or ""}
+    answer = client.request("POST", "nccl-lint/", body)
+    if args.output == "json":
+        _emit(args, answer, [])
+    else:
+        for verdict in answer["verdicts"]:
+            line = f"{verdict['level']:<7} {verdict['name']}  {verdict['reason']}"
+            if verdict.get("suggestions") and verdict["level"] == "error":
+                line += f" (did you mean {' or '.join(verdict['suggestions'])}?)"
+            print(line)
+        counts = answer["counts"]
+        print(
+            f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['ok']} ok",
+            file=sys.stderr,
+        )
+    return 1 if answer["counts"]["error"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpctl", description="GPU control plane client.")
     parser.add_argument("--url", default=os.environ.get("CPCTL_URL", DEFAULT_URL))
@@ -292,6 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--reason")
     cancel.set_defaults(run=cmd_cancel)
     sub.add_parser("queue", help="the queue, in order").set_defaults(run=cmd_queue)
+    lint = sub.add_parser(
+        "nccl-lint", help="lint an NCCL environment block: exit 1 when any variable is an error"
+    )
+    lint.add_argument("file", help="export NAME=value, NAME=value or os.environ lines")
+    lint.add_argument("--fabric", choices=["infiniband", "roce", "efa", "tcp"])
+    lint.add_argument("--nccl-version", help="the nodes' NCCL, e.g. 2.21.5")
+    lint.set_defaults(run=cmd_nccl_lint)
     return parser
 
 

@@ -5,6 +5,8 @@ from django.urls import NoReverseMatch, reverse
 SECTIONS = [
     ("Queue", "jobs:queue"),
     ("Fleet", "fleet:overview"),
+    ("NCCL profiles", "tuning:profiles"),
+    ("NCCL lint", "tuning:lint"),
     ("Costs", "costs:overview"),
     ("Checkpoints", "checkpoints:overview"),
     ("Admin", "admin:index"),

@@ -60,6 +60,7 @@ INSTALLED_APPS = [
     "django_htmx",
     "apps.accounts",
     "apps.fleet",
+    "apps.tuning",
     "apps.jobs",
 ]
 

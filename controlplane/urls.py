@@ -11,6 +11,7 @@ from controlplane import observability
 api_v1 = [
     path("", include("apps.accounts.api.urls")),
     path("", include("apps.fleet.api.urls")),
+    path("", include("apps.tuning.api.urls")),
     path("", include("apps.jobs.api.urls")),
 ]
 
@@ -20,6 +21,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("fleet/", include("apps.fleet.urls")),
     path("jobs/", include("apps.jobs.urls")),
+    path("nccl/", include("apps.tuning.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

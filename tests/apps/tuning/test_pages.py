@@ -1,0 +1,177 @@
+"""The NCCL pages through the Django test client: profiles (list, CSV, detail, edit for ops),
+the paste-and-lint page (full page and htmx partial) and the catalogue."""
+
+import csv
+import io
+import re
+
+import pytest
+
+from apps.accounts.models import AuditEvent
+from apps.tuning.models import NcclProfile
+
+pytestmark = pytest.mark.django_db
+
+
+def logged_in(client, user):
+    client.force_login(user)
+    return client
+
+
+def rows_of(html: str, attribute: str) -> list[str]:
+    return re.findall(rf'<tr {attribute}="([^"]+)"', html)
+
+
+def test_the_navigation_has_the_nccl_pages(client, viewer):
+    html = logged_in(client, viewer).get("/nccl/profiles/").content.decode()
+    assert '<a href="/nccl/profiles/" class="active" aria-current="page">NCCL profiles</a>' in html
+    assert '<a href="/nccl/lint/">NCCL lint</a>' in html
+
+
+def test_the_profiles_page_lists_profiles_with_their_lint(client, viewer, ops_user):
+    html = logged_in(client, viewer).get("/nccl/profiles/").content.decode()
+    assert "<h1>NCCL profiles</h1>" in html
+    assert rows_of(html, "data-profile") == ["efa-p5", "ib-nvswitch-8gpu", "single-node"]
+    assert html.count('class="badge level-ok">clean</span>') == 3
+    assert "New profile" not in html
+    assert "New profile" in logged_in(client, ops_user).get("/nccl/profiles/").content.decode()
+
+
+def test_the_profiles_csv_uses_the_same_filters(client, viewer):
+    response = logged_in(client, viewer).get("/nccl/profiles.csv", {"fabric": "efa"})
+    assert response["Content-Type"].startswith("text/csv")
+    rows = list(csv.reader(io.StringIO(response.content.decode())))
+    assert rows[0][:3] == ["name", "title", "fabric"]
+    assert [row[0] for row in rows[1:]] == ["efa-p5"]
+    assert "NCCL_NET=AWS Libfabric" in rows[1][-2]
+
+
+def test_a_profile_page_shows_each_variable_s_verdict(client, viewer):
+    html = logged_in(client, viewer).get("/nccl/profiles/ib-nvswitch-8gpu/").content.decode()
+    assert "<h1>Owned 8-GPU NVSwitch nodes on InfiniBand</h1>" in html
+    assert 'data-variable="NCCL_IB_TIMEOUT" data-level="ok"' in html
+    assert "export NCCL_IB_HCA==mlx5_0,mlx5_1" in html
+    assert "/edit/" not in html
+
+
+def test_only_ops_open_the_edit_form(client, viewer, researcher):
+    for user in (viewer, researcher):
+        assert logged_in(client, user).get("/nccl/profiles/efa-p5/edit/").status_code == 403
+        assert logged_in(client, user).get("/nccl/profiles/new/").status_code == 403
+
+
+def form(profile=None, **changes):
+    data = {
+        "name": "rack-a3",
+        "title": "Rack A3 workaround",
+        "description": "",
+        "fabric": "infiniband",
+        "min_nccl_version": "2.21",
+        "max_nccl_version": "",
+        "env": "export NCCL_IB_TIMEOUT=23\nNCCL_ALGO=Ring\n",
+        "reasons": "NCCL_ALGO: Tree hangs on rack A3 (ticket 812)\n",
+    }
+    data.update(changes)
+    return data
+
+
+def test_ops_create_a_profile_from_the_form(client, ops_user):
+    response = logged_in(client, ops_user).post("/nccl/profiles/new/", form())
+    assert response.status_code == 302 and response["Location"] == "/nccl/profiles/rack-a3/"
+    profile = NcclProfile.objects.get(name="rack-a3")
+    assert profile.env == {"NCCL_IB_TIMEOUT": "23", "NCCL_ALGO": "Ring"}
+    assert profile.reasons == {"NCCL_ALGO": "Tree hangs on rack A3 (ticket 812)"}
+    assert AuditEvent.objects.filter(action="nccl_profile.create", actor=ops_user).exists()
+    html = client.get("/nccl/profiles/rack-a3/").content.decode()
+    assert 'data-variable="NCCL_ALGO" data-level="warning"' in html
+    assert "Kept: Tree hangs on rack A3 (ticket 812)" in html
+
+
+def test_the_form_shows_the_linter_s_refusal_inline(client, ops_user):
+    response = logged_in(client, ops_user).post(
+        "/nccl/profiles/new/", form(env="NCCL_ORDER_VIA_NVLINK=1\nNCCL_PROTO=Simple\n", reasons="")
+    )
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "The profile was not saved" in html
+    assert "NCCL_ORDER_VIA_NVLINK: Not an NCCL variable" in html
+    assert "Give reasons.NCCL_PROTO to keep it." in html
+    assert 'data-variable="NCCL_ORDER_VIA_NVLINK" data-level="error"' in html
+    assert not NcclProfile.objects.filter(name="rack-a3").exists()
+
+
+def test_editing_keeps_the_name_and_lines_that_set_nothing_are_refused(client, ops_user):
+    client = logged_in(client, ops_user)
+    page = client.get("/nccl/profiles/single-node/edit/").content.decode()
+    assert "NCCL_DEBUG=WARN" in page and "disabled" in page
+    bad = client.post(
+        "/nccl/profiles/single-node/edit/", form(fabric="any", env="just words\n", reasons="")
+    )
+    assert "Lines 1 are not NAME=value." in bad.content.decode()
+    good = client.post(
+        "/nccl/profiles/single-node/edit/",
+        form(
+            name="ignored", title="One node", fabric="any", env="NCCL_DEBUG=VERSION\n", reasons=""
+        ),
+    )
+    assert good.status_code == 302
+    profile = NcclProfile.objects.get(name="single-node")
+    assert (profile.title, profile.env) == ("One node", {"NCCL_DEBUG": "VERSION"})
+
+
+def test_ops_delete_their_profiles_but_not_the_built_in_ones(client, ops_user):
+    client = logged_in(client, ops_user)
+    client.post("/nccl/profiles/new/", form())
+    assert client.post("/nccl/profiles/rack-a3/delete/").status_code == 302
+    assert not NcclProfile.objects.filter(name="rack-a3").exists()
+    refused = client.post("/nccl/profiles/efa-p5/delete/", follow=True)
+    assert "is built in: edit it instead" in refused.content.decode()
+    assert NcclProfile.objects.filter(name="efa-p5").exists()
+
+
+BLOCK = """\
+Here's a practical example:
+os.environ["NCCL_NET"] = "IB"
+os.environ["NCCL_IB_DISABLE_CUDA_VGRAPH"] = "1"
+os.environ["NCCL_PROTO"] = "Simple"
+"""
+
+
+def test_the_lint_page_judges_a_pasted_block(client, viewer):
+    client = logged_in(client, viewer)
+    assert "<h1>NCCL lint</h1>" in client.get("/nccl/lint/").content.decode()
+    html = client.post("/nccl/lint/", {"text": BLOCK, "fabric": "efa"}).content.decode()
+    assert "<h1>NCCL lint</h1>" in html
+    assert re.findall(r'data-variable="(\w+)" data-level="(\w+)"', html) == [
+        ("NCCL_NET", "error"),
+        ("NCCL_IB_DISABLE_CUDA_VGRAPH", "error"),
+        ("NCCL_PROTO", "error"),
+    ]
+    assert "did you mean <code>NCCL_NET_GDR_LEVEL</code> or <code>NCCL_IB_DISABLE</code>?" in html
+    assert "1 other line set nothing" in html
+
+
+def test_htmx_gets_only_the_verdicts(client, researcher):
+    response = logged_in(client, researcher).post(
+        "/nccl/lint/", {"text": "export NCCL_IB_TIMEOUT=60\n"}, HTTP_HX_REQUEST="true"
+    )
+    html = response.content.decode()
+    assert html.lstrip().startswith('<div id="lint-results"')
+    assert "<html" not in html and "outside 1..31" in html
+
+
+def test_the_catalogue_page(client, viewer):
+    client = logged_in(client, viewer)
+    html = client.get("/nccl/variables/").content.decode()
+    assert 'data-variable="NCCL_IB_TIMEOUT"' in html and 'data-variable="FI_PROVIDER"' in html
+    assert "<code>NCCL_ORDER_VIA_NVLINK</code>" in html  # among the names no release reads
+    torch = client.get("/nccl/variables/", {"family": "torch"}).content.decode()
+    names = re.findall(r'<tr data-variable="(\w+)"', torch)
+    assert names and all(n.startswith(("TORCH_", "NCCL_")) for n in names)
+    assert "NCCL_ASYNC_ERROR_HANDLING" in names and "NCCL_IB_HCA" not in names
+
+
+def test_the_pages_need_a_login(client):
+    for url in ("/nccl/profiles/", "/nccl/lint/", "/nccl/variables/", "/nccl/profiles.csv"):
+        response = client.get(url)
+        assert response.status_code == 302 and response["Location"].startswith("/login/")
