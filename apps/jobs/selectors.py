@@ -4,8 +4,11 @@ from django.core.cache import cache
 from django.db.models import QuerySet
 
 from apps.accounts.selectors import roles_of
+from apps.fleet.selectors import pools_capacity
+from apps.jobs import specs
 from apps.jobs.models import Job, JobState, Reservation, Webhook
 from apps.jobs.models.jobs import ACTIVE_STATES
+from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 
 
 def jobs_visible_to(*, user) -> QuerySet[Job]:
@@ -66,3 +69,20 @@ def webhooks_visible_to(*, user) -> QuerySet[Webhook]:
     if roles.superuser or roles.ops:
         return hooks
     return hooks.filter(team_id__in=roles.team_ids)
+
+
+def job_nccl_environments(*, job: Job) -> list[RenderedEnvironment]:
+    """The NCCL environment the job gets: on its pool once placed, before that on each pool
+    that could hold it (the profile, then the job's overrides, linted for those nodes)."""
+    if job.pool_id:
+        pool_ids = [job.pool_id]
+    else:
+        eligible = specs.eligible_pools(
+            pools_capacity(cached=True), gpu_type=job.gpu_type, where=job.placement
+        )
+        pool_ids = [
+            p.pool_id
+            for p in eligible
+            if p.can_hold(nodes=job.nodes, gpus_per_node=job.gpus_per_node)
+        ]
+    return nccl_environments_render(nccl=job.spec.get("nccl"), nodes=job.nodes, pool_ids=pool_ids)

@@ -31,6 +31,7 @@ from apps.jobs.models import (
     WebhookDelivery,
 )
 from apps.jobs.models.jobs import FINISHED_STATES, HOLDING_STATES, NOT_STARTED_STATES
+from apps.tuning import services as tuning
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
         )
     if spec.get("command"):
         specs.check_command(spec["command"], errors)
+    _check_nccl(spec, resources, pools, errors)
     wanted_secrets = set(spec.get("secrets") or [])
     if wanted_secrets:
         known = set(
@@ -202,6 +204,24 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
             return _same_request(existing, spec), False
         raise
     return job, True
+
+
+def _check_nccl(spec: dict, resources, pools, errors: specs.SpecErrors) -> None:
+    """NCCL overrides, linted alone and on top of the profile of every pool the job may run
+    in (so one that would break it after a burst is refused now); no query without them."""
+    pool_ids = []
+    if resources is not None:
+        where = spec.get("placement", {}).get("where", "owned_then_cloud")
+        pool_ids = [
+            p.pool_id
+            for p in specs.eligible_pools(pools, gpu_type=resources.gpu_type, where=where)
+            if p.can_hold(nodes=resources.nodes, gpus_per_node=resources.gpus_per_node)
+        ]
+    nodes = resources.nodes if resources is not None else 1
+    problems = tuning.nccl_spec_problems(nccl=spec.get("nccl"), nodes=nodes, pool_ids=pool_ids)
+    for path, messages in problems.items():
+        for message in messages:
+            errors.add(path, message)
 
 
 def _same_request(existing: Job, spec: dict) -> Job:

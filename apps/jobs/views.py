@@ -143,6 +143,7 @@ def detail(request, job_id: int):
             "can_manage": services.job_can_manage(
                 user=request.user, team_id=job.team_id, submitted_by_id=job.submitted_by_id
             ),
+            "nccl_environments": selectors.job_nccl_environments(job=job),
             "spec_json": json.dumps(
                 {k: v for k, v in job.spec.items() if k != "fingerprint"},
                 indent=2,

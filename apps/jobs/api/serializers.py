@@ -6,6 +6,7 @@ fields together (layout against GPUs, tp against heads...) live in apps/jobs/spe
 
 import re
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from apps.accounts.models import GPU_TYPES
@@ -13,7 +14,7 @@ from apps.accounts.selectors import teams_visible_to
 from apps.fleet.models import Node
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
 from apps.jobs.models.jobs import ANY_GPU
-from apps.jobs.selectors import jobs_visible_to
+from apps.jobs.selectors import job_nccl_environments, jobs_visible_to
 from controlplane.api import (
     ScopedPrimaryKeyField,
     SharedFieldsMixin,
@@ -120,8 +121,17 @@ class CommandSerializer(SpecSerializer):
 
 
 class NcclSerializer(SpecSerializer):
-    profile = Text(max_length=100, required=False)
-    overrides = serializers.DictField(child=Text(max_length=1024), required=False)
+    profile = Text(max_length=100, required=False, help_text="An NCCL profile's name.")
+    overrides = serializers.DictField(
+        child=Text(max_length=1024),
+        required=False,
+        help_text="NCCL variables set on top of the profile; linted at submission.",
+    )
+    reasons = serializers.DictField(
+        child=Text(max_length=500),
+        required=False,
+        help_text="Why an override the linter warns about (a debugging knob...) is kept.",
+    )
 
 
 class EnvField(serializers.DictField):
@@ -223,12 +233,38 @@ class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
         return {k: v for k, v in job.spec.items() if k != "fingerprint"}
 
 
+class NcclVariableSerializer(StrictSerializer):
+    name = serializers.CharField()
+    value = serializers.CharField()
+    source = serializers.ChoiceField(choices=["profile", "job"])
+    level = serializers.ChoiceField(choices=["ok", "warning", "error"])
+    reason = serializers.CharField()
+    kept_because = serializers.CharField()
+
+
+class NcclEnvironmentSerializer(StrictSerializer):
+    pool = serializers.CharField()
+    fabric = serializers.CharField()
+    nccl_version = serializers.CharField()
+    profile = serializers.CharField(allow_null=True)
+    ok = serializers.BooleanField()
+    problems = serializers.ListField(child=serializers.CharField())
+    variables = NcclVariableSerializer(many=True)
+
+
 class JobDetailSerializer(JobSerializer):
     events = JobEventSerializer(many=True, read_only=True)
+    nccl_environments = serializers.SerializerMethodField(
+        help_text="The NCCL environment the job gets on each pool it runs in (or may run in)."
+    )
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "events"]
+        fields = [*JobSerializer.Meta.fields, "events", "nccl_environments"]
         read_only_fields = fields
+
+    @extend_schema_field(NcclEnvironmentSerializer(many=True))
+    def get_nccl_environments(self, job) -> list[dict]:
+        return [env.as_dict() for env in job_nccl_environments(job=job)]
 
 
 class ReasonSerializer(StrictSerializer):
