@@ -39,3 +39,58 @@ def insert_rows(model: type[models.Model], fields: Sequence[str], rows: Iterable
         [model(**dict(zip(attnames, row, strict=True))) for row in rows], batch_size=500
     )
     return len(rows)
+
+
+def update_rows(
+    model: type[models.Model],
+    fields: Sequence[str],
+    rows: Iterable[tuple],
+    *,
+    keys: Sequence[str] = ("id",),
+) -> int:
+    """Set `fields` on many rows, each to its own values: rows are (*keys, *values).
+
+    On PostgreSQL one UPDATE joins the table to one array per column (one
+    parameter per column, however many rows); elsewhere Django's bulk_update
+    (by id, after one query for the ids when the keys are other columns).
+    """
+    rows = list(rows)
+    if not rows:
+        return 0
+    meta = model._meta
+    names = [*keys, *fields]
+    columns = [meta.get_field(name) for name in names]
+    if connection.vendor == "postgresql":
+        quote = connection.ops.quote_name
+        table = quote(meta.db_table)
+        arrays = ", ".join(f"%s::{c.db_type(connection)}[]" for c in columns)
+        aliases = ", ".join(f"c{i}" for i in range(len(columns)))
+        assignments = ", ".join(
+            f"{quote(c.column)} = v.c{i}" for i, c in enumerate(columns) if i >= len(keys)
+        )
+        matches = " AND ".join(
+            f"{table}.{quote(c.column)} = v.c{i}" for i, c in enumerate(columns[: len(keys)])
+        )
+        sql = (
+            f"UPDATE {table} SET {assignments} "  # noqa: S608 (names from the model)
+            f"FROM unnest({arrays}) AS v({aliases}) WHERE {matches}"
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [list(column) for column in zip(*rows, strict=True)])
+            return cursor.rowcount
+    attnames = [c.attname for c in columns]
+    n = len(keys)
+    if list(keys) != ["id"]:
+        # Other keys: find the ids in one query (filtered on the first key), then by id.
+        first = {row[0] for row in rows}
+        ids = {
+            tuple(found[1:]): found[0]
+            for found in model.objects.filter(**{f"{attnames[0]}__in": first}).values_list(
+                "id", *attnames[:n]
+            )
+        }
+        rows = [(ids[tuple(row[:n])], *row[n:]) for row in rows if tuple(row[:n]) in ids]
+        attnames, n = ["id", *attnames[n:]], 1
+    objects = [model(**dict(zip(attnames, row, strict=True))) for row in rows]
+    model.objects.bulk_update(objects, attnames[n:], batch_size=500)
+    return len(objects)

@@ -16,6 +16,7 @@ from controlplane.env import (
     env_str,
     sqlite_database,
 )
+from workers.agent import VERSION as AGENT_PACKAGE_VERSION
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("CONTROLPLANE_VAR_DIR", str(BASE_DIR / "var")))
@@ -169,6 +170,14 @@ CELERY_BEAT_SCHEDULE = {
     },
 }
 
+# Node agents: how often they heartbeat, how long a node token's look-up is cached,
+# and the health limits past which a node is drained (apps/fleet/agents.py).
+AGENT_HEARTBEAT_S = env_int("AGENT_HEARTBEAT_S", 5)
+AGENT_VERSION = AGENT_PACKAGE_VERSION  # agents older than the one shipped are upgraded
+NODE_TOKEN_CACHE_S = env_int("NODE_TOKEN_CACHE_S", 300)
+GPU_MAX_TEMPERATURE_C = env_int("GPU_MAX_TEMPERATURE_C", 90)
+NODE_MIN_FREE_DISK_GB = env_int("NODE_MIN_FREE_DISK_GB", 50)
+
 # Node providers: `local` runs nodes as processes on this machine.
 NODE_PROVIDER_DEFAULT = env_str("NODE_PROVIDER_DEFAULT", "local")
 SSH_KEY_FILE = env_str("SSH_KEY_FILE")
@@ -280,6 +289,18 @@ CELERY_BEAT_SCHEDULE["jobs-schedule"] = {
     "schedule": float(SCHEDULE_EVERY_S),
 }
 CELERY_BEAT_SCHEDULE["jobs-reconcile"] = {"task": "jobs.reconcile", "schedule": 60.0}
+CELERY_BEAT_SCHEDULE["jobs-purge-logs"] = {"task": "jobs.purge_logs", "schedule": 3600.0}
+
+# Dispatch: where agents reach the control plane, the rendezvous ports of multi-node
+# jobs (base + job id modulo spread, on the job's first node), how long agents have
+# to start a job's plans before it is requeued, how long job output is kept, and
+# where checkpoints go (shared storage or s3:// in production).
+CONTROLPLANE_URL = env_str("CONTROLPLANE_URL", "http://127.0.0.1:8000")
+RENDEZVOUS_PORT_BASE = env_int("RENDEZVOUS_PORT_BASE", 29500)
+RENDEZVOUS_PORT_SPREAD = env_int("RENDEZVOUS_PORT_SPREAD", 1000)
+JOB_START_TIMEOUT_S = env_int("JOB_START_TIMEOUT_S", 900)
+LOG_RETENTION_DAYS = env_int("LOG_RETENTION_DAYS", 30)
+CHECKPOINT_ROOT = env_str("CHECKPOINT_ROOT", str(VAR_DIR / "checkpoints"))
 
 # Team secrets are encrypted with these Fernet keys (newest first); empty: derived
 # from SECRET_KEY. Generate one with

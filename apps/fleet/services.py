@@ -350,7 +350,8 @@ def node_drain(*, node: Node, reason: str, by) -> Node:
         was_idle = Node.objects.select_for_update().get(pk=node.pk).state == S.READY
         node = node_transition(node=node, to=S.DRAINING, reason=reason, by=by)
         if was_idle:
-            node = node_transition(node=node, to=S.DRAINED, reason="no work running", by=by)
+            # The drain's reason stays on the node: it is what ops look for.
+            node = node_transition(node=node, to=S.DRAINED, reason=reason, by=by)
     return node
 
 

@@ -70,8 +70,9 @@ def test_a_sweep_that_finds_the_lock_taken_skips():
 @pytest.mark.redis
 def test_the_redis_lock_expires_when_its_holder_dies():
     from django.core.cache import cache, caches
+    from django.core.cache.backends.redis import RedisCache
 
-    assert type(caches["default"]).__name__ == "RedisCache"
+    assert isinstance(caches["default"], RedisCache)
     cache.add("lock:test.expiry", "dead-holder", timeout=1)
     with single_flight("test.expiry", ttl_s=5) as taken:
         assert taken is False

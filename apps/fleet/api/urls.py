@@ -1,6 +1,7 @@
+from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from apps.fleet.api import views
+from apps.fleet.api import agent, views
 
 router = SimpleRouter()
 router.register("sites", views.SiteViewSet, basename="site")
@@ -12,3 +13,9 @@ router.register("node-events", views.NodeEventViewSet, basename="node-event")
 router.register("gpus", views.GpuViewSet, basename="gpu")
 
 urlpatterns = router.urls
+
+# What node agents call (node tokens, not API tokens): apps/fleet/api/agent.py.
+urlpatterns += [
+    path("agent/register", agent.register, name="agent-register"),
+    path("agent/heartbeat", agent.heartbeat, name="agent-heartbeat"),
+]

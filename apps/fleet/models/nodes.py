@@ -98,11 +98,38 @@ class Node(models.Model):
     last_heartbeat_at = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
+    # The agent: its token (only a SHA-256 of it), and what it reports.
+    agent_token_digest = models.CharField(max_length=64, blank=True, editable=False)
+    agent_version = models.CharField(max_length=20, blank=True, editable=False)
+    agent_hostname = models.CharField(max_length=255, blank=True, editable=False)
+    agent_registered_at = models.DateTimeField(null=True, blank=True, editable=False)
+    nccl_version = models.CharField(
+        max_length=20, blank=True, editable=False, help_text="As the node's agent reports it."
+    )
+    disk_free_bytes = models.BigIntegerField(null=True, blank=True, editable=False)
+    power_w = models.PositiveIntegerField(
+        null=True, blank=True, editable=False, help_text="Measured GPU power draw, summed."
+    )
+    # Provisioning progress, for the Fleet page and the API.
+    provision_step = models.CharField(max_length=50, blank=True, editable=False)
+    provision_percent = models.PositiveSmallIntegerField(default=0, editable=False)
+    provision_message = models.CharField(max_length=300, blank=True, editable=False)
+    # Cloud nodes: when the instance was launched, and when AWS said it would reclaim it.
+    launched_at = models.DateTimeField(null=True, blank=True, editable=False)
+    interrupted_at = models.DateTimeField(null=True, blank=True, editable=False)
+
     class Meta:
         ordering = ["name"]
         indexes = [
             models.Index(fields=["state", "last_heartbeat_at"]),
             models.Index(fields=["pool", "state"]),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["agent_token_digest"],
+                condition=~models.Q(agent_token_digest=""),
+                name="node_agent_token_unique",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -145,6 +172,13 @@ class Gpu(models.Model):
     memory_mib = models.PositiveIntegerField(default=0, validators=[MaxValueValidator(10_000_000)])
     health = models.CharField(max_length=10, choices=GpuHealth.choices, default=GpuHealth.UNKNOWN)
     health_reason = models.CharField(max_length=300, blank=True)
+    # The latest heartbeat's reading (written in batches by the heartbeat flush).
+    utilization_pct = models.FloatField(null=True, blank=True, editable=False)
+    memory_used_mib = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    power_w = models.FloatField(null=True, blank=True, editable=False)
+    temperature_c = models.FloatField(null=True, blank=True, editable=False)
+    ecc_errors = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    reported_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["node__name", "index"]

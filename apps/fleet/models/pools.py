@@ -26,6 +26,11 @@ class Fabric(models.TextChoices):
 NCCL_VERSION_PATTERN = r"^\d+\.\d+(\.\d+)?$"
 
 
+class OrphanPolicy(models.TextChoices):
+    REPORT = "report", "Report them"
+    TERMINATE = "terminate", "Terminate them"
+
+
 class CapacityPreference(models.TextChoices):
     SPOT_THEN_ON_DEMAND = "spot_then_on_demand", "Spot, then on-demand"
     ON_DEMAND_ONLY = "on_demand_only", "On-demand only"
@@ -80,6 +85,18 @@ class NodePool(models.Model):
             RegexValidator(NCCL_VERSION_PATTERN, "An NCCL version such as 2.21.5.", "invalid")
         ],
         help_text="The NCCL version on the pool's nodes, e.g. 2.21.5 (empty: unknown).",
+    )
+    spot_interruption_limit = models.FloatField(
+        default=0.2,
+        validators=[MinValueValidator(0.0), MaxValueValidator(1.0)],
+        help_text="Launch on-demand instead of spot while the share of this pool's spot "
+        "nodes interrupted in the last 7 days is above this.",
+    )
+    orphans = models.CharField(
+        max_length=10,
+        choices=OrphanPolicy.choices,
+        default=OrphanPolicy.REPORT,
+        help_text="Instances with our tags that the database does not know.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 

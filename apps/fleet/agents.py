@@ -1,0 +1,396 @@
+"""Services for node agents: node tokens, registration, heartbeats and node health.
+
+A heartbeat is the fleet's most frequent write (10,000 nodes every few seconds),
+so it only lands in the cache (`node_heartbeat_land`); the sweep task writes
+what landed to the database in batches (`nodes_heartbeats_flush`), moves nodes
+whose heartbeats resumed back from SUSPECT, and drains nodes that fail a health
+check, but never more than a fifth of a pool.
+"""
+
+import datetime as dt
+import hashlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.core.cache import cache
+from django.db import transaction
+from django.db.models import Count, Q
+from django.utils import timezone
+
+from apps.fleet import services as fleet
+from apps.fleet.models import GONE_STATES, Gpu, GpuHealth, Node, NodeState
+from controlplane.bulk import update_rows
+from controlplane.errors import ApplicationError
+from controlplane.exactcache import ExactCache
+
+log = logging.getLogger(__name__)
+S = NodeState
+
+NODE_TOKEN_PREFIX = "cpn_"  # noqa: S105 (a prefix, not a secret)
+# The share of a pool that automatic health drains may take out of service (Karpenter's
+# node repair stops at 20% too): past it, a failing node is reported, not drained.
+AUTO_DRAIN_LIMIT = 0.2
+# Nodes whose agents report, and whose heartbeats the flush reads.
+REPORTING = (S.BOOTSTRAPPING, S.READY, S.BUSY, S.SUSPECT, S.DOWN, S.DRAINING, S.DRAINED)
+
+_tokens = ExactCache("fleet:node-token", max_timeout_s=settings.NODE_TOKEN_CACHE_S)
+
+
+def _digest(raw: str) -> str:
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+
+
+def _heartbeat_key(node_id: int) -> str:
+    return f"fleet:heartbeat:{node_id}"
+
+
+# --- tokens ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentIdentity:
+    """Who a node token stands for: what the agent endpoints need, no more."""
+
+    node_id: int
+    node_uuid: str
+    name: str
+
+
+def node_agent_token_issue(*, node: Node) -> str:
+    """A new token for the node's agent; the old one stops working. Returns the secret,
+    which is stored only as its SHA-256 and handed to bootstrap (agent.env, mode 600)."""
+    raw = NODE_TOKEN_PREFIX + secrets.token_urlsafe(32)
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        if locked.agent_token_digest:
+            _tokens.forget([locked.agent_token_digest])
+        locked.agent_token_digest = _digest(raw)
+        locked.save(update_fields=["agent_token_digest"])
+    node.agent_token_digest = locked.agent_token_digest
+    return raw
+
+
+def node_agent_token_revoke(*, node: Node) -> None:
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        if locked.agent_token_digest:
+            _tokens.forget([locked.agent_token_digest])
+            locked.agent_token_digest = ""
+            locked.save(update_fields=["agent_token_digest"])
+
+
+def agent_identity(raw: str) -> AgentIdentity | None:
+    """The node a token belongs to, or None. Terminated nodes have no agent."""
+    if not raw.startswith(NODE_TOKEN_PREFIX):
+        return None
+    digest = _digest(raw)
+    identity = _tokens.recall(digest)
+    if identity is not None:
+        return identity
+    row = (
+        Node.objects.filter(agent_token_digest=digest)
+        .exclude(state__in=(S.TERMINATING, S.TERMINATED))
+        .values_list("id", "uuid", "name")
+        .first()
+    )
+    if row is None:
+        return None
+    identity = AgentIdentity(node_id=row[0], node_uuid=str(row[1]), name=row[2])
+    _tokens.remember(digest, identity)
+    return identity
+
+
+# --- health ------------------------------------------------------------------------------------
+
+
+def health_problems(*, node_gpus: int, report: dict) -> list[str]:
+    """What is wrong with a node, from its agent's report; [] when healthy."""
+    problems = []
+    found = report.get("metrics") or {}
+    source = found.get("source")
+    gpus = found.get("gpus") or []
+    if node_gpus and source == "none":
+        problems.append(found.get("message") or "no GPU driver found")
+    elif node_gpus and source == "nvidia-smi" and found.get("message"):
+        problems.append(str(found["message"])[:200])
+    elif node_gpus and len(gpus) != node_gpus:
+        problems.append(f"{len(gpus)} GPUs found, {node_gpus} expected")
+    for gpu in gpus:
+        index = gpu.get("index")
+        errors = gpu.get("ecc_errors")
+        if errors:
+            problems.append(f"GPU {index}: {errors} uncorrected ECC errors")
+        temperature = gpu.get("temperature_c")
+        if temperature is not None and temperature > settings.GPU_MAX_TEMPERATURE_C:
+            problems.append(
+                f"GPU {index}: {temperature:.0f} °C, above {settings.GPU_MAX_TEMPERATURE_C} °C"
+            )
+    free = report.get("disk_free_bytes")
+    need = settings.NODE_MIN_FREE_DISK_GB * 1024**3
+    if free is not None and free < need:
+        problems.append(
+            f"{free / 1024**3:.1f} GiB free for checkpoints, "
+            f"{settings.NODE_MIN_FREE_DISK_GB} GiB needed"
+        )
+    return problems
+
+
+def _drain_allowed(node: Node) -> bool:
+    counts = (
+        Node.objects.filter(pool_id=node.pool_id)
+        .exclude(state__in=GONE_STATES)
+        .aggregate(total=Count("id"), out=Count("id", filter=Q(state__in=(S.DRAINING, S.DRAINED))))
+    )
+    return (counts["out"] + 1) <= AUTO_DRAIN_LIMIT * counts["total"]
+
+
+def _auto_drain(node: Node, problems: list[str]) -> str:
+    """Drain a failing node if the pool can spare it; returns what happened, for the log."""
+    reason = "health: " + "; ".join(problems)
+    if node.state not in (S.READY, S.BUSY, S.SUSPECT):
+        return "not drained (not in service)"
+    if not _drain_allowed(node):
+        log.warning("%s fails health checks but its pool is at the drain limit: %s", node, reason)
+        return "not drained: pool at the automatic drain limit"
+    fleet.node_drain(node=node, reason=reason[:300], by=None)
+    return "drained"
+
+
+# --- registration ------------------------------------------------------------------------------
+
+
+def _gpu_rows(node: Node, report: dict, *, now) -> None:
+    """Create or refresh the node's GPU rows from what the agent found."""
+    found = (report.get("metrics") or {}).get("gpus") or []
+    existing = {gpu.index: gpu for gpu in node.gpus.all()}
+    for item in found:
+        index = item.get("index")
+        if not isinstance(index, int) or not 0 <= index <= 63:
+            continue
+        gpu = existing.get(index) or Gpu(node=node, index=index)
+        gpu.uuid = str(item.get("uuid") or gpu.uuid)[:64]
+        gpu.model = str(item.get("name") or gpu.model)[:100]
+        if item.get("memory_total_mib") is not None:
+            gpu.memory_mib = int(item["memory_total_mib"])
+        gpu.health = GpuHealth.HEALTHY
+        gpu.health_reason = ""
+        gpu.reported_at = now
+        gpu.save()
+
+
+@transaction.atomic
+def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
+    """The agent started: record what it is and found; a bootstrapping node becomes READY
+    if it passes its health checks, FAILED (with why) if not."""
+    node = Node.objects.select_for_update().get(pk=identity.node_id)
+    now = timezone.now()
+    node.agent_version = str(report.get("version", ""))[:20]
+    node.agent_hostname = str(report.get("hostname", ""))[:255]
+    node.nccl_version = str(report.get("nccl_version") or "")[:20]
+    node.agent_registered_at = now
+    node.last_heartbeat_at = now
+    node.save(
+        update_fields=[
+            "agent_version",
+            "agent_hostname",
+            "nccl_version",
+            "agent_registered_at",
+            "last_heartbeat_at",
+        ]
+    )
+    _gpu_rows(node, report, now=now)
+    problems = health_problems(node_gpus=node.gpu_count, report=report)
+    if node.state == S.BOOTSTRAPPING:
+        if problems:
+            fleet.node_transition(
+                node=node, to=S.FAILED, reason=("health: " + "; ".join(problems))[:300], by=None
+            )
+        else:
+            node_progress(node=node, step="ready", percent=100, message="agent registered")
+            fleet.node_transition(node=node, to=S.READY, reason="agent registered", by=None)
+    elif problems:
+        _auto_drain(node, problems)
+    return {
+        "heartbeat_every_s": settings.AGENT_HEARTBEAT_S,
+        "latest_version": settings.AGENT_VERSION,
+        "problems": problems,
+    }
+
+
+def node_progress(*, node: Node, step: str, percent: int, message: str) -> None:
+    """Provisioning progress, for the Fleet page and the API (no event: it is not a state)."""
+    Node.objects.filter(pk=node.pk).update(
+        provision_step=step[:50],
+        provision_percent=max(0, min(100, int(percent))),
+        provision_message=message[:300],
+    )
+
+
+# --- heartbeats --------------------------------------------------------------------------------
+
+
+def _number(value, *, low=0.0, high=1e9):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value if low <= value <= high else None
+
+
+def _compact(report: dict) -> dict:
+    """Only what the flush writes, checked for type and range (an agent is not trusted)."""
+    found = report.get("metrics") if isinstance(report.get("metrics"), dict) else {}
+    gpus = []
+    for gpu in (found.get("gpus") or [])[:64]:
+        if not isinstance(gpu, dict) or not isinstance(gpu.get("index"), int):
+            continue
+        gpus.append(
+            {
+                "index": gpu["index"],
+                "utilization": _number(gpu.get("utilization"), high=100),
+                "memory_used_mib": _number(gpu.get("memory_used_mib"), high=10_000_000),
+                "memory_total_mib": _number(gpu.get("memory_total_mib"), high=10_000_000),
+                "power_w": _number(gpu.get("power_w"), high=100_000),
+                "temperature_c": _number(gpu.get("temperature_c"), low=-50, high=200),
+                "ecc_errors": _number(gpu.get("ecc_errors"), high=2**31 - 1),
+            }
+        )
+    return {
+        "seq": _number(report.get("seq"), high=2**62),
+        "version": str(report.get("version", ""))[:20],
+        "nccl_version": str(report.get("nccl_version") or "")[:20],
+        "disk_free_bytes": _number(report.get("disk_free_bytes"), high=2**62),
+        "metrics": {
+            "source": str(found.get("source", ""))[:20],
+            "message": str(found.get("message", ""))[:200],
+            "gpus": gpus,
+        },
+    }
+
+
+def node_heartbeat_land(*, identity: AgentIdentity, report: dict) -> None:
+    """Keep the newest heartbeat in the cache; the flush writes it to the database."""
+    if not isinstance(report, dict):
+        raise ApplicationError(
+            "A heartbeat is a JSON object.", details={"body": ["Not an object."]}
+        )
+    entry = (time.time(), _compact(report))
+    cache.set(_heartbeat_key(identity.node_id), entry, timeout=2 * settings.NODE_DOWN_AFTER_S)
+
+
+def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
+    """Write the heartbeats that landed since the last flush, in bulk; then act on them.
+
+    Returns counts: written, resumed (SUSPECT nodes back), drained (failed health).
+    """
+    now = now or timezone.now()
+    nodes = {
+        node_id: (state, last, gpu_count)
+        for node_id, state, last, gpu_count in Node.objects.filter(state__in=REPORTING).values_list(
+            "id", "state", "last_heartbeat_at", "gpu_count"
+        )
+    }
+    if not nodes:
+        return {"written": 0, "resumed": 0, "drained": 0}
+    landed = cache.get_many([_heartbeat_key(node_id) for node_id in nodes])
+    node_rows, gpu_rows, fresh, failing = [], [], [], []
+    for node_id, (state, last, gpu_count) in nodes.items():
+        entry = landed.get(_heartbeat_key(node_id))
+        if entry is None:
+            continue
+        at = dt.datetime.fromtimestamp(entry[0], tz=dt.UTC)
+        if last is not None and at <= last:
+            continue  # already written
+        report = entry[1]
+        gpus = report["metrics"]["gpus"]
+        power = [g["power_w"] for g in gpus if g["power_w"] is not None]
+        node_rows.append(
+            (
+                node_id,
+                at,
+                round(sum(power)) if power else None,
+                report["disk_free_bytes"],
+                report["nccl_version"],
+                report["version"],
+            )
+        )
+        gpu_rows.extend(
+            (
+                node_id,
+                g["index"],
+                g["utilization"],
+                None if g["memory_used_mib"] is None else int(g["memory_used_mib"]),
+                g["power_w"],
+                g["temperature_c"],
+                None if g["ecc_errors"] is None else int(g["ecc_errors"]),
+                at,
+            )
+            for g in gpus
+        )
+        fresh.append((node_id, state))
+        problems = health_problems(node_gpus=gpu_count, report=report)
+        if problems and state in (S.READY, S.BUSY, S.SUSPECT):
+            failing.append((node_id, problems))
+    with transaction.atomic():
+        update_rows(
+            Node,
+            ("last_heartbeat_at", "power_w", "disk_free_bytes", "nccl_version", "agent_version"),
+            node_rows,
+        )
+        update_rows(
+            Gpu,
+            (
+                "utilization_pct",
+                "memory_used_mib",
+                "power_w",
+                "temperature_c",
+                "ecc_errors",
+                "reported_at",
+            ),
+            gpu_rows,
+            keys=("node", "index"),
+        )
+        resumed = _resume_suspects([node_id for node_id, state in fresh if state == S.SUSPECT])
+    drained = 0
+    for node_id, problems in failing:
+        node = Node.objects.get(pk=node_id)
+        if _auto_drain(node, problems) == "drained":
+            drained += 1
+    return {"written": len(node_rows), "resumed": resumed, "drained": drained}
+
+
+def _resume_suspects(node_ids: list[int]) -> int:
+    """SUSPECT nodes heard from again go back to the state they left."""
+    moved = 0
+    for node in Node.objects.select_for_update().filter(pk__in=node_ids, state=S.SUSPECT):
+        back = node.suspect_from or S.READY
+        fleet.node_transition(node=node, to=back, reason="heartbeats resumed", by=None)
+        moved += 1
+    return moved
+
+
+# --- spot ----------------------------------------------------------------------------------------
+
+
+def node_spot_interruption_record(*, node_id: int, notice: dict) -> None:
+    """AWS said it will reclaim this spot node; the pool's interruption rate counts it."""
+    now = timezone.now()
+    updated = Node.objects.filter(pk=node_id, interrupted_at__isnull=True).update(
+        interrupted_at=now
+    )
+    if updated:
+        log.warning("spot interruption notice for node %s: %s", node_id, notice)
+
+
+def pool_spot_interruption_rate(*, pool_id: int, now: dt.datetime | None = None) -> float | None:
+    """The share of the pool's spot nodes launched in the last 7 days that AWS interrupted
+    (None before any was launched): above the pool's limit, bursts go on-demand."""
+    since = (now or timezone.now()) - dt.timedelta(days=7)
+    counts = Node.objects.filter(pool_id=pool_id, capacity_type="spot", launched_at__gte=since)
+    totals = counts.aggregate(
+        launched=Count("id"), interrupted=Count("id", filter=Q(interrupted_at__isnull=False))
+    )
+    if not totals["launched"]:
+        return None
+    return totals["interrupted"] / totals["launched"]
