@@ -6,7 +6,7 @@ from django.db.models import QuerySet
 from apps.accounts.selectors import roles_of
 from apps.fleet.selectors import pools_capacity
 from apps.jobs import specs
-from apps.jobs.models import Job, JobState, Reservation, Webhook
+from apps.jobs.models import Job, JobState, LogLine, Reservation, Webhook
 from apps.jobs.models.jobs import ACTIVE_STATES
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 
@@ -86,3 +86,16 @@ def job_nccl_environments(*, job: Job) -> list[RenderedEnvironment]:
             if p.can_hold(nodes=job.nodes, gpus_per_node=job.gpus_per_node)
         ]
     return nccl_environments_render(nccl=job.spec.get("nccl"), nodes=job.nodes, pool_ids=pool_ids)
+
+
+def job_log_lines(*, job: Job, after: int = 0, limit: int = 500, **_) -> list[dict]:
+    """The job's output lines after line id `after`, oldest first."""
+    rows = (
+        LogLine.objects.filter(job=job, id__gt=after)
+        .order_by("id")
+        .values_list("id", "at", "run__node_rank", "run__attempt", "stream", "text")[:limit]
+    )
+    return [
+        {"id": i, "at": at, "rank": rank, "attempt": attempt, "stream": stream, "text": text}
+        for i, at, rank, attempt, stream, text in rows
+    ]

@@ -292,6 +292,12 @@ def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
         after=snapshot(locked),
         team=locked.team,
     )
+    if to in (J.STOPPING, J.PREEMPTING) or (
+        came_from in HOLDING_STATES and to not in HOLDING_STATES
+    ):
+        from apps.jobs.dispatch import runs_stop_for
+
+        runs_stop_for(job=locked, reason=reason)
     if to in FINISHED_STATES:
         _owe_webhook_calls(locked, now=now)
     if to in (J.PENDING, J.CANCELLED, J.FAILED, J.SUCCEEDED):

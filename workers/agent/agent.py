@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -161,7 +162,7 @@ class Agent:
                 plan,
                 runs_dir=self.config.work_dir / "runs",
                 logs=self.logs,
-                base_env=dict(os.environ),
+                base_env=run_base_env(),
             )
             run.start()
         except (PlanRefused, KeyError, TypeError, ValueError, OSError) as exc:
@@ -245,6 +246,15 @@ class Agent:
             "runs": [r.plan.id for r in runs],
         }
         self.outbox.put(Message("POST", f"{API}/events", body, "spot notice"))
+
+
+def run_base_env() -> dict[str, str]:
+    """What runs inherit: the agent's environment, with its own Python first on PATH, so
+    a plan's `python3` is the interpreter the agent runs on (the node's, or a venv's)."""
+    env = dict(os.environ)
+    here = os.path.dirname(sys.executable)
+    env["PATH"] = os.pathsep.join([here, env.get("PATH", os.defpath)])
+    return env
 
 
 def main(config: AgentConfig) -> None:

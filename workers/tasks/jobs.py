@@ -31,15 +31,46 @@ def schedule() -> dict:
 
 @shared_task(name="jobs.reconcile", acks_late=True, reject_on_worker_lost=True)
 def reconcile() -> dict:
-    """Requeue or cancel jobs stuck preempting or stopping past the grace period."""
+    """Re-drive jobs stuck in a transitional state: preempting or stopping past the grace
+    period, admitted but never dispatched, started by no agent in time, past their time limit,
+    or holding nodes that are lost."""
     from apps.accounts.context import Origin, acting_from
+    from apps.jobs.dispatch import jobs_on_down_nodes, jobs_stuck_redrive
     from apps.jobs.services import jobs_reconcile
 
     with single_flight("jobs.reconcile", ttl_s=300) as got_it:
         if not got_it:
             return {"skipped": "another reconcile is running"}
         with acting_from(Origin(channel="task", label="task:jobs.reconcile")):
-            return jobs_reconcile()
+            return {
+                **jobs_reconcile(),
+                **jobs_stuck_redrive(),
+                "lost": len(jobs_on_down_nodes()),
+            }
+
+
+@shared_task(name="jobs.dispatch", acks_late=True, reject_on_worker_lost=True)
+def dispatch(job_ids: list[int]) -> dict:
+    """Write the run plans of newly placed jobs; their nodes' agents start them."""
+    from apps.accounts.context import Origin, acting_from
+    from apps.jobs.dispatch import job_dispatch
+
+    dispatched = 0
+    with acting_from(Origin(channel="task", label="task:jobs.dispatch")):
+        for job_id in job_ids:
+            try:
+                dispatched += job_dispatch(job_id=job_id) is not None
+            except Exception:  # one job's failure must not hold up the others
+                log.exception("dispatch of job %s failed; the reconcile sweep retries it", job_id)
+    return {"dispatched": dispatched}
+
+
+@shared_task(name="jobs.purge_logs", acks_late=True)
+def purge_logs() -> dict:
+    """Delete job output older than LOG_RETENTION_DAYS."""
+    from apps.jobs.dispatch import log_lines_delete_old
+
+    return {"deleted": log_lines_delete_old()}
 
 
 @shared_task(name="jobs.deliver_webhooks", acks_late=True, reject_on_worker_lost=True)

@@ -314,3 +314,26 @@ class WebhookCreatedSerializer(WebhookSerializer):
 
     class Meta(WebhookSerializer.Meta):
         fields = [*WebhookSerializer.Meta.fields, "signing_key"]
+
+
+class LogQuerySerializer(StrictSerializer):
+    after = serializers.IntegerField(min_value=0, max_value=2**63 - 1, required=False, default=0)
+    limit = serializers.IntegerField(min_value=1, max_value=1000, required=False, default=500)
+    # Pagination and format parameters the API's other lists accept are not for this view.
+    format = serializers.CharField(required=False)
+
+
+class LogLineSerializer(StrictSerializer):
+    id = serializers.IntegerField()
+    at = serializers.DateTimeField()
+    rank = serializers.IntegerField(help_text="The node rank the line came from.")
+    attempt = serializers.IntegerField()
+    stream = serializers.CharField(help_text="stdout, stderr, or agent (the agent's own notes).")
+    text = serializers.CharField()
+
+
+class JobLogSerializer(StrictSerializer):
+    lines = LogLineSerializer(many=True)
+    next_after = serializers.IntegerField(help_text="Ask again with after=this to follow.")
+    finished = serializers.BooleanField(help_text="The job has ended: no more lines will come.")
+    state = serializers.CharField()

@@ -11,6 +11,7 @@ from apps.accounts.selectors import teams_visible_to
 from apps.jobs import selectors, services
 from apps.jobs.api import serializers as s
 from apps.jobs.filtersets import JobFilterSet, ReservationFilterSet
+from apps.jobs.models.jobs import FINISHED_STATES
 from controlplane.api import ServiceViewSet, reject_unstorable_text
 from controlplane.errors import ApplicationError
 
@@ -95,6 +96,31 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         body = s.ReasonSerializer(data=request.data or {})
         body.is_valid(raise_exception=True)
         return self._operate(request, services.job_requeue, **body.validated_data)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("after", int, description="Only lines after this line id."),
+            OpenApiParameter("limit", int, description="At most this many lines (1000 at most)."),
+        ],
+        responses=s.JobLogSerializer,
+    )
+    @action(detail=True, methods=["get"])
+    def logs(self, request, pk=None):
+        """The job's output, every rank's lines in arrival order, secrets masked.
+
+        Follow it by asking again with `after` set to the answer's `next_after`.
+        """
+        job = self.get_object()
+        query = s.LogQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        lines = selectors.job_log_lines(job=job, **query.validated_data)
+        answer = {
+            "lines": lines,
+            "next_after": lines[-1]["id"] if lines else query.validated_data.get("after", 0),
+            "finished": job.state in FINISHED_STATES,
+            "state": job.state,
+        }
+        return Response(s.JobLogSerializer(answer).data)
 
 
 def _team_visible(user, team_id: int):

@@ -1,4 +1,4 @@
-"""Jobs, their history and allocations, reservations, and the teams' decayed usage."""
+"""Jobs, their history, allocations and runs, reservations, and the teams' decayed usage."""
 
 from apps.jobs.models.jobs import (
     Allocation,
@@ -10,18 +10,23 @@ from apps.jobs.models.jobs import (
     PriorityClass,
 )
 from apps.jobs.models.reservations import Reservation
+from apps.jobs.models.runs import OPEN_RUN_STATES, LogLine, Run, RunState
 from apps.jobs.models.usage import TeamUsage
 from apps.jobs.models.webhooks import Webhook, WebhookDelivery
 
 __all__ = [
+    "OPEN_RUN_STATES",
     "Allocation",
     "Job",
     "JobEvent",
     "JobKind",
     "JobState",
+    "LogLine",
     "Placement",
     "PriorityClass",
     "Reservation",
+    "Run",
+    "RunState",
     "TeamUsage",
     "Webhook",
     "WebhookDelivery",

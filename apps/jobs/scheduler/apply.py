@@ -6,6 +6,7 @@ no longer fits is skipped (the next pass places it), never half-applied.
 """
 
 import datetime as dt
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ from apps.jobs.models.jobs import NOT_STARTED_STATES, STARTED_STATES
 from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
 from controlplane.bulk import insert_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -248,4 +251,19 @@ def decisions_apply(decisions: plain.Decisions, ctx: ReadContext) -> Applied:
     _apply_preemptions(decisions.preemptions, now=now, applied=applied)
     _apply_reasons(decisions.waits, ctx, applied)
     _advance_usage(ctx)
+    if applied.placed:
+        placed = list(applied.placed)
+        transaction.on_commit(lambda: _dispatch_soon(placed))
     return applied
+
+
+def _dispatch_soon(job_ids: list[int], batch: int = 200) -> None:
+    """Hand the placed jobs to the dispatch task (the reconcile sweep covers a lost message)."""
+    from controlplane.celery import app
+
+    for start in range(0, len(job_ids), batch):
+        try:
+            app.send_task("jobs.dispatch", args=[job_ids[start : start + batch]])
+        except Exception:
+            log.warning("could not enqueue dispatch of %d jobs", len(job_ids), exc_info=True)
+            return

@@ -1,0 +1,512 @@
+"""Services from admission to the end: run plans per node, what agents report, and what it
+means for the job.
+
+ADMITTED → PROVISIONING (plans being written) → STARTING (plans offered to the
+nodes' agents) → RUNNING (every rank started) → SUCCEEDED when every rank exits
+0. A rank that fails in the job's own code fails the job (FAILED, not retried);
+infrastructure (a node lost, a spot notice, a plan no agent started in time)
+requeues it to PENDING, up to its restart limit. A job that must stop (cancel,
+preemption, time limit) asks its runs to stop, and ends when the last one has.
+"""
+
+import datetime as dt
+import logging
+import shlex
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Max
+from django.utils import timezone
+
+from apps.accounts.models import TeamSecret
+from apps.accounts.secrets import decrypt
+from apps.fleet.models import GONE_STATES, Node, NodeState
+from apps.jobs.models import (
+    OPEN_RUN_STATES,
+    Allocation,
+    Job,
+    JobKind,
+    JobState,
+    LogLine,
+    Run,
+    RunState,
+)
+from apps.jobs.models.jobs import FINISHED_STATES, STARTED_STATES
+from apps.tuning.services import nccl_environments_render
+from controlplane.errors import ApplicationError
+
+log = logging.getLogger(__name__)
+J = JobState
+R = RunState
+
+# What a run's process may write to its status file to say it stopped for the
+# infrastructure, not because of its own code (the trainer writes these).
+INFRASTRUCTURE_EXITS = {"preempted", "spot_interruption", "node_lost"}
+MAX_LINE = 16 * 1024
+
+
+def _transition(job: Job, to: str, reason: str, **fields) -> Job:
+    from apps.jobs.services import job_transition
+
+    return job_transition(job=job, to=to, reason=reason, by=None, **fields)
+
+
+def _current_attempt(job: Job) -> int:
+    return Run.objects.filter(job=job).aggregate(n=Max("attempt"))["n"] or 0
+
+
+# --- plans -------------------------------------------------------------------------------------
+
+
+def rendezvous_port(job: Job) -> int:
+    """A port for the job's rendezvous on its first node, spread by job id."""
+    return settings.RENDEZVOUS_PORT_BASE + job.pk % settings.RENDEZVOUS_PORT_SPREAD
+
+
+def _node_address(node: Node) -> str:
+    return node.address or "127.0.0.1"
+
+
+def _distributed_env(job: Job, *, rank: int, head: Node, attempt: int) -> dict[str, str]:
+    return {
+        "CONTROLPLANE_JOB_ID": str(job.pk),
+        "CONTROLPLANE_JOB_UUID": str(job.uuid),
+        "CONTROLPLANE_ATTEMPT": str(attempt),
+        "CONTROLPLANE_NODE_RANK": str(rank),
+        "CONTROLPLANE_NNODES": str(job.nodes),
+        "CONTROLPLANE_GPUS_PER_NODE": str(job.gpus_per_node),
+        "MASTER_ADDR": _node_address(head),
+        "MASTER_PORT": str(rendezvous_port(job)),
+    }
+
+
+def trainer_argv(job: Job, *, rank: int, head: Node) -> list[str]:
+    """torchrun for the bundled trainer (workers/trainer), one agent per node (c10d rendezvous)."""
+    return [
+        "python3",
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={job.nodes}",
+        f"--nproc-per-node={job.gpus_per_node}",
+        f"--node-rank={rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={_node_address(head)}:{rendezvous_port(job)}",
+        f"--rdzv-id={job.uuid}",
+        "-m",
+        "workers.trainer",
+        "--config",
+        "run.json",
+    ]
+
+
+def run_plan(job: Job, *, rank: int, head: Node, attempt: int, nccl_env: dict) -> dict:
+    """What the node of `rank` runs for this attempt: JSON, without secret values."""
+    spec = job.spec
+    env = {
+        **nccl_env,
+        **(spec.get("env") or {}),
+        **_distributed_env(job, rank=rank, head=head, attempt=attempt),
+    }
+    if job.kind == JobKind.COMMAND:
+        command = spec["command"]
+        return {
+            "argv": list(command["argv"]),
+            "env": env,
+            "workdir": command.get("workdir") or command.get("path") or "",
+            "git": command.get("git"),
+            "files": [],
+        }
+    from apps.jobs.runconfig import trainer_run_config  # the trainer issue's part
+
+    return {
+        "argv": trainer_argv(job, rank=rank, head=head),
+        "env": env,
+        "workdir": "",
+        "git": None,
+        "files": [{"path": "run.json", "content": trainer_run_config(job, attempt=attempt)}],
+    }
+
+
+def job_dispatch(*, job_id: int) -> Job | None:
+    """Turn an ADMITTED job into one run plan per node; its agents start them.
+
+    Safe to run twice (a redelivered task): only an ADMITTED job is dispatched.
+    """
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id, state=J.ADMITTED).first()
+        if job is None:
+            return None
+        job = _transition(job, J.PROVISIONING, "writing run plans")
+        nodes = list(
+            Node.objects.filter(allocations__job=job, allocations__ended_at__isnull=True).order_by(
+                "rack_id", "name"
+            )
+        )
+        if len(nodes) != job.nodes:
+            return _requeue(job, f"{len(nodes)} of {job.nodes} nodes still allocated")
+        rendered = nccl_environments_render(
+            nccl=job.spec.get("nccl"), nodes=job.nodes, pool_ids=[job.pool_id]
+        )
+        if rendered and not rendered[0].ok:
+            # The profile or the pool changed since submission: the job cannot run as asked.
+            problems = rendered[0].problems + [
+                f"{v.name}: {v.reason}" for v in rendered[0].verdicts if v.blocking
+            ]
+            return _transition(job, J.FAILED, ("NCCL settings refused: " + "; ".join(problems)))
+        nccl_env = rendered[0].env if rendered else {}
+        attempt = _current_attempt(job) + 1
+        head = nodes[0]
+        Run.objects.bulk_create(
+            Run(
+                job=job,
+                node=node,
+                attempt=attempt,
+                node_rank=rank,
+                plan=run_plan(job, rank=rank, head=head, attempt=attempt, nccl_env=nccl_env),
+                secret_names=sorted(job.spec.get("secrets") or []),
+            )
+            for rank, node in enumerate(nodes)
+        )
+        return _transition(
+            job, J.STARTING, f"attempt {attempt}: plans for {len(nodes)} node(s) offered"
+        )
+
+
+# --- what the agents fetch -----------------------------------------------------------------------
+
+
+def _secret_values(job: Job, names: list[str]) -> dict[str, str]:
+    if not names:
+        return {}
+    stored = TeamSecret.objects.filter(team_id=job.team_id, name__in=names)
+    return {secret.name: decrypt(secret.ciphertext) for secret in stored}
+
+
+def agent_work(*, node_id: int) -> dict:
+    """The plans this node's agent should start (secrets decrypted) and the runs to stop."""
+    runs = list(
+        Run.objects.select_related("job")
+        .filter(node_id=node_id, state__in=OPEN_RUN_STATES)
+        .order_by("id")
+    )
+    start = [
+        {"id": run.pk, **run.plan, "secrets": _secret_values(run.job, run.secret_names)}
+        for run in runs
+        if run.state == R.PLANNED and run.stop_requested_at is None
+    ]
+    stop = [
+        {"id": run.pk, "reason": run.stop_reason}
+        for run in runs
+        if run.state == R.RUNNING and run.stop_requested_at is not None
+    ]
+    return {"start": start, "stop": stop}
+
+
+# --- what the agents report ---------------------------------------------------------------------
+
+
+def _run_of(node_id: int, run_id: int, *, lock: bool = False) -> Run:
+    runs = Run.objects.select_for_update() if lock else Run.objects
+    run = runs.filter(pk=run_id, node_id=node_id).first()
+    if run is None:
+        raise ApplicationError("No such run on this node.", code="not_found", status=404)
+    return run
+
+
+def _int_or_none(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@transaction.atomic
+def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
+    """An agent says a run started, could not start, or ended; the job follows."""
+    run = _run_of(node_id, run_id, lock=True)
+    state = report.get("state")
+    now = timezone.now()
+    if state == "running" and run.state == R.PLANNED:
+        run.state, run.pid, run.started_at = R.RUNNING, _int_or_none(report.get("pid")), now
+    elif state in ("exited", "refused") and run.state in OPEN_RUN_STATES:
+        run.state = R.EXITED if state == "exited" else R.REFUSED
+        run.exit_code = _int_or_none(report.get("exit_code"))
+        run.signal = _int_or_none(report.get("signal"))
+        run.reason = str(report.get("reason") or "")[:300]
+        status = report.get("status")
+        run.status = status if isinstance(status, dict) else None
+        run.ended_at = now
+    elif state not in ("running", "exited", "refused"):
+        raise ApplicationError(
+            "state must be running, exited or refused.", details={"state": ["Unknown state."]}
+        )
+    else:
+        return run  # a repeat (the agent retried after a lost answer): nothing new
+    run.save()
+    _job_follows(run.job_id, changed=run)
+    return run
+
+
+def _describe_exit(run: Run) -> str:
+    node = Node.objects.filter(pk=run.node_id).values_list("name", flat=True).first()
+    if run.state == R.REFUSED:
+        return f"rank {run.node_rank} on {node} could not start: {run.reason}"
+    how = f"signal {run.signal}" if run.signal else f"exit code {run.exit_code}"
+    return f"rank {run.node_rank} on {node} ended with {how}"
+
+
+def _infrastructure(run: Run) -> bool:
+    status_reason = (run.status or {}).get("reason") if isinstance(run.status, dict) else None
+    return run.reason == "spot interruption" or status_reason in INFRASTRUCTURE_EXITS
+
+
+def _job_follows(job_id: int, *, changed: Run | None = None) -> None:
+    """Move the job as its current attempt's runs say."""
+    job = Job.objects.select_for_update().get(pk=job_id)
+    if job.state in FINISHED_STATES or job.state in (J.PENDING, J.HELD, J.ADMITTED):
+        return
+    attempt = _current_attempt(job)
+    runs = list(Run.objects.filter(job=job, attempt=attempt))
+    if changed is not None and changed.attempt != attempt:
+        return  # an older attempt's run: recorded, nothing more
+    open_runs = [r for r in runs if r.state in OPEN_RUN_STATES]
+    ended = [r for r in runs if r.state not in OPEN_RUN_STATES]
+    failed = [r for r in ended if r.state == R.REFUSED or r.exit_code not in (0, None) or r.signal]
+
+    if job.state in (J.PREEMPTING, J.STOPPING):
+        if not open_runs:
+            _finish_stopping(job)
+        return
+    if failed:
+        first = failed[0]
+        if _infrastructure(first):
+            _requeue(job, f"{_describe_exit(first)} (infrastructure)")
+        else:
+            _runs_stop(job, reason="another rank failed")
+            _transition(job, J.FAILED, _describe_exit(first))
+        return
+    if runs and not open_runs:
+        _transition(job, J.SUCCEEDED, f"all {len(runs)} rank(s) exited 0")
+        return
+    if job.state in (J.PROVISIONING, J.STARTING) and all(r.state == R.RUNNING for r in runs):
+        if job.state == J.PROVISIONING:
+            job = _transition(job, J.STARTING, "plans offered")
+        _transition(job, J.RUNNING, f"all {len(runs)} rank(s) started", started_at=timezone.now())
+
+
+def _finish_stopping(job: Job) -> None:
+    if job.state == J.PREEMPTING:
+        _transition(job, J.PENDING, "preempted: stopped; back in the queue to resume")
+    else:
+        limit = job.state_reason.startswith(("time limit", "cost limit"))
+        _transition(job, J.FAILED if limit else J.CANCELLED, job.state_reason or "stopped")
+
+
+def _requeue(job: Job, reason: str) -> Job:
+    """Back to the queue after an infrastructure fault, or FAILED past the restart limit."""
+    _runs_stop(job, reason=reason)
+    if job.restarts >= job.restart_limit:
+        return _transition(
+            job, J.FAILED, f"{reason}; restart limit ({job.restart_limit}) reached"[:300]
+        )
+    return _transition(job, J.PENDING, f"requeued: {reason}"[:300], restarts=job.restarts + 1)
+
+
+def _runs_stop(job: Job, *, reason: str) -> int:
+    """Ask the agents to stop the job's open runs; runs never started are dropped."""
+    now = timezone.now()
+    Run.objects.filter(job=job, state=R.PLANNED).update(
+        state=R.LOST, reason=reason[:300], ended_at=now
+    )
+    return Run.objects.filter(job=job, state=R.RUNNING, stop_requested_at__isnull=True).update(
+        stop_requested_at=now, stop_reason=reason[:300]
+    )
+
+
+def runs_stop_for(*, job: Job, reason: str) -> int:
+    """Called when a job goes to STOPPING or PREEMPTING (apps/jobs/services.py)."""
+    return _runs_stop(job, reason=reason)
+
+
+# --- output ----------------------------------------------------------------------------------
+
+
+def _masker(job: Job, names: list[str]):
+    """Secrets are masked by the agent; masked here too, in case an agent does not."""
+    values = sorted(
+        (v for v in _secret_values(job, names).values() if len(v) >= 4), key=len, reverse=True
+    )
+
+    def mask(text: str) -> str:
+        for value in values:
+            text = text.replace(value, "********")
+        return text
+
+    return mask
+
+
+def run_logs_append(*, node_id: int, run_id: int, lines: list, dropped: int = 0) -> int:
+    """Store a batch of a run's output lines; a batch sent twice is stored once."""
+    run = Run.objects.select_related("job").filter(pk=run_id, node_id=node_id).first()
+    if run is None:
+        raise ApplicationError("No such run on this node.", code="not_found", status=404)
+    if not isinstance(lines, list):
+        raise ApplicationError("lines must be a list.", details={"lines": ["A list."]})
+    mask = _masker(run.job, run.secret_names)
+    rows = []
+    for item in lines[:5000]:
+        if not isinstance(item, dict) or not isinstance(item.get("seq"), int):
+            continue
+        at = item.get("at")
+        when = (
+            dt.datetime.fromtimestamp(at, tz=dt.UTC)
+            if isinstance(at, int | float) and 0 < at < 4e9
+            else timezone.now()
+        )
+        text = mask(str(item.get("text", "")).replace("\x00", ""))[:MAX_LINE]
+        rows.append(
+            LogLine(
+                run=run,
+                job_id=run.job_id,
+                seq=item["seq"],
+                stream=str(item.get("stream", "stdout"))[:10],
+                at=when,
+                text=text,
+            )
+        )
+    if isinstance(dropped, int) and dropped > 0:
+        # A line of its own, numbered past the batch, so it sorts where the gap was.
+        last = max((r.seq for r in rows), default=0)
+        rows.append(
+            LogLine(
+                run=run,
+                job_id=run.job_id,
+                seq=last + 1_000_000_000,
+                stream="agent",
+                at=timezone.now(),
+                text=f"[{dropped} lines dropped while the control plane was unreachable]",
+            )
+        )
+    try:
+        LogLine.objects.bulk_create(rows, ignore_conflicts=True)
+    except IntegrityError:  # pragma: no cover (ignore_conflicts covers duplicates)
+        log.warning("log lines of run %s not stored", run_id, exc_info=True)
+    return len(rows)
+
+
+def log_lines_delete_old(*, now: dt.datetime | None = None, batch: int = 10_000) -> int:
+    """Delete output older than LOG_RETENTION_DAYS, a batch at a time."""
+    now = now or timezone.now()
+    cutoff = now - dt.timedelta(days=settings.LOG_RETENTION_DAYS)
+    deleted = 0
+    while True:
+        ids = list(LogLine.objects.filter(at__lt=cutoff).values_list("id", flat=True)[:batch])
+        if not ids:
+            return deleted
+        deleted += LogLine.objects.filter(pk__in=ids).delete()[0]
+
+
+# --- infrastructure events ---------------------------------------------------------------
+
+
+@transaction.atomic
+def spot_interruption_handle(*, node_id: int, notice: dict) -> list[int]:
+    """AWS will reclaim this node: its jobs checkpoint and stop (PREEMPTING), then requeue.
+
+    The agent has already signalled the processes; here the jobs follow. Returns their ids.
+    """
+    jobs = list(
+        Job.objects.select_for_update()
+        .filter(
+            runs__node_id=node_id,
+            runs__state__in=OPEN_RUN_STATES,
+            state__in=STARTED_STATES | {J.PROVISIONING},
+        )
+        .distinct()
+    )
+    when = str((notice or {}).get("time", ""))[:40]
+    for job in jobs:
+        if job.state == J.PROVISIONING:
+            _requeue(job, f"spot interruption notice for its node ({when})")
+        else:
+            _transition(
+                job, J.PREEMPTING, f"spot interruption notice ({when}): checkpoint, then stop"
+            )
+    return [job.pk for job in jobs]
+
+
+def jobs_on_lost_nodes(*, node_ids: list[int]) -> list[int]:
+    """Nodes are DOWN (or gone): their runs are lost and their jobs requeued."""
+    if not node_ids:
+        return []
+    requeued = []
+    job_ids = set(
+        Run.objects.filter(node_id__in=node_ids, state__in=OPEN_RUN_STATES).values_list(
+            "job_id", flat=True
+        )
+    ) | set(
+        Allocation.objects.filter(node_id__in=node_ids, ended_at__isnull=True).values_list(
+            "job_id", flat=True
+        )
+    )
+    for job_id in sorted(job_ids):
+        with transaction.atomic():
+            job = Job.objects.select_for_update().get(pk=job_id)
+            Run.objects.filter(job=job, node_id__in=node_ids, state__in=OPEN_RUN_STATES).update(
+                state=R.LOST, reason="node lost", ended_at=timezone.now()
+            )
+            if job.state in FINISHED_STATES or job.state in (J.PENDING, J.HELD):
+                continue
+            names = ", ".join(
+                Node.objects.filter(pk__in=node_ids, allocations__job=job)
+                .values_list("name", flat=True)
+                .distinct()
+            )
+            _requeue(job, f"node {names or 'lost'} lost")
+            requeued.append(job_id)
+    return requeued
+
+
+def jobs_on_down_nodes() -> list[int]:
+    """Jobs holding or running on nodes that are DOWN or gone: requeue them (a sweep)."""
+    lost = list(
+        Node.objects.filter(state__in={NodeState.DOWN} | GONE_STATES)
+        .filter(allocations__ended_at__isnull=True)
+        .values_list("id", flat=True)
+        .distinct()
+    )
+    return jobs_on_lost_nodes(node_ids=lost)
+
+
+def jobs_stuck_redrive(*, now: dt.datetime | None = None) -> dict[str, int]:
+    """Jobs whose plans no agent started in time, and jobs past their time limit.
+
+    A reconcile sweep, since broker redelivery alone would not notice either.
+    """
+    now = now or timezone.now()
+    counts = {"requeued": 0, "dispatched": 0, "timed_out": 0}
+    start_cutoff = now - dt.timedelta(seconds=settings.JOB_START_TIMEOUT_S)
+    for job in Job.objects.filter(
+        state__in=(J.PROVISIONING, J.STARTING), state_changed_at__lt=start_cutoff
+    ):
+        with transaction.atomic():
+            locked = Job.objects.select_for_update().get(pk=job.pk)
+            if locked.state in (J.PROVISIONING, J.STARTING):
+                _requeue(locked, f"not started within {settings.JOB_START_TIMEOUT_S}s")
+                counts["requeued"] += 1
+    admitted_cutoff = now - dt.timedelta(seconds=60)
+    for job_id in Job.objects.filter(
+        state=J.ADMITTED, state_changed_at__lt=admitted_cutoff
+    ).values_list("id", flat=True):
+        if job_dispatch(job_id=job_id) is not None:
+            counts["dispatched"] += 1
+    for job in Job.objects.filter(state=J.RUNNING, started_at__isnull=False):
+        if job.started_at + dt.timedelta(seconds=job.time_limit_s) < now:
+            with transaction.atomic():
+                locked = Job.objects.select_for_update().get(pk=job.pk)
+                if locked.state == J.RUNNING:
+                    _transition(locked, J.STOPPING, f"time limit of {job.time_limit_s}s reached")
+                    counts["timed_out"] += 1
+    return counts
+
+
+def command_line(plan: dict) -> str:
+    """The plan's argument list as a reader would type it (for pages; never executed)."""
+    return shlex.join(plan.get("argv") or [])

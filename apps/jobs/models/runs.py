@@ -1,0 +1,88 @@
+"""What runs on each node for a job (one Run per node per attempt), and its output lines."""
+
+from django.db import models
+from django.db.models import Q
+
+
+class RunState(models.TextChoices):
+    PLANNED = "planned", "Planned"  # written; the node's agent has not started it yet
+    RUNNING = "running", "Running"  # the agent started it
+    EXITED = "exited", "Exited"  # the process ended (exit code or signal)
+    REFUSED = "refused", "Refused"  # the agent could not start it (bad file path, git failed...)
+    LOST = "lost", "Lost"  # its node went away, or it was superseded by a requeue
+
+
+OPEN_RUN_STATES = frozenset({RunState.PLANNED, RunState.RUNNING})
+
+
+class Run(models.Model):
+    """One attempt of a job on one node: the plan the node's agent runs, and how it ended.
+
+    The plan never holds secret values: only their names. The agent endpoint
+    decrypts them when the node fetches the plan.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="runs")
+    node = models.ForeignKey("fleet.Node", on_delete=models.PROTECT, related_name="runs")
+    attempt = models.PositiveSmallIntegerField(help_text="1 for the first run of the job.")
+    node_rank = models.PositiveSmallIntegerField()
+    plan = models.JSONField(help_text="argv, env (no secret values), workdir, files, git.")
+    secret_names = models.JSONField(default=list)
+    state = models.CharField(max_length=10, choices=RunState.choices, default=RunState.PLANNED)
+    pid = models.IntegerField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    signal = models.IntegerField(null=True, blank=True)
+    reason = models.CharField(max_length=300, blank=True)
+    status = models.JSONField(
+        null=True, blank=True, help_text="What the process wrote to its status file."
+    )
+    stop_requested_at = models.DateTimeField(null=True, blank=True)
+    stop_reason = models.CharField(max_length=300, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "attempt", "node_rank"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["job", "attempt", "node_rank"], name="one_run_per_rank_and_attempt"
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["node"],
+                condition=Q(state__in=["planned", "running"]),
+                name="open_runs_by_node",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} attempt {self.attempt} rank {self.node_rank}"
+
+
+class LogLine(models.Model):
+    """One line a run's processes wrote (secrets masked), relayed by the agent.
+
+    (run, seq) is unique, so a batch the agent sends twice is kept once. Lines
+    older than LOG_RETENTION_DAYS are deleted by a periodic task.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="log_lines")
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="log_lines")
+    seq = models.PositiveIntegerField()
+    stream = models.CharField(max_length=10)
+    at = models.DateTimeField()
+    text = models.TextField()
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "seq"], name="one_line_per_run_seq"),
+        ]
+        indexes = [models.Index(fields=["job", "id"]), models.Index(fields=["at"])]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} #{self.seq}"

@@ -1,0 +1,160 @@
+"""Bringing nodes up and down: the fleet's services on one side, the providers on the other.
+
+This is where Django meets workers/providers (which take plain dataclasses and
+never import Django). Every step starts from the node's state in the database,
+so a task that died half-way is simply run again: the providers' operations are
+idempotent (aws: look-up by tag and ClientToken = the node's UUID).
+
+    REQUESTED | FAILED | DRAINED → PROVISIONING → (ssh, key not pinned: AWAITING_HOST_KEY)
+        → BOOTSTRAPPING → READY when the agent registers and passes its health checks
+"""
+
+import logging
+from pathlib import Path
+
+from celery import shared_task
+from django.conf import settings
+
+from workers.providers import errors
+from workers.providers.bundle import Bundle
+from workers.providers.local import LocalConfig, LocalNodeSpec, LocalProvider
+from workers.providers.ssh import SshConfig, SshNodeSpec, SshProvider
+
+log = logging.getLogger(__name__)
+
+AGENT_ARGV = ("python3", "-m", "workers.agent")
+STARTABLE = ("requested", "failed", "drained", "provisioning", "bootstrapping")
+
+
+def provider_for(node):
+    """(provider, spec) for a node row."""
+    if node.provider == "local":
+        root = Path(settings.VAR_DIR) / "nodes"
+        return (
+            LocalProvider(LocalConfig(root=root)),
+            LocalNodeSpec(uuid=str(node.uuid), name=node.name, slots=max(node.gpu_count, 1)),
+        )
+    if node.provider == "ssh":
+        if not settings.SSH_KEY_FILE:
+            raise errors.ConfigurationError(
+                "SSH_KEY_FILE is not set: owned nodes cannot be reached."
+            )
+        return (
+            SshProvider(SshConfig(key_file=Path(settings.SSH_KEY_FILE))),
+            SshNodeSpec(
+                uuid=str(node.uuid),
+                address=node.address,
+                port=node.ssh_port,
+                user=node.ssh_user or "root",
+                host_key=node.host_key,
+                name=node.name,
+            ),
+        )
+    raise errors.ConfigurationError(f"provider {node.provider!r} is provisioned elsewhere")
+
+
+def agent_bundle(node, *, token: str, nccl_env: str) -> Bundle:
+    agent_env = {
+        "CONTROLPLANE_URL": settings.CONTROLPLANE_URL,
+        "CONTROLPLANE_NODE_TOKEN": token,
+        "AGENT_HEARTBEAT_S": str(settings.AGENT_HEARTBEAT_S),
+    }
+    if node.provider == "local":
+        agent_env["AGENT_SLOTS"] = str(node.gpu_count)
+    return Bundle(agent_argv=AGENT_ARGV, nccl_env=nccl_env, agent_env=agent_env)
+
+
+def provision_node(node_id: int) -> str:
+    """Take a node as far up as it can go now; returns the state it reached.
+
+    Raises a retryable ProviderError when trying again later may work (the task retries).
+    """
+    from apps.fleet import agents
+    from apps.fleet import services as fleet
+    from apps.fleet.models import Node
+    from apps.tuning.services import nccl_environments_render
+
+    node = Node.objects.get(pk=node_id)
+    if node.state not in STARTABLE and node.state != "awaiting_host_key":
+        return node.state
+    if node.state in ("requested", "failed", "drained"):
+        node = fleet.node_transition(node=node, to="provisioning", reason="provisioning", by=None)
+
+    def progress(step: str, percent: int, message: str) -> None:
+        agents.node_progress(node=node, step=step, percent=percent, message=message)
+
+    try:
+        provider, spec = provider_for(node)
+        if node.state in ("provisioning", "awaiting_host_key"):
+            try:
+                provider.create(spec, progress=progress)
+            except errors.HostKeyUnknown as exc:
+                if node.state == "provisioning":
+                    fleet.node_host_key_offer(node=node, offered_key=exc.offered_key)
+                progress("host key", 20, f"waiting for ops to accept {exc.fingerprint}")
+                return "awaiting_host_key"
+            node = fleet.node_transition(
+                node=node, to="bootstrapping", reason="reached; bootstrapping", by=None
+            )
+        token = agents.node_agent_token_issue(node=node)
+        # The node's default NCCL environment: its pool's profile for multi-node jobs.
+        rendered = nccl_environments_render(nccl=None, nodes=2, pool_ids=[node.pool_id])
+        nccl_env = rendered[0].file_text if rendered else ""
+        bundle = agent_bundle(node, token=token, nccl_env=nccl_env)
+        provider.bootstrap(spec, bundle, restart_agent=True, progress=progress)
+        progress("agent", 90, "agent started; waiting for it to register")
+    except errors.ProviderError as exc:
+        if exc.retryable:
+            progress("retrying", 0, str(exc)[:300])
+            raise
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        progress("failed", 0, reason)
+        node.refresh_from_db()
+        if node.state in ("provisioning", "awaiting_host_key", "bootstrapping"):
+            fleet.node_transition(node=node, to="failed", reason=reason, by=None)
+        return "failed"
+    return Node.objects.get(pk=node_id).state
+
+
+def terminate_node(node_id: int) -> str:
+    """Stop the node's agent and remove what bootstrap put there (local, ssh)."""
+    from apps.fleet import agents
+    from apps.fleet import services as fleet
+    from apps.fleet.models import Node
+
+    node = Node.objects.get(pk=node_id)
+    if node.state == "terminated":
+        return node.state
+    if node.state != "terminating":
+        node = fleet.node_transition(node=node, to="terminating", reason="terminating", by=None)
+    provider, spec = provider_for(node)
+    provider.terminate(spec)
+    agents.node_agent_token_revoke(node=node)
+    fleet.node_transition(node=node, to="terminated", reason="terminated", by=None)
+    return "terminated"
+
+
+@shared_task(
+    name="fleet.provision",
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=8,
+)
+def provision(self, node_id: int) -> str:
+    from apps.accounts.context import Origin, acting_from
+
+    with acting_from(Origin(channel="task", label="task:fleet.provision")):
+        try:
+            return provision_node(node_id)
+        except errors.ProviderError as exc:
+            log.warning("provisioning node %s: %s (retrying)", node_id, exc)
+            raise self.retry(exc=exc, countdown=min(300, 5 * 2**self.request.retries)) from exc
+
+
+@shared_task(name="fleet.terminate", acks_late=True, reject_on_worker_lost=True)
+def terminate(node_id: int) -> str:
+    from apps.accounts.context import Origin, acting_from
+
+    with acting_from(Origin(channel="task", label="task:fleet.terminate")):
+        return terminate_node(node_id)
