@@ -223,6 +223,37 @@ def cmd_status(client, args):
     return 0
 
 
+def _print_lines(lines: list[dict], *, multi_rank: bool) -> None:
+    for line in lines:
+        prefix = f"[{line['rank']}] " if multi_rank else ""
+        stream = sys.stderr if line["stream"] == "stderr" else sys.stdout
+        print(prefix + line["text"], file=stream, flush=True)
+
+
+def cmd_logs(client, args):
+    """A job's output; with --follow, until the job ends (exit code as with submit --wait)."""
+    job = client.request("GET", f"jobs/{args.job}/")
+    multi_rank = job["nodes"] > 1
+    after = 0
+    while True:
+        page = client.request(
+            "GET", f"jobs/{args.job}/logs/", query={"after": after, "limit": 1000}
+        )
+        _print_lines(page["lines"], multi_rank=multi_rank)
+        after = page["next_after"]
+        if len(page["lines"]) == 1000:
+            continue  # more is waiting: no pause
+        if not args.follow:
+            return 0
+        if page["finished"]:
+            # The agents relay output apart from the exit: one more look for late lines.
+            time.sleep(min(args.poll, 2.0))
+            late = client.request("GET", f"jobs/{args.job}/logs/", query={"after": after})
+            _print_lines(late["lines"], multi_rank=multi_rank)
+            return FINISHED.get(page["state"], 0)
+        time.sleep(args.poll)
+
+
 def cmd_cancel(client, args):
     job = client.request("POST", f"jobs/{args.job}/cancel/", {"reason": args.reason or ""})
     _emit(args, job, ["id", "name", "state", "state_reason"])
@@ -313,6 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="a job's state, reason and timeline")
     status.add_argument("job", type=int)
     status.set_defaults(run=cmd_status)
+    logs = sub.add_parser("logs", help="a job's output (every rank), secrets masked")
+    logs.add_argument("job", type=int)
+    logs.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="keep printing until the job ends; exit 0 if it succeeded, 3 failed, 4 cancelled",
+    )
+    logs.add_argument("--poll", type=float, default=2.0, help="seconds between checks")
+    logs.set_defaults(run=cmd_logs)
     cancel = sub.add_parser("cancel", help="cancel a job")
     cancel.add_argument("job", type=int)
     cancel.add_argument("--reason")

@@ -122,3 +122,42 @@ def test_a_cancelled_running_job_is_stopped_on_its_node(local_nodes, e2e_team, a
     )
     run = Run.objects.get(job=job)
     assert run.state == "exited" and run.signal == 15  # SIGTERM, from the agent
+
+
+def test_cpctl_logs_follows_a_running_job_to_its_end(local_nodes, e2e_team, api_for, live_server):
+    import os
+    import subprocess
+
+    pool = factories.make_owned_pool(slug="e2e-follow")
+    local_nodes(pool, count=1, gpus=2)
+    researcher = factories.make_member(team=e2e_team, role="researcher")
+    api = api_for(researcher, scopes=("submit",))
+    ticker = (
+        "import time\nfor i in range(5):\n    print('tick', i, flush=True)\n    time.sleep(0.4)"
+    )
+    job = _submit(api, e2e_team, ["python3", "-c", ticker])
+    scheduling_pass()
+    job_dispatch(job_id=job.pk)
+    _, token = accounts.api_token_create(
+        user=researcher, name="cli", scopes=["read"], by=researcher
+    )
+    follow = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "controlplane.cli",
+            "logs",
+            str(job.pk),
+            "--follow",
+            "--poll",
+            "0.3",
+        ],
+        env={**os.environ, "CPCTL_URL": live_server.url, "CPCTL_TOKEN": token},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert follow.returncode == 0, follow.stderr
+    assert [line for line in follow.stdout.splitlines() if line.startswith("tick")] == [
+        f"tick {i}" for i in range(5)
+    ]
