@@ -15,7 +15,8 @@ QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory"
 # var/, plain http on 127.0.0.1, SQLite and the filesystem broker (no DATABASE_URL
 # or REDIS_URL), so `make run` needs nothing but Python.
 DEV_ENV := DJANGO_DEBUG=1 SECRET_KEY_FILE=var/secret_key SECURE_COOKIES=0 \
-	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL=
+	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL= \
+	CONTROLPLANE_URL=http://127.0.0.1:$(PORT) NODE_MIN_FREE_DISK_GB=1
 
 .PHONY: run test test-fast lint format bench bench-api bench-scheduler clean install system-test-deps
 

@@ -89,8 +89,25 @@ def main() -> int:
             child.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
-    print("stopped.", flush=True)
+    stopped = _stop_local_agents(var_dir / "nodes")
+    print(f"stopped (and {stopped} local node agent(s)).", flush=True)
     return exit_code
+
+
+def _stop_local_agents(nodes_dir: Path) -> int:
+    """The demo's local nodes are processes of this machine: stop their agents with us.
+    The next `make run` starts them again (fleet.local_nodes_revive)."""
+    import os
+
+    stopped = 0
+    for pid_file in nodes_dir.glob("node-*/agent.pid"):
+        try:
+            pid = int(pid_file.read_text().strip())
+            os.killpg(pid, signal.SIGTERM)  # the agent leads its own session
+            stopped += 1
+        except (OSError, ValueError):
+            continue  # already gone
+    return stopped
 
 
 if __name__ == "__main__":

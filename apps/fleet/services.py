@@ -1,6 +1,7 @@
 """Writes to the fleet: inventory, the node state machine, host keys, heartbeats, drains."""
 
 import datetime as dt
+import logging
 
 from django.conf import settings
 from django.core.cache import cache
@@ -34,6 +35,7 @@ from controlplane.bulk import insert_rows
 from controlplane.errors import ApplicationError
 
 S = NodeState
+log = logging.getLogger(__name__)
 
 # Which moves the node state machine allows (ARCHITECTURE.md, "State machines").
 NODE_TRANSITIONS: dict[str, set[str]] = {
@@ -124,6 +126,20 @@ def _check_pool_instance_types(*, gpu_type: str, kind: str, instance_types) -> N
             f"Instance types {', '.join(wrong)} do not carry {gpu_type} GPUs.",
             details={"instance_types": [f"{name} has another GPU type." for name in wrong]},
         )
+
+
+def provision_soon(node_id: int) -> None:
+    """Once this transaction commits, ask a worker to bring the node up (fleet.provision)."""
+
+    def send():
+        from controlplane.celery import app
+
+        try:
+            app.send_task("fleet.provision", args=[node_id])
+        except Exception:  # the node stays REQUESTED; ops can ask again (nodes/{id}/provision/)
+            log.warning("could not enqueue provisioning of node %s", node_id, exc_info=True)
+
+    transaction.on_commit(send)
 
 
 def capacity_changed() -> None:
@@ -238,6 +254,7 @@ def node_create(*, by, **fields) -> Node:
         actor_label=_actor_label(by),
     )
     capacity_changed()
+    provision_soon(node.pk)
     return node
 
 
@@ -392,7 +409,7 @@ def node_host_key_accept(*, node: Node, fingerprint: str, by) -> Node:
             code="fingerprint_mismatch",
             details={"fingerprint": [f"The node offered {offered_fp}."]},
         )
-    return node_transition(
+    node = node_transition(
         node=locked,
         to=S.BOOTSTRAPPING,
         reason=f"host key {offered_fp} accepted",
@@ -401,6 +418,24 @@ def node_host_key_accept(*, node: Node, fingerprint: str, by) -> Node:
         host_key_fingerprint=offered_fp,
         offered_host_key="",
     )
+    provision_soon(node.pk)
+    return node
+
+
+@transaction.atomic
+def node_provision(*, node: Node, by) -> Node:
+    """Ops ask again for a node that failed, was drained, or never came up."""
+    require_fleet_manager(by)
+    locked = Node.objects.select_for_update().get(pk=node.pk)
+    if locked.state not in (S.REQUESTED, S.FAILED, S.DRAINED, S.BOOTSTRAPPING, S.PROVISIONING):
+        raise ApplicationError(
+            f"{locked} is {locked.state}; only a requested, failed or drained node is provisioned.",
+            code="invalid_state",
+            status=409,
+        )
+    audit_record(actor=by, action="node.provision", obj=locked, team=None)
+    provision_soon(locked.pk)
+    return locked
 
 
 # --- heartbeats -----------------------------------------------------------------------

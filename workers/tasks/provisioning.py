@@ -64,6 +64,18 @@ def agent_bundle(node, *, token: str, nccl_env: str) -> Bundle:
     return Bundle(agent_argv=AGENT_ARGV, nccl_env=nccl_env, agent_env=agent_env)
 
 
+def _bootstrap(node, provider, spec, progress=None) -> None:
+    from apps.fleet import agents
+    from apps.tuning.services import nccl_environments_render
+
+    token = agents.node_agent_token_issue(node=node)
+    # The node's default NCCL environment: its pool's profile for multi-node jobs.
+    rendered = nccl_environments_render(nccl=None, nodes=2, pool_ids=[node.pool_id])
+    nccl_env = rendered[0].file_text if rendered else ""
+    bundle = agent_bundle(node, token=token, nccl_env=nccl_env)
+    provider.bootstrap(spec, bundle, restart_agent=True, progress=progress)
+
+
 def provision_node(node_id: int) -> str:
     """Take a node as far up as it can go now; returns the state it reached.
 
@@ -72,7 +84,6 @@ def provision_node(node_id: int) -> str:
     from apps.fleet import agents
     from apps.fleet import services as fleet
     from apps.fleet.models import Node
-    from apps.tuning.services import nccl_environments_render
 
     node = Node.objects.get(pk=node_id)
     if node.state not in STARTABLE and node.state != "awaiting_host_key":
@@ -96,12 +107,7 @@ def provision_node(node_id: int) -> str:
             node = fleet.node_transition(
                 node=node, to="bootstrapping", reason="reached; bootstrapping", by=None
             )
-        token = agents.node_agent_token_issue(node=node)
-        # The node's default NCCL environment: its pool's profile for multi-node jobs.
-        rendered = nccl_environments_render(nccl=None, nodes=2, pool_ids=[node.pool_id])
-        nccl_env = rendered[0].file_text if rendered else ""
-        bundle = agent_bundle(node, token=token, nccl_env=nccl_env)
-        provider.bootstrap(spec, bundle, restart_agent=True, progress=progress)
+        _bootstrap(node, provider, spec, progress)
         progress("agent", 90, "agent started; waiting for it to register")
     except errors.ProviderError as exc:
         if exc.retryable:
@@ -132,6 +138,30 @@ def terminate_node(node_id: int) -> str:
     agents.node_agent_token_revoke(node=node)
     fleet.node_transition(node=node, to="terminated", reason="terminated", by=None)
     return "terminated"
+
+
+def local_nodes_revive() -> dict[str, int]:
+    """Local nodes are processes of this machine: after a restart of `make run` their agents
+    are gone while their rows say READY. Start those agents again, with new tokens."""
+    from apps.fleet.models import GONE_STATES, Node
+
+    counts = {"restarted": 0}
+    for node in Node.objects.filter(provider="local").exclude(state__in=GONE_STATES):
+        if node.state in ("requested", "provisioning"):
+            continue  # a provisioning task is on its way
+        provider, spec = provider_for(node)
+        if not provider.describe(spec).agent_alive:
+            _bootstrap(node, provider, spec)
+            counts["restarted"] += 1
+    return counts
+
+
+@shared_task(name="fleet.local_nodes_revive", acks_late=True)
+def local_nodes_revive_task() -> dict:
+    from apps.accounts.context import Origin, acting_from
+
+    with acting_from(Origin(channel="task", label="task:fleet.local_nodes_revive")):
+        return local_nodes_revive()
 
 
 @shared_task(

@@ -77,6 +77,32 @@ class NodePoolSerializer(StrictModelSerializer):
         ]
 
 
+# What the node's agent and its provisioning report (read-only).
+AGENT_REPORTED = [
+    "provision_step",
+    "provision_percent",
+    "provision_message",
+    "agent_version",
+    "agent_registered_at",
+    "nccl_version",
+    "power_w",
+    "disk_free_bytes",
+    "launched_at",
+    "interrupted_at",
+]
+
+
+# The latest heartbeat's reading of each GPU (read-only).
+GPU_REPORTED = [
+    "utilization_pct",
+    "memory_used_mib",
+    "power_w",
+    "temperature_c",
+    "ecc_errors",
+    "reported_at",
+]
+
+
 class NodeSerializer(StrictModelSerializer):
     offered_host_key_fingerprint = serializers.SerializerMethodField()
     suspect_from = serializers.CharField(
@@ -113,6 +139,7 @@ class NodeSerializer(StrictModelSerializer):
             "suspect_from",
             "last_heartbeat_at",
             "created_at",
+            *AGENT_REPORTED,
         ]
         read_only_fields = [
             "uuid",
@@ -123,6 +150,7 @@ class NodeSerializer(StrictModelSerializer):
             "state_changed_at",
             "suspect_from",
             "last_heartbeat_at",
+            *AGENT_REPORTED,
             "created_at",
         ]
 
@@ -154,7 +182,18 @@ class NodeEventSerializer(StrictModelSerializer):
 class GpuSerializer(StrictModelSerializer):
     class Meta:
         model = Gpu
-        fields = ["id", "node", "index", "uuid", "model", "memory_mib", "health", "health_reason"]
+        fields = [
+            "id",
+            "node",
+            "index",
+            "uuid",
+            "model",
+            "memory_mib",
+            "health",
+            "health_reason",
+            *GPU_REPORTED,
+        ]
+        read_only_fields = GPU_REPORTED
         validators = []
 
 

@@ -114,6 +114,13 @@ class NodeViewSet(ServiceViewSet):
         return self._answer(node)
 
 
+    @extend_schema(request=None, responses=s.NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def provision(self, request, pk=None):
+        """Ask a worker to bring the node up again (a failed, drained or requested node)."""
+        return self._answer(services.node_provision(node=self.get_object(), by=request.user))
+
+
 class NodeEventViewSet(viewsets.ReadOnlyModelViewSet):
     queryset = NodeEvent.objects.all()
     serializer_class = s.NodeEventSerializer

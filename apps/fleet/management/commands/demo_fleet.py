@@ -59,6 +59,8 @@ class Command(BaseCommand):
             self._teams()
             self._memberships()
             self._fleet()
+        # Local nodes are processes of this machine: agents gone since the last run start again.
+        self._revive_local_nodes()
         path = logins_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         known = json.loads(path.read_text()) if path.exists() else {}
@@ -170,6 +172,14 @@ class Command(BaseCommand):
                 nccl_version=DEMO_NCCL_VERSION,
                 by=None,
             )
+
+    def _revive_local_nodes(self) -> None:
+        from controlplane.celery import app
+
+        try:
+            app.send_task("fleet.local_nodes_revive")
+        except Exception as exc:  # the demo still starts; nodes come back when asked again
+            self.stderr.write(f"could not ask for local nodes to be revived: {exc}")
 
     def _record_fabric(self, pool, fabric: str) -> None:
         """Pools made before pools recorded their fabric get it now."""
