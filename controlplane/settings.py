@@ -177,6 +177,10 @@ AGENT_VERSION = AGENT_PACKAGE_VERSION  # agents older than the one shipped are u
 NODE_TOKEN_CACHE_S = env_int("NODE_TOKEN_CACHE_S", 300)
 GPU_MAX_TEMPERATURE_C = env_int("GPU_MAX_TEMPERATURE_C", 90)
 NODE_MIN_FREE_DISK_GB = env_int("NODE_MIN_FREE_DISK_GB", 50)
+# Where local and SSH nodes' agents watch for spot notices (none: off; AWS nodes get
+# the real instance metadata address in their user data).
+AGENT_IMDS_URL = env_str("AGENT_IMDS_URL")
+AGENT_SPOT_POLL_S = env_int("AGENT_SPOT_POLL_S", 5)
 
 # Node providers: `local` runs nodes as processes on this machine.
 NODE_PROVIDER_DEFAULT = env_str("NODE_PROVIDER_DEFAULT", "local")

@@ -379,8 +379,13 @@ def node_spot_interruption_record(*, node_id: int, notice: dict) -> None:
     updated = Node.objects.filter(pk=node_id, interrupted_at__isnull=True).update(
         interrupted_at=now
     )
-    if updated:
-        log.warning("spot interruption notice for node %s: %s", node_id, notice)
+    if not updated:
+        return  # told twice
+    log.warning("spot interruption notice for node %s: %s", node_id, notice)
+    node = Node.objects.get(pk=node_id)
+    if node.state in (S.READY, S.BUSY):  # no new work on a node about to go away
+        when = str((notice or {}).get("time", ""))[:40]
+        fleet.node_drain(node=node, reason=f"spot interruption notice ({when})", by=None)
 
 
 def pool_spot_interruption_rate(*, pool_id: int, now: dt.datetime | None = None) -> float | None:

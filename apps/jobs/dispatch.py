@@ -42,6 +42,7 @@ R = RunState
 # What a run's process may write to its status file to say it stopped for the
 # infrastructure, not because of its own code (the trainer writes these).
 INFRASTRUCTURE_EXITS = {"preempted", "spot_interruption", "node_lost"}
+SPOT_REASON = "spot interruption notice"
 MAX_LINE = 16 * 1024
 
 
@@ -292,7 +293,9 @@ def _job_follows(job_id: int, *, changed: Run | None = None) -> None:
 
 
 def _finish_stopping(job: Job) -> None:
-    if job.state == J.PREEMPTING:
+    if job.state == J.PREEMPTING and job.state_reason.startswith(SPOT_REASON):
+        _requeue(job, "stopped after a spot interruption notice")  # infrastructure: counted
+    elif job.state == J.PREEMPTING:
         _transition(job, J.PENDING, "preempted: stopped; back in the queue to resume")
     else:
         limit = job.state_reason.startswith(("time limit", "cost limit"))
@@ -412,19 +415,20 @@ def spot_interruption_handle(*, node_id: int, notice: dict) -> list[int]:
 
     The agent has already signalled the processes; here the jobs follow. Returns their ids.
     """
+    job_ids = set(
+        Run.objects.filter(node_id=node_id, state__in=OPEN_RUN_STATES).values_list(
+            "job_id", flat=True
+        )
+    )
     jobs = list(
         Job.objects.select_for_update()
-        .filter(
-            runs__node_id=node_id,
-            runs__state__in=OPEN_RUN_STATES,
-            state__in=STARTED_STATES | {J.PROVISIONING},
-        )
-        .distinct()
+        .filter(pk__in=job_ids, state__in=STARTED_STATES | {J.PROVISIONING})
+        .order_by("pk")
     )
     when = str((notice or {}).get("time", ""))[:40]
     for job in jobs:
         if job.state == J.PROVISIONING:
-            _requeue(job, f"spot interruption notice for its node ({when})")
+            _requeue(job, f"{SPOT_REASON} for its node ({when})")
         else:
             _transition(
                 job, J.PREEMPTING, f"spot interruption notice ({when}): checkpoint, then stop"

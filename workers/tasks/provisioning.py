@@ -61,6 +61,9 @@ def agent_bundle(node, *, token: str, nccl_env: str) -> Bundle:
     }
     if node.provider == "local":
         agent_env["AGENT_SLOTS"] = str(node.gpu_count)
+    if settings.AGENT_IMDS_URL:  # owned nodes have no instance metadata; tests stand one in
+        agent_env["AGENT_IMDS_URL"] = settings.AGENT_IMDS_URL
+        agent_env["AGENT_SPOT_POLL_S"] = str(settings.AGENT_SPOT_POLL_S)
     return Bundle(agent_argv=AGENT_ARGV, nccl_env=nccl_env, agent_env=agent_env)
 
 

@@ -113,7 +113,6 @@ class NodeViewSet(ServiceViewSet):
         )
         return self._answer(node)
 
-
     @extend_schema(request=None, responses=s.NodeSerializer)
     @action(detail=True, methods=["post"])
     def provision(self, request, pk=None):

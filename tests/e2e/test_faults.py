@@ -1,0 +1,179 @@
+"""Faults on real parts: an agent paused (heartbeats cut), an agent and its job killed (a node
+lost for good), a spot notice from a stand-in for EC2 instance metadata.
+
+Thresholds are shortened (seconds, not minutes) so each fault plays out in a few seconds;
+the sweep is called as its beat would call it.
+"""
+
+import json
+import os
+import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from apps.jobs.dispatch import job_dispatch
+from apps.jobs.models import Job, JobEvent, Run
+from apps.jobs.scheduler.run import scheduling_pass
+from tests import factories
+from tests.e2e.conftest import wait_for
+from tests.e2e.test_command_jobs import _submit
+from workers.tasks.fleet import heartbeat_sweep
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+# Checkpoints on SIGTERM (prints, exits 0): what the bundled trainer does on a stop.
+POLITE = (
+    "import signal, sys, time\n"
+    "def stop(*_): print('checkpoint written', flush=True); sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "print('training', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def _agent_pid(node) -> int:
+    node_dir = Path(settings.VAR_DIR) / "nodes" / f"node-{node.uuid}"
+    return int((node_dir / "agent.pid").read_text())
+
+
+def _running_job(api, team, argv) -> Job:
+    job = _submit(api, team, argv)
+    scheduling_pass()
+    job_dispatch(job_id=job.pk)
+    wait_for("the job to run", lambda: Job.objects.get(pk=job.pk).state == "running")
+    return Job.objects.get(pk=job.pk)
+
+
+def _node_state(node) -> str:
+    return type(node).objects.get(pk=node.pk).state
+
+
+def test_heartbeats_cut_make_the_node_suspect_and_leave_its_job_running(
+    local_nodes, e2e_team, api_for, settings
+):
+    settings.NODE_SUSPECT_AFTER_S = 3
+    settings.NODE_DOWN_AFTER_S = 600
+    pool = factories.make_owned_pool(slug="e2e-blip")
+    (node,) = local_nodes(pool, count=1, gpus=2)
+    api = api_for(factories.make_member(team=e2e_team), scopes=("submit",))
+    job = _running_job(api, e2e_team, ["python3", "-c", POLITE])
+    pid = _agent_pid(node)
+    os.kill(pid, signal.SIGSTOP)  # the agent stops talking; its job goes on
+    try:
+        wait_for(
+            "the node to be suspect",
+            lambda: heartbeat_sweep() and _node_state(node) == "suspect",
+            timeout_s=30,
+            every_s=1.0,
+        )
+        assert Job.objects.get(pk=job.pk).state == "running"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(
+        "the node to come back",
+        lambda: heartbeat_sweep() and _node_state(node) == "busy",
+        timeout_s=30,
+        every_s=1.0,
+    )
+    job.refresh_from_db()
+    assert job.state == "running" and job.restarts == 0
+    assert Run.objects.get(job=job).state == "running"
+
+
+def test_a_node_lost_for_good_goes_down_and_its_job_is_requeued(
+    local_nodes, e2e_team, api_for, settings
+):
+    settings.NODE_SUSPECT_AFTER_S = 2
+    settings.NODE_DOWN_AFTER_S = 5
+    pool = factories.make_owned_pool(slug="e2e-lost")
+    (node,) = local_nodes(pool, count=1, gpus=2)
+    api = api_for(factories.make_member(team=e2e_team), scopes=("submit",))
+    job = _running_job(api, e2e_team, ["python3", "-c", POLITE])
+    os.killpg(_agent_pid(node), signal.SIGKILL)  # the machine is gone: agent and job
+    wait_for(
+        "the node to be down",
+        lambda: heartbeat_sweep() and _node_state(node) == "down",
+        timeout_s=40,
+        every_s=1.0,
+    )
+    job.refresh_from_db()
+    assert job.state == "pending"
+    assert job.restarts == 1
+    assert "lost" in JobEvent.objects.filter(job=job).last().reason
+    assert Run.objects.get(job=job).state == "lost"
+    assert not job.allocations.filter(ended_at__isnull=True).exists()
+
+
+class _Metadata:
+    """A stand-in for EC2 instance metadata (IMDSv2) on 127.0.0.1."""
+
+    def __init__(self):
+        self.notice = None
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_PUT(self):
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"imds-token")
+
+            def do_GET(self):
+                ok = self.headers.get("X-aws-ec2-metadata-token") == "imds-token"
+                if not ok or outer.notice is None or not self.path.endswith("instance-action"):
+                    self.send_response(404 if ok else 401)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(json.dumps(outer.notice).encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_spot_notice_signals_the_job_which_checkpoints_and_is_requeued(
+    agents_reach, local_nodes, e2e_team, api_for, settings
+):
+    metadata = _Metadata()
+    settings.AGENT_IMDS_URL = metadata.url
+    settings.AGENT_SPOT_POLL_S = 1
+    try:
+        pool = factories.make_owned_pool(slug="e2e-spot")
+        (node,) = local_nodes(pool, count=1, gpus=2)
+        api = api_for(factories.make_member(team=e2e_team), scopes=("submit",))
+        job = _running_job(api, e2e_team, ["python3", "-c", POLITE])
+        metadata.notice = {"action": "terminate", "time": "2026-12-01T12:00:00Z"}
+        job = wait_for(
+            "the job to be requeued",
+            lambda: (j := Job.objects.get(pk=job.pk)).state == "pending" and j,
+            timeout_s=60,
+        )
+    finally:
+        metadata.close()
+    states = list(JobEvent.objects.filter(job=job).values_list("to_state", flat=True))
+    assert states[-2:] == ["preempting", "pending"]
+    assert job.restarts == 1  # an infrastructure fault, counted against the restart limit
+    run = Run.objects.get(job=job)
+    assert run.exit_code == 0 and run.reason == "spot interruption"  # it checkpointed and left
+    node.refresh_from_db()
+    assert node.interrupted_at is not None
+    assert node.state in ("draining", "drained")  # no new work on a node about to go away
+    wait_for(
+        "the job's last words",
+        lambda: (
+            "checkpoint written"
+            in [line["text"] for line in api.get(f"/api/v1/jobs/{job.pk}/logs/").json()["lines"]]
+        ),
+    )
