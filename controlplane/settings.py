@@ -4,6 +4,9 @@ Defaults are safe for production (DEBUG off, a SECRET_KEY required, secure
 cookies); `make run` sets the development values explicitly.
 """
 
+import hashlib
+import hmac
+import re
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -316,3 +319,37 @@ SECRETS_ENCRYPTION_KEYS = env_str("SECRETS_ENCRYPTION_KEYS")
 WEBHOOK_ALLOW_HTTP = env_bool("WEBHOOK_ALLOW_HTTP", DEBUG)
 WEBHOOK_ALLOW_PRIVATE = env_bool("WEBHOOK_ALLOW_PRIVATE", DEBUG)
 CELERY_BEAT_SCHEDULE["jobs-webhooks"] = {"task": "jobs.deliver_webhooks", "schedule": 15.0}
+
+# Cloud nodes (AWS). CONTROLPLANE_ID is the value of the `controlplane:id` tag on every
+# instance we launch: the orphan sweep takes an instance with our tag and no node in the
+# database for ours to report or terminate, so two control planes sharing an AWS account
+# must never share it. Unset, it is derived from SECRET_KEY (distinct per deployment and
+# stable while the key is); set it explicitly in production, so a key rotation does not
+# leave running instances behind an id nobody sweeps any more.
+CONTROLPLANE_ID = env_str("CONTROLPLANE_ID") or (
+    "cp-" + hmac.new(SECRET_KEY.encode(), b"controlplane-id", hashlib.sha256).hexdigest()[:12]
+)
+if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", CONTROLPLANE_ID):
+    raise ImproperlyConfigured(
+        "CONTROLPLANE_ID must be 1 to 63 letters, digits, '.', '_' or '-', starting with "
+        f"a letter or digit; got {CONTROLPLANE_ID!r}"
+    )
+# Where cloud nodes' user data downloads the agent (default: CONTROLPLANE_URL +
+# /agent/bundle.tar.gz, served by the control plane itself).
+AGENT_BUNDLE_URL = env_str("AGENT_BUNDLE_URL")
+# A cloud node not READY this long after it was requested is FAILED (and later terminated);
+# a job whose burst nodes failed waits this long before it bursts again.
+CLOUD_NODE_BOOT_TIMEOUT_S = env_int("CLOUD_NODE_BOOT_TIMEOUT_S", 1800)
+CLOUD_BURST_RETRY_S = env_int("CLOUD_BURST_RETRY_S", 900)
+# Requested or provisioning cloud nodes whose task seems lost are re-driven this often.
+CLOUD_REDRIVE_AFTER_S = env_int("CLOUD_REDRIVE_AFTER_S", 600)
+CLOUD_SWEEP_EVERY_S = env_int("CLOUD_SWEEP_EVERY_S", 60)
+ORPHAN_SWEEP_EVERY_S = env_int("ORPHAN_SWEEP_EVERY_S", 600)
+CELERY_BEAT_SCHEDULE["fleet-cloud-sweep"] = {
+    "task": "fleet.cloud_sweep",
+    "schedule": float(CLOUD_SWEEP_EVERY_S),
+}
+CELERY_BEAT_SCHEDULE["fleet-orphan-sweep"] = {
+    "task": "fleet.orphan_sweep",
+    "schedule": float(ORPHAN_SWEEP_EVERY_S),
+}

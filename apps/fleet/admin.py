@@ -4,7 +4,16 @@ from django.contrib import admin, messages
 
 from apps.accounts.admin import AuditedAdmin, ReadOnlyAdmin
 from apps.fleet import services
-from apps.fleet.models import Gpu, InstanceType, Node, NodeEvent, NodePool, Rack, Site
+from apps.fleet.models import (
+    Gpu,
+    InstanceType,
+    Node,
+    NodeEvent,
+    NodePool,
+    OrphanInstance,
+    Rack,
+    Site,
+)
 from controlplane.errors import ApplicationError
 
 
@@ -57,6 +66,44 @@ class NodePoolAdmin(AuditedAdmin):
     ]
     list_filter = ["kind", "gpu_type", "fabric", "enabled"]
     filter_horizontal = ["instance_types"]
+    fieldsets = [
+        (
+            None,
+            {
+                "fields": [
+                    "name",
+                    "slug",
+                    "kind",
+                    "gpu_type",
+                    "site",
+                    "region",
+                    "instance_types",
+                    "capacity_preference",
+                    "min_nodes",
+                    "max_nodes",
+                    "enabled",
+                    "fabric",
+                    "nccl_version",
+                ]
+            },
+        ),
+        (
+            "Cloud: bursts, scale-down and orphans",
+            {
+                "fields": [
+                    "burst_delay_s",
+                    "idle_timeout_s",
+                    "spot_interruption_limit",
+                    "orphans",
+                    "image_id",
+                    "subnet_id",
+                    "security_group_ids",
+                    "key_name",
+                    "instance_profile",
+                ]
+            },
+        ),
+    ]
 
 
 class GpuInline(admin.TabularInline):
@@ -94,6 +141,10 @@ class NodeAdmin(AuditedAdmin):
         "last_heartbeat_at",
         "host_key_fingerprint",
         "offered_host_key",
+        "burst_job",
+        "placement_group",
+        "launched_at",
+        "interrupted_at",
     ]
     inlines = [GpuInline]
     actions = ["drain", "undrain"]
@@ -140,3 +191,23 @@ class GpuAdmin(AuditedAdmin):
     instance_kwarg = "gpu"
     list_display = ["node", "index", "model", "memory_mib", "health"]
     list_filter = ["health", "model"]
+
+
+@admin.register(OrphanInstance)
+class OrphanInstanceAdmin(ReadOnlyAdmin):
+    """What the orphan sweep found: instances with our tag that no node knows."""
+
+    list_display = [
+        "instance_id",
+        "region",
+        "pool_tag",
+        "instance_type",
+        "instance_state",
+        "action",
+        "first_seen_at",
+        "last_seen_at",
+        "gone_at",
+    ]
+    list_filter = ["action", "region"]
+    search_fields = ["instance_id", "node_uuid", "pool_tag"]
+    readonly_fields = [f.name for f in OrphanInstance._meta.fields]

@@ -2,7 +2,16 @@
 
 import django_filters as filters
 
-from apps.fleet.models import Gpu, InstanceType, Node, NodeEvent, NodePool, Rack, Site
+from apps.fleet.models import (
+    Gpu,
+    InstanceType,
+    Node,
+    NodeEvent,
+    NodePool,
+    OrphanInstance,
+    Rack,
+    Site,
+)
 from controlplane.filters import IdFilter
 
 
@@ -34,7 +43,15 @@ class NodePoolFilterSet(filters.FilterSet):
 
     class Meta:
         model = NodePool
-        fields = ["slug", "kind", "gpu_type", "enabled", "capacity_preference", "fabric"]
+        fields = [
+            "slug",
+            "kind",
+            "gpu_type",
+            "enabled",
+            "capacity_preference",
+            "fabric",
+            "orphans",
+        ]
 
 
 class NodeFilterSet(filters.FilterSet):
@@ -63,3 +80,14 @@ class GpuFilterSet(filters.FilterSet):
     class Meta:
         model = Gpu
         fields = ["health", "model"]
+
+
+class OrphanInstanceFilterSet(filters.FilterSet):
+    pool_id = IdFilter(field_name="pool_id")
+    live = filters.BooleanFilter(
+        field_name="gone_at", lookup_expr="isnull", label="Still running when last swept"
+    )
+
+    class Meta:
+        model = OrphanInstance
+        fields = ["region", "action", "instance_id"]

@@ -4,7 +4,17 @@ from rest_framework import serializers
 
 from apps.accounts.models import GPU_TYPES
 from apps.fleet.hostkeys import InvalidHostKey, host_key_fingerprint
-from apps.fleet.models import Gpu, InstanceType, Node, NodeEvent, NodePool, Rack, Site
+from apps.fleet.models import (
+    Gpu,
+    InstanceType,
+    Node,
+    NodeEvent,
+    NodePool,
+    OrphanInstance,
+    Rack,
+    Site,
+)
+from apps.fleet.models.pools import SECURITY_GROUP_PATTERN
 from controlplane.api import StrictModelSerializer, StrictSerializer, Text
 
 
@@ -53,6 +63,14 @@ class NodePoolSerializer(StrictModelSerializer):
     instance_types = serializers.PrimaryKeyRelatedField(
         many=True, queryset=InstanceType.objects.all(), required=False
     )
+    security_group_ids = serializers.ListField(
+        child=serializers.RegexField(
+            r"\A" + SECURITY_GROUP_PATTERN.pattern + r"\Z", max_length=30, allow_blank=False
+        ),
+        max_length=16,
+        required=False,
+        help_text="Cloud pools: security group ids (sg-…); empty: the VPC's default group.",
+    )
 
     class Meta:
         model = NodePool
@@ -73,6 +91,13 @@ class NodePoolSerializer(StrictModelSerializer):
             "enabled",
             "fabric",
             "nccl_version",
+            "spot_interruption_limit",
+            "orphans",
+            "image_id",
+            "subnet_id",
+            "security_group_ids",
+            "key_name",
+            "instance_profile",
             "created_at",
         ]
 
@@ -89,6 +114,8 @@ AGENT_REPORTED = [
     "disk_free_bytes",
     "launched_at",
     "interrupted_at",
+    "burst_job",
+    "placement_group",
 ]
 
 
@@ -207,3 +234,24 @@ class AcceptHostKeySerializer(StrictSerializer):
         help_text="The SHA256 fingerprint you expect (as `ssh-keygen -lf` prints it); it must "
         "match the key the node offered.",
     )
+
+
+class OrphanInstanceSerializer(StrictModelSerializer):
+    class Meta:
+        model = OrphanInstance
+        fields = [
+            "id",
+            "instance_id",
+            "region",
+            "node_uuid",
+            "pool_tag",
+            "pool",
+            "instance_type",
+            "instance_state",
+            "launched_at",
+            "action",
+            "first_seen_at",
+            "last_seen_at",
+            "gone_at",
+        ]
+        read_only_fields = fields

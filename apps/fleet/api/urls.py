@@ -11,6 +11,7 @@ router.register("pools", views.NodePoolViewSet, basename="pool")
 router.register("nodes", views.NodeViewSet, basename="node")
 router.register("node-events", views.NodeEventViewSet, basename="node-event")
 router.register("gpus", views.GpuViewSet, basename="gpu")
+router.register("orphan-instances", views.OrphanInstanceViewSet, basename="orphan-instance")
 
 urlpatterns = router.urls
 

@@ -13,10 +13,11 @@ from apps.fleet.filtersets import (
     NodeEventFilterSet,
     NodeFilterSet,
     NodePoolFilterSet,
+    OrphanInstanceFilterSet,
     RackFilterSet,
     SiteFilterSet,
 )
-from apps.fleet.models import Gpu, InstanceType, NodeEvent, Site
+from apps.fleet.models import Gpu, InstanceType, NodeEvent, OrphanInstance, Site
 from controlplane.api import ServiceViewSet
 
 
@@ -125,6 +126,17 @@ class NodeEventViewSet(viewsets.ReadOnlyModelViewSet):
     serializer_class = s.NodeEventSerializer
     filterset_class = NodeEventFilterSet
     ordering_fields = ["at", "id"]
+    lookup_value_regex = ServiceViewSet.lookup_value_regex
+
+
+class OrphanInstanceViewSet(viewsets.ReadOnlyModelViewSet):
+    """Instances with our control-plane tag that no node knows, as the orphan sweep found
+    them: reported, or terminated where their pool's `orphans` policy says so."""
+
+    queryset = OrphanInstance.objects.all()
+    serializer_class = s.OrphanInstanceSerializer
+    filterset_class = OrphanInstanceFilterSet
+    ordering_fields = ["last_seen_at", "first_seen_at", "id"]
     lookup_value_regex = ServiceViewSet.lookup_value_regex
 
 

@@ -1,6 +1,7 @@
 """The fleet: where GPUs live (sites, racks, pools) and what they are (nodes, GPUs)."""
 
 from apps.fleet.models.catalogue import InstanceType
+from apps.fleet.models.cloud import OrphanAction, OrphanInstance
 from apps.fleet.models.nodes import (
     GONE_STATES,
     SCHEDULABLE_STATES,
@@ -10,7 +11,7 @@ from apps.fleet.models.nodes import (
     NodeEvent,
     NodeState,
 )
-from apps.fleet.models.pools import CapacityPreference, Fabric, NodePool, PoolKind
+from apps.fleet.models.pools import CapacityPreference, Fabric, NodePool, OrphanPolicy, PoolKind
 from apps.fleet.models.sites import Rack, Site
 
 __all__ = [
@@ -25,6 +26,9 @@ __all__ = [
     "NodeEvent",
     "NodePool",
     "NodeState",
+    "OrphanAction",
+    "OrphanInstance",
+    "OrphanPolicy",
     "PoolKind",
     "Rack",
     "Site",

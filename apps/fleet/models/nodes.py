@@ -117,6 +117,18 @@ class Node(models.Model):
     # Cloud nodes: when the instance was launched, and when AWS said it would reclaim it.
     launched_at = models.DateTimeField(null=True, blank=True, editable=False)
     interrupted_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Burst nodes: the job whose wait asked for them (so it asks once, not every pass),
+    # and the cluster placement group of that job's nodes (multi-node jobs).
+    burst_job = models.ForeignKey(
+        "jobs.Job",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="burst_nodes",
+        editable=False,
+        help_text="Cloud nodes: the waiting job they were requested for.",
+    )
+    placement_group = models.CharField(max_length=255, blank=True, editable=False)
 
     class Meta:
         ordering = ["name"]

@@ -1,5 +1,8 @@
 """Node pools: a set of interchangeable nodes a job's gang is placed in."""
 
+import re
+
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import F, Q
@@ -29,6 +32,33 @@ NCCL_VERSION_PATTERN = r"^\d+\.\d+(\.\d+)?$"
 class OrphanPolicy(models.TextChoices):
     REPORT = "report", "Report them"
     TERMINATE = "terminate", "Terminate them"
+
+
+# EC2's id formats: a prefix, then 8 or 17 hexadecimal digits (\Z: no trailing newline).
+IMAGE_ID_PATTERN = r"\Aami-([0-9a-f]{8}|[0-9a-f]{17})\Z"
+SUBNET_ID_PATTERN = r"\Asubnet-([0-9a-f]{8}|[0-9a-f]{17})\Z"
+SECURITY_GROUP_PATTERN = re.compile(r"sg-([0-9a-f]{8}|[0-9a-f]{17})")
+# A key pair's name (printable ASCII); an instance profile's name or ARN.
+KEY_NAME_PATTERN = r"\A[ -~]{1,255}\Z"
+INSTANCE_PROFILE_PATTERN = (
+    r"\A([A-Za-z0-9_+=,.@-]{1,128}"
+    r"|arn:aws[a-z-]*:iam::[0-9]{12}:instance-profile/[A-Za-z0-9_+=,.@/-]{1,512})\Z"
+)
+
+
+def validate_security_group_ids(value) -> None:
+    """A list of up to 16 distinct security group ids (sg-...)."""
+    if not isinstance(value, list) or len(value) > 16:
+        raise ValidationError("A list of at most 16 security group ids.", code="invalid")
+    for item in value:
+        if not isinstance(item, str) or not SECURITY_GROUP_PATTERN.fullmatch(item):
+            raise ValidationError(f"{item!r} is not a security group id (sg-…).", code="invalid")
+    if len(set(value)) != len(value):
+        raise ValidationError("Each security group once.", code="invalid")
+
+
+# The pool fields only cloud pools have.
+CLOUD_SETTINGS = ("image_id", "subnet_id", "security_group_ids", "key_name", "instance_profile")
 
 
 class CapacityPreference(models.TextChoices):
@@ -98,6 +128,44 @@ class NodePool(models.Model):
         default=OrphanPolicy.REPORT,
         help_text="Instances with our tags that the database does not know.",
     )
+    # Cloud pools: what the AWS provider launches burst nodes with.
+    image_id = models.CharField(
+        max_length=30,
+        blank=True,
+        validators=[RegexValidator(IMAGE_ID_PATTERN, "An AMI id such as ami-0a1b2c3d.", "invalid")],
+        help_text="Cloud pools: the machine image (AMI) burst nodes boot; none, no bursts.",
+    )
+    subnet_id = models.CharField(
+        max_length=40,
+        blank=True,
+        validators=[
+            RegexValidator(SUBNET_ID_PATTERN, "A subnet id such as subnet-0a1b2c3d.", "invalid")
+        ],
+        help_text="Cloud pools: the subnet (and so the availability zone); empty: the default.",
+    )
+    security_group_ids = models.JSONField(
+        default=list,
+        blank=True,
+        validators=[validate_security_group_ids],
+        help_text="Cloud pools: security group ids (sg-…); empty: the VPC's default group.",
+    )
+    key_name = models.CharField(
+        max_length=255,
+        blank=True,
+        validators=[RegexValidator(KEY_NAME_PATTERN, "Printable ASCII, 255 at most.", "invalid")],
+        help_text="Cloud pools: an EC2 key pair for SSH access to the instances (optional).",
+    )
+    instance_profile = models.CharField(
+        max_length=600,
+        blank=True,
+        validators=[
+            RegexValidator(
+                INSTANCE_PROFILE_PATTERN, "An instance profile's name or ARN.", "invalid"
+            )
+        ],
+        help_text="Cloud pools: the IAM instance profile (name or ARN) nodes run as, e.g. for "
+        "checkpoints in S3.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -112,8 +180,6 @@ class NodePool(models.Model):
         return self.name
 
     def clean(self):
-        from django.core.exceptions import ValidationError
-
         errors = {}
         if self.max_nodes < self.min_nodes:
             errors["max_nodes"] = "Must be at least min_nodes."
@@ -121,5 +187,9 @@ class NodePool(models.Model):
             errors["region"] = "A cloud pool needs a region."
         if self.kind == PoolKind.OWNED and self.region:
             errors["region"] = "Owned pools have a site, not a region."
+        if self.kind == PoolKind.OWNED:
+            for name in CLOUD_SETTINGS:
+                if getattr(self, name):
+                    errors[name] = "Only cloud pools launch instances."
         if errors:
             raise ValidationError(errors)
