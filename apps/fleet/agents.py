@@ -19,6 +19,7 @@ from django.core.cache import cache
 from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
+from django.utils.crypto import salted_hmac
 
 from apps.fleet import services as fleet
 from apps.fleet.models import GONE_STATES, Gpu, GpuHealth, Node, NodeState
@@ -70,6 +71,34 @@ def node_agent_token_issue(*, node: Node) -> str:
         locked.agent_token_digest = _digest(raw)
         locked.save(update_fields=["agent_token_digest"])
     node.agent_token_digest = locked.agent_token_digest
+    return raw
+
+
+def node_agent_token_derive(*, node: Node, install: bool = True) -> str:
+    """The token of a cloud node's agent, which travels in its instance's user data.
+
+    Derived from SECRET_KEY and the node's UUID rather than drawn at random: a launch
+    re-driven after a lost task finds the instance the first attempt made, whose user
+    data holds the first token, so every attempt must compute that same token. With
+    `install`, it becomes the node's token (stored as its SHA-256, like any other).
+    """
+    raw = (
+        NODE_TOKEN_PREFIX
+        + salted_hmac(
+            "controlplane.fleet.node-agent-token", str(node.uuid), algorithm="sha256"
+        ).hexdigest()
+    )
+    if not install:
+        return raw
+    digest = _digest(raw)
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        if locked.agent_token_digest != digest:
+            if locked.agent_token_digest:
+                _tokens.forget([locked.agent_token_digest])
+            locked.agent_token_digest = digest
+            locked.save(update_fields=["agent_token_digest"])
+    node.agent_token_digest = digest
     return raw
 
 

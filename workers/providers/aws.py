@@ -377,9 +377,7 @@ class AwsProvider:
         if terminate and orphans:
             ids = [instance["InstanceId"] for instance in orphans]
             logger.warning("Terminating orphan instances %s", ", ".join(ids))
-            with _aws_errors("Terminating orphans"):
-                for start in range(0, len(ids), 500):
-                    self.ec2.terminate_instances(InstanceIds=ids[start : start + 500])
+            self.instances_terminate(ids)
         return [
             Orphan(
                 instance_id=instance["InstanceId"],
@@ -392,6 +390,13 @@ class AwsProvider:
             )
             for instance in orphans
         ]
+
+    def instances_terminate(self, instance_ids: Iterable[str]) -> None:
+        """Terminate these instances (orphans the caller chose), in batches of 500."""
+        ids = list(instance_ids)
+        with _aws_errors("Terminating instances"):
+            for start in range(0, len(ids), 500):
+                self.ec2.terminate_instances(InstanceIds=ids[start : start + 500])
 
     def placement_group_ensure(self, name: str) -> None:
         """Create the cluster placement group; one that already exists is done."""

@@ -50,6 +50,10 @@ def provider_for(node):
                 name=node.name,
             ),
         )
+    if node.provider == "aws":
+        from workers.tasks.cloud import aws_provider_for
+
+        return aws_provider_for(node)
     raise errors.ConfigurationError(f"provider {node.provider!r} is provisioned elsewhere")
 
 

@@ -16,6 +16,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from apps.accounts.services import audit_record_many
+from apps.fleet import cloud
 from apps.fleet import services as fleet
 from apps.fleet.models import SCHEDULABLE_STATES, Node
 from apps.jobs.models import Allocation, Job, JobEvent, JobState, TeamUsage
@@ -33,6 +34,7 @@ class Applied:
     skipped: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     reasons_written: int = 0
+    burst_nodes: list[int] = field(default_factory=list)  # cloud nodes requested this pass
 
 
 def _events_and_audit(rows: list[tuple[int, str, str, str]], *, now: dt.datetime) -> None:
@@ -169,6 +171,45 @@ def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: App
     applied.preempted.extend(job_id for job_id, _ in victims)
 
 
+def _apply_bursts(bursts: list[plain.BurstRequest], *, now, applied: Applied) -> None:
+    """Ask the fleet for cloud nodes for jobs still waiting whose budget allows it; the
+    fleet asks once per job (apps/fleet/cloud.py). In a savepoint: a failed burst must
+    not undo the pass's placements."""
+    if not bursts:
+        return
+    from apps.jobs.services import budget_allows
+
+    placed = set(applied.placed)
+    jobs = {
+        row[0]: row
+        for row in Job.objects.select_for_update()
+        .filter(pk__in=[b.job_id for b in bursts], state=JobState.PENDING)
+        .values_list("id", "team_id", "nodes", "gpus_per_node", "time_limit_s", "max_cost_usd")
+    }
+    asks = []
+    for burst in bursts:
+        row = jobs.get(burst.job_id)
+        if row is None or burst.job_id in placed:
+            continue
+        _, team_id, nodes, per_node, limit, max_cost = row
+        gpus = nodes * per_node
+        if budget_allows(team=team_id, gpus=gpus, time_limit_s=limit, max_cost_usd=max_cost):
+            asks.append(
+                cloud.BurstAsk(
+                    job_id=burst.job_id,
+                    pool_id=burst.pool_id,
+                    nodes=burst.nodes,
+                    gpus_per_node=per_node,
+                    spot=burst.spot,
+                )
+            )
+    try:
+        with transaction.atomic():
+            applied.burst_nodes = cloud.burst_nodes_request(asks=asks, now=now).node_ids
+    except Exception:
+        log.exception("burst requests failed; the next pass asks again")
+
+
 def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Applied) -> None:
     """Write only the reasons that changed since the last pass."""
     placed = set(applied.placed)
@@ -249,6 +290,7 @@ def decisions_apply(decisions: plain.Decisions, ctx: ReadContext) -> Applied:
     applied = Applied()
     _apply_placements(decisions.placements, now=now, applied=applied)
     _apply_preemptions(decisions.preemptions, now=now, applied=applied)
+    _apply_bursts(decisions.bursts, now=now, applied=applied)
     _apply_reasons(decisions.waits, ctx, applied)
     _advance_usage(ctx)
     if applied.placed:

@@ -1,4 +1,5 @@
-"""Real servers for the provider tests: an OpenSSH sshd and a moto server on 127.0.0.1.
+"""Real servers for the provider tests: an OpenSSH sshd on 127.0.0.1 (the moto server
+is in tests/workers/conftest.py, shared with the cloud tasks' tests).
 
 No database: providers take and return plain dataclasses.
 """
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workers.providers.servers import SSHD, SshServer, free_port, keygen
+from tests.workers.providers.servers import SSHD, SshServer, keygen
 
 
 def _sshd_usable() -> str:
@@ -53,28 +54,3 @@ def ssh_server_factory(tmp_path_factory, client_key):
 def ssh_server(ssh_server_factory) -> SshServer:
     """The sshd most tests share."""
     return ssh_server_factory()
-
-
-# --- moto --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint():
-    """A moto server on 127.0.0.1 for the whole session."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def aws_endpoint(moto_endpoint, monkeypatch):
-    """The moto server, with dummy credentials in the environment for boto3."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    return moto_endpoint
