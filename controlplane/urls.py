@@ -6,7 +6,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from controlplane import observability
+from controlplane import agent_bundle, observability
 
 api_v1 = [
     path("", include("apps.accounts.api.urls")),
@@ -26,6 +26,9 @@ urlpatterns = [
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    # Cloud nodes' user data downloads the agent from here (workers/providers/aws.py's
+    # AGENT_BUNDLE_PATH): code only, no secrets, so no authentication.
+    path("agent/bundle.tar.gz", agent_bundle.download, name="agent-bundle"),
     path("healthz", observability.healthz, name="healthz"),
     path("metrics", observability.metrics, name="metrics"),
 ]

@@ -90,10 +90,8 @@ def test_a_changed_host_key_is_refused_before_anything_runs(
 ):
     other = ssh_server_factory()  # another machine answering where ours was
     pinned = keygen(owned_host.directory / "pinned_elsewhere")
-    node = _ssh_node(
-        other, host_key=f"ssh-ed25519 {pinned.with_suffix('.pub').read_text().split()[1]}"
-    )
-    marker = other.directory / "touched"
+    pinned_blob = pinned.with_suffix(".pub").read_text().split()[1]
+    node = _ssh_node(other, host_key=f"ssh-ed25519 {pinned_blob}")
     assert provision_node(node.pk) == "failed"
     node.refresh_from_db()
     assert node.state == "failed"
