@@ -6,7 +6,7 @@ from django.db.models import QuerySet
 from apps.accounts.selectors import roles_of
 from apps.fleet.selectors import pools_capacity
 from apps.jobs import specs
-from apps.jobs.models import Job, JobState, LogLine, Reservation, Webhook
+from apps.jobs.models import Job, JobState, LogLine, Reservation, Run, Webhook
 from apps.jobs.models.jobs import ACTIVE_STATES
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 
@@ -99,3 +99,21 @@ def job_log_lines(*, job: Job, after: int = 0, limit: int = 500, **_) -> list[di
         {"id": i, "at": at, "rank": rank, "attempt": attempt, "stream": stream, "text": text}
         for i, at, rank, attempt, stream, text in rows
     ]
+
+
+def job_log_tail(*, job: Job, limit: int = 200) -> list[dict]:
+    """The job's newest output lines, oldest of them first (the Job page's tail)."""
+    newest = list(
+        LogLine.objects.filter(job=job)
+        .order_by("-id")
+        .values_list("id", "at", "run__node_rank", "run__attempt", "stream", "text")[:limit]
+    )
+    return [
+        {"id": i, "at": at, "rank": rank, "attempt": attempt, "stream": stream, "text": text}
+        for i, at, rank, attempt, stream, text in reversed(newest)
+    ]
+
+
+def job_runs(*, job: Job) -> list[Run]:
+    """Every attempt's runs, newest attempt first, with their nodes."""
+    return list(job.runs.select_related("node").order_by("-attempt", "node_rank"))

@@ -9,5 +9,6 @@ urlpatterns = [
     path("submit/", views.submit, name="submit"),
     path("submit/layouts/", views.layouts, name="layouts"),
     path("<int:job_id>/", views.detail, name="detail"),
+    path("<int:job_id>/log-tail/", views.log_tail, name="log-tail"),
     path("<int:job_id>/<str:operation>/", views.operate, name="operate"),
 ]

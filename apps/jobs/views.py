@@ -144,11 +144,28 @@ def detail(request, job_id: int):
                 user=request.user, team_id=job.team_id, submitted_by_id=job.submitted_by_id
             ),
             "nccl_environments": selectors.job_nccl_environments(job=job),
+            "runs": selectors.job_runs(job=job),
+            "log_lines": selectors.job_log_tail(job=job),
             "spec_json": json.dumps(
                 {k: v for k, v in job.spec.items() if k != "fingerprint"},
                 indent=2,
                 sort_keys=True,
             ),
+        },
+    )
+
+
+@login_required
+def log_tail(request, job_id: int):
+    """The Job page's output panel; while the job is active the panel asks again (htmx)."""
+    job = get_object_or_404(selectors.jobs_visible_to(user=request.user), pk=job_id)
+    return render(
+        request,
+        "jobs/_log_tail.html",
+        {
+            "job": job,
+            "log_lines": selectors.job_log_tail(job=job),
+            "finished": job.state in FINISHED_STATES,
         },
     )
 

@@ -242,3 +242,48 @@ def test_a_teammate_sees_no_buttons_on_someone_elses_job(
     assert f'action="/jobs/{job.pk}/cancel/"' not in html
     queue = client.get("/jobs/").content.decode()
     assert f'action="/jobs/{job.pk}/cancel/"' not in queue
+
+
+def _ran(job, *, lines: list[str]):
+    """A run of the job on a node of its pool, with output lines, as agents report them."""
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from apps.fleet.models import Node
+    from apps.jobs.models import LogLine, Run
+
+    node = Node.objects.filter(pool__slug="h100-owned").first()
+    run = Run.objects.create(job=job, node=node, attempt=1, node_rank=0, plan={"argv": ["x"]})
+    now = timezone.now()
+    LogLine.objects.bulk_create(
+        LogLine(run=run, job=job, seq=i, stream="stdout", at=now + dt.timedelta(seconds=i), text=t)
+        for i, t in enumerate(lines)
+    )
+    return run
+
+
+def test_a_jobs_page_shows_its_runs_and_output_and_follows_while_active(
+    client, fleet_pool, quota, team, researcher, django_assert_max_num_queries
+):
+    job = submit(team, researcher, name="with-output")
+    _ran(job, lines=[f"step {i} loss 2.{i}" for i in range(300)])
+    logged_in(client, researcher)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "step 299 loss 2.299" in page and "step 99 loss" not in page  # the last 200 lines
+    assert 'id="runs-table"' in page
+    with django_assert_max_num_queries(12):
+        tail = client.get(f"/jobs/{job.pk}/log-tail/").content.decode()
+    assert 'hx-trigger="every 3s"' in tail  # active: the panel asks again
+    Job.objects.filter(pk=job.pk).update(state=JobState.SUCCEEDED)
+    tail = client.get(f"/jobs/{job.pk}/log-tail/").content.decode()
+    assert "hx-trigger" not in tail and "step 299" in tail  # finished: it stops asking
+
+
+def test_another_teams_output_is_not_found(
+    client, fleet_pool, quota, team, researcher, other_member
+):
+    job = submit(team, researcher, name="private")
+    _ran(job, lines=["secret research"])
+    logged_in(client, other_member)
+    assert client.get(f"/jobs/{job.pk}/log-tail/").status_code == 404
