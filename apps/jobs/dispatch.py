@@ -10,7 +10,9 @@ preemption, time limit) asks its runs to stop, and ends when the last one has.
 """
 
 import datetime as dt
+import json
 import logging
+import math
 import shlex
 
 from django.conf import settings
@@ -30,6 +32,7 @@ from apps.jobs.models import (
     LogLine,
     Run,
     RunState,
+    StepMetric,
 )
 from apps.jobs.models.jobs import FINISHED_STATES, STARTED_STATES
 from apps.tuning.services import nccl_environments_render
@@ -41,7 +44,7 @@ R = RunState
 
 # What a run's process may write to its status file to say it stopped for the
 # infrastructure, not because of its own code (the trainer writes these).
-INFRASTRUCTURE_EXITS = {"preempted", "spot_interruption", "node_lost"}
+INFRASTRUCTURE_EXITS = {"preempted", "spot_interruption", "node_lost", "collective_timeout"}
 SPOT_REASON = "spot interruption notice"
 MAX_LINE = 16 * 1024
 
@@ -391,7 +394,39 @@ def run_logs_append(*, node_id: int, run_id: int, lines: list, dropped: int = 0)
         LogLine.objects.bulk_create(rows, ignore_conflicts=True)
     except IntegrityError:  # pragma: no cover (ignore_conflicts covers duplicates)
         log.warning("log lines of run %s not stored", run_id, exc_info=True)
+    metrics = [m for m in (_step_metric(run, r) for r in rows if r.stream == "stdout") if m]
+    if metrics:
+        StepMetric.objects.bulk_create(metrics, ignore_conflicts=True)
     return len(rows)
+
+
+STEP_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_gib")
+
+
+def _step_metric(run: Run, line: LogLine) -> StepMetric | None:
+    """The trainer's per-step line, `{"event": "step", "step": 12, "loss": 3.1, ...}`."""
+    if not line.text.startswith('{"event": "step"'):
+        return None
+    try:
+        data = json.loads(line.text)
+    except ValueError:
+        return None
+    step = data.get("step")
+    if not isinstance(step, int) or not 0 <= step < 2**31:
+        return None
+
+    def number(name):
+        value = data.get(name)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return float(value) if ok and math.isfinite(value) else None
+
+    return StepMetric(
+        job_id=run.job_id,
+        attempt=run.attempt,
+        step=step,
+        at=line.at,
+        **{name: number(name) for name in STEP_FIELDS},
+    )
 
 
 def log_lines_delete_old(*, now: dt.datetime | None = None, batch: int = 10_000) -> int:
@@ -471,9 +506,10 @@ def jobs_on_lost_nodes(*, node_ids: list[int]) -> list[int]:
 def jobs_on_down_nodes() -> list[int]:
     """Jobs holding or running on nodes that are DOWN or gone: requeue them (a sweep)."""
     lost = list(
-        Node.objects.filter(state__in={NodeState.DOWN} | GONE_STATES)
-        .filter(allocations__ended_at__isnull=True)
-        .values_list("id", flat=True)
+        Allocation.objects.filter(
+            ended_at__isnull=True, node__state__in={NodeState.DOWN} | GONE_STATES
+        )
+        .values_list("node_id", flat=True)
         .distinct()
     )
     return jobs_on_lost_nodes(node_ids=lost)

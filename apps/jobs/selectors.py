@@ -6,7 +6,7 @@ from django.db.models import QuerySet
 from apps.accounts.selectors import roles_of
 from apps.fleet.selectors import pools_capacity
 from apps.jobs import specs
-from apps.jobs.models import Job, JobState, LogLine, Reservation, Run, Webhook
+from apps.jobs.models import Job, JobState, LogLine, Reservation, Run, StepMetric, Webhook
 from apps.jobs.models.jobs import ACTIVE_STATES
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 
@@ -117,3 +117,30 @@ def job_log_tail(*, job: Job, limit: int = 200) -> list[dict]:
 def job_runs(*, job: Job) -> list[Run]:
     """Every attempt's runs, newest attempt first, with their nodes."""
     return list(job.runs.select_related("node").order_by("-attempt", "node_rank"))
+
+
+CHART_POINTS = 500  # per series: longer runs are thinned to every k-th step
+
+
+def job_training_series(*, job: Job) -> dict:
+    """Loss, tokens/s and MFU by step, one series per attempt (thinned for charts), and the
+    newest step's figures."""
+    from django.db.models.functions import Mod
+
+    rows = StepMetric.objects.filter(job=job)
+    count = rows.count()
+    if not count:
+        return {"latest": None, "loss": {}, "tokens_per_s": {}, "mfu": {}}
+    every = max(1, -(-count // CHART_POINTS))
+    if every > 1:
+        rows = rows.annotate(slot=Mod("step", every)).filter(slot=0)
+    series: dict[str, dict[str, list]] = {"loss": {}, "tokens_per_s": {}, "mfu": {}}
+    for attempt, step, loss, tokens, mfu in rows.order_by("attempt", "step").values_list(
+        "attempt", "step", "loss", "tokens_per_s", "mfu"
+    ):
+        name = f"attempt {attempt}"
+        for key, value in (("loss", loss), ("tokens_per_s", tokens), ("mfu", mfu)):
+            if value is not None:
+                series[key].setdefault(name, []).append((step, value))
+    latest = StepMetric.objects.filter(job=job).order_by("-attempt", "-step").first()
+    return {"latest": latest, **series}

@@ -10,5 +10,6 @@ urlpatterns = [
     path("submit/layouts/", views.layouts, name="layouts"),
     path("<int:job_id>/", views.detail, name="detail"),
     path("<int:job_id>/log-tail/", views.log_tail, name="log-tail"),
+    path("<int:job_id>/training/", views.training, name="training"),
     path("<int:job_id>/<str:operation>/", views.operate, name="operate"),
 ]

@@ -12,6 +12,7 @@ from apps.accounts.models import Team
 from apps.jobs import selectors, services, specs
 from apps.jobs.forms import SubmitForm
 from apps.jobs.models.jobs import FINISHED_STATES
+from controlplane import charts
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
 from workers.trainer.presets import PRESETS
@@ -145,6 +146,7 @@ def detail(request, job_id: int):
             ),
             "nccl_environments": selectors.job_nccl_environments(job=job),
             "runs": selectors.job_runs(job=job),
+            **_training_context(job),
             "log_lines": selectors.job_log_tail(job=job),
             "spec_json": json.dumps(
                 {k: v for k, v in job.spec.items() if k != "fingerprint"},
@@ -152,6 +154,35 @@ def detail(request, job_id: int):
                 sort_keys=True,
             ),
         },
+    )
+
+
+def _training_context(job) -> dict:
+    series = selectors.job_training_series(job=job)
+
+    def percent(value: float) -> str:
+        return f"{value * 100:.0f}%"
+
+    return {
+        "latest": series["latest"],
+        "charts": [
+            charts.line_chart(series["loss"], title="Loss"),
+            charts.line_chart(series["tokens_per_s"], title="Tokens per second"),
+            charts.line_chart(series["mfu"], title="Model FLOPs utilisation", y_format=percent),
+        ]
+        if series["latest"]
+        else [],
+    }
+
+
+@login_required
+def training(request, job_id: int):
+    """The Job page's training panel (curves and the newest step); asks again while active."""
+    job = get_object_or_404(selectors.jobs_visible_to(user=request.user), pk=job_id)
+    return render(
+        request,
+        "jobs/_training.html",
+        {"job": job, "finished": job.state in FINISHED_STATES, **_training_context(job)},
     )
 
 

@@ -10,7 +10,7 @@ from apps.jobs.models.jobs import (
     PriorityClass,
 )
 from apps.jobs.models.reservations import Reservation
-from apps.jobs.models.runs import OPEN_RUN_STATES, LogLine, Run, RunState
+from apps.jobs.models.runs import OPEN_RUN_STATES, LogLine, Run, RunState, StepMetric
 from apps.jobs.models.usage import TeamUsage
 from apps.jobs.models.webhooks import Webhook, WebhookDelivery
 
@@ -27,6 +27,7 @@ __all__ = [
     "Reservation",
     "Run",
     "RunState",
+    "StepMetric",
     "TeamUsage",
     "Webhook",
     "WebhookDelivery",

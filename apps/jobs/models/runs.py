@@ -86,3 +86,34 @@ class LogLine(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} #{self.seq}"
+
+
+class StepMetric(models.Model):
+    """One training step's figures, as the bundled trainer prints them (rank 0, one JSON line).
+
+    Kept per attempt: after a resume the same steps come again, and the page draws the
+    newest attempt over the older ones.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="step_metrics")
+    attempt = models.PositiveSmallIntegerField()
+    step = models.PositiveIntegerField()
+    at = models.DateTimeField()
+    loss = models.FloatField(null=True, blank=True)
+    grad_norm = models.FloatField(null=True, blank=True)
+    lr = models.FloatField(null=True, blank=True)
+    tokens_per_s = models.FloatField(null=True, blank=True)
+    mfu = models.FloatField(null=True, blank=True)
+    peak_mem_gib = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "attempt", "step"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["job", "attempt", "step"], name="one_metric_per_job_attempt_step"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} attempt {self.attempt} step {self.step}"

@@ -287,3 +287,42 @@ def test_another_teams_output_is_not_found(
     _ran(job, lines=["secret research"])
     logged_in(client, other_member)
     assert client.get(f"/jobs/{job.pk}/log-tail/").status_code == 404
+
+
+def test_a_trainer_jobs_page_draws_its_curves_from_the_reported_steps(
+    client, fleet_pool, quota, team, researcher
+):
+    import json
+
+    from apps.jobs.dispatch import run_logs_append
+    from apps.jobs.models import StepMetric
+    from tests.apps.jobs.conftest import trainer_spec
+
+    job, _ = services.job_submit(
+        team=team,
+        spec=trainer_spec(
+            team, preset="tiny", nodes=1, gpus_per_node=8, layout={"dp_shard": 8}, seq_len=256
+        ),
+        submitted_by=researcher,
+    )
+    run = _ran(job, lines=[])
+    lines = [
+        {"seq": i, "stream": "stdout", "at": 1.7e9 + i, "text": json.dumps(step)}
+        for i, step in enumerate(
+            [
+                {"event": "step", "step": s, "loss": 5.0 - s * 0.1, "tokens_per_s": 900.0 + s}
+                for s in range(1, 21)
+            ]
+        )
+    ]
+    lines.append({"seq": 99, "stream": "stdout", "at": 1.7e9, "text": '{"event": "step", "step"'})
+    run_logs_append(node_id=run.node_id, run_id=run.pk, lines=lines)
+    run_logs_append(node_id=run.node_id, run_id=run.pk, lines=lines)  # an agent's retry
+    assert StepMetric.objects.filter(job=job).count() == 20
+    logged_in(client, researcher)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert page.count("<polyline") == 2  # loss and tokens/s; no MFU on CPU
+    assert "no data yet" in page  # the MFU chart says so
+    assert re.search(r"<dt>Loss</dt><dd>3\.0+</dd>", page)
+    panel = client.get(f"/jobs/{job.pk}/training/").content.decode()
+    assert 'hx-trigger="every 5s"' in panel

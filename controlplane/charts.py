@@ -1,0 +1,104 @@
+"""Line charts drawn as SVG on the server: a picture where people would rather look than read.
+
+No JavaScript and no chart library: the page gets finished markup (like the rack
+elevations), which also prints, and reads without scripts. Used for training
+curves now and for spend later.
+"""
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from django.utils.html import escape, format_html
+from django.utils.safestring import SafeString, mark_safe
+
+# Series colours, in order (the newest series is drawn last, on top).
+PALETTE = ("#94a3b8", "#64748b", "#0ea5e9", "#2563eb", "#7c3aed", "#db2777")
+
+
+def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """About `count` round values covering [low, high] (steps of 1, 2 or 5 × 10^k)."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return []
+    if high <= low:
+        high = low + (abs(low) or 1.0)
+    raw = (high - low) / max(count - 1, 1)
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    ticks = [math.floor(low / step) * step]
+    while ticks[-1] < high - step * 1e-9:
+        ticks.append(ticks[0] + step * len(ticks))
+    return [float(f"{t:.12g}") for t in ticks]  # without float noise (0.30000000000000004)
+
+
+def compact_number(value: float) -> str:
+    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= size:
+            return f"{value / size:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def line_chart(
+    series: Mapping[str, Sequence[tuple[float, float]]],
+    *,
+    title: str,
+    y_format: Callable[[float], str] = compact_number,
+    width: int = 520,
+    height: int = 200,
+) -> SafeString:
+    """One SVG with a line per series; the series' names make the legend."""
+    points = [p for values in series.values() for p in values if math.isfinite(p[1])]
+    if not points:
+        return format_html('<p class="empty chart-empty">{}: no data yet.</p>', title)
+    left, right, top, bottom = 56, 12, 24, 28
+    plot_w, plot_h = width - left - right, height - top - bottom
+    xs = [x for x, _ in points]
+    ys = [y for _, y in points]
+    x_low, x_high = min(xs), max(xs)
+    y_ticks = nice_ticks(min(ys), max(ys))
+    y_low, y_high = y_ticks[0], y_ticks[-1]
+    if x_high == x_low:
+        x_high = x_low + 1
+
+    def px(x: float) -> float:
+        return left + (x - x_low) / (x_high - x_low) * plot_w
+
+    def py(y: float) -> float:
+        return top + plot_h - (y - y_low) / ((y_high - y_low) or 1) * plot_h
+
+    parts = [
+        f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="{escape(title)}" xmlns="http://www.w3.org/2000/svg">',
+        f'<text class="chart-title" x="{left}" y="14">{escape(title)}</text>',
+    ]
+    for tick in y_ticks:
+        y = py(tick)
+        parts.append(
+            f'<line class="grid" x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
+            f"{escape(y_format(tick))}</text>"
+        )
+    for tick in nice_ticks(x_low, x_high, 6):
+        if x_low <= tick <= x_high:
+            parts.append(
+                f'<text class="tick" x="{px(tick):.1f}" y="{height - 8}" text-anchor="middle">'
+                f"{escape(compact_number(tick))}</text>"
+            )
+    names = list(series)
+    for i, name in enumerate(names):
+        values = [(x, y) for x, y in series[name] if math.isfinite(y)]
+        if not values:
+            continue
+        colour = PALETTE[(len(PALETTE) - len(names) + i) % len(PALETTE)]
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in values)
+        parts.append(
+            f'<polyline class="series" fill="none" stroke="{colour}" stroke-width="1.6" '
+            f'points="{path}"><title>{escape(name)}</title></polyline>'
+        )
+        if len(names) > 1:  # the legend, right-aligned along the top
+            x = left + plot_w - 80 * (len(names) - 1 - i)
+            parts.append(
+                f'<text class="legend" x="{x}" y="14" text-anchor="end" fill="{colour}">'
+                f"{escape(name)}</text>"
+            )
+    parts.append("</svg>")
+    return mark_safe("".join(parts))  # noqa: S308 (every text above is escaped)
