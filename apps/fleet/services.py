@@ -531,13 +531,20 @@ def nodes_heartbeat_sweep(*, now: dt.datetime | None = None) -> dict[str, int]:
 
 
 @transaction.atomic
-def nodes_work_started(*, node_ids: list[int]) -> int:
-    """Nodes that took a job's GPUs: READY ones become BUSY (one UPDATE)."""
-    ready = list(
-        Node.objects.select_for_update()
-        .filter(pk__in=node_ids, state=S.READY)
-        .values_list("id", "state")
-    )
+def nodes_work_started(
+    *, node_ids: list[int] | None = None, ready: list[tuple[int, str]] | None = None
+) -> int:
+    """Nodes that took a job's GPUs: READY ones become BUSY (one UPDATE).
+
+    `ready`: (id, state) of nodes the caller has locked in this transaction and found
+    READY, so they are not read and locked a second time.
+    """
+    if ready is None:
+        ready = list(
+            Node.objects.select_for_update()
+            .filter(pk__in=node_ids or [], state=S.READY)
+            .values_list("id", "state")
+        )
     return _bulk_move(
         candidates=ready, to=S.BUSY, reason="job placed", now=timezone.now(), audit=False
     )

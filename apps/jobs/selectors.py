@@ -14,7 +14,7 @@ from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 def jobs_visible_to(*, user) -> QuerySet[Job]:
     """Full rows: the jobs of the user's teams (every team for ops, finance and superusers)."""
     roles = roles_of(user)
-    jobs = Job.objects.select_related("team", "submitted_by", "pool")
+    jobs = Job.objects.select_related("team", "submitted_by", "pool", "wait")
     if roles.sees_every_team:
         return jobs
     return jobs.filter(team_id__in=roles.team_ids)
@@ -32,7 +32,7 @@ def queue_for(*, user) -> list[dict]:
     rows = []
     for job in (
         Job.objects.filter(state__in=ACTIVE_STATES)
-        .select_related("team")
+        .select_related("team", "wait")
         .order_by("queued_at", "id")
     ):
         mine = roles.sees_every_team or job.team_id in roles.team_ids

@@ -26,6 +26,7 @@ from apps.jobs.models import (
     JobEvent,
     JobKind,
     JobState,
+    JobWait,
     Reservation,
     Webhook,
     WebhookDelivery,
@@ -180,7 +181,6 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
         restart_limit=spec.get("restart_limit", 3),
         idempotency_key=idempotency_key,
         queued_at=now,
-        pending_reason="waiting for the next scheduling pass",
     )
     try:
         with transaction.atomic():
@@ -269,7 +269,7 @@ def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
     if to in FINISHED_STATES:
         locked.finished_at = now
     if to == J.PENDING:
-        locked.pending_reason = "waiting for the next scheduling pass"
+        JobWait.objects.filter(job=locked).delete()  # an old wait says nothing now
         locked.pool = None
     for name, value in fields.items():
         setattr(locked, name, value)

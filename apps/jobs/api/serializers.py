@@ -189,6 +189,12 @@ class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
     gpus = serializers.IntegerField(read_only=True)
     pool = serializers.CharField(source="pool.slug", read_only=True, default=None)
     spec = serializers.SerializerMethodField()
+    pending_reason = serializers.CharField(
+        read_only=True, help_text="Why a pending job waits, from the last scheduling pass."
+    )
+    estimated_start = serializers.DateTimeField(
+        read_only=True, allow_null=True, help_text="When a pending job may start, if known."
+    )
 
     class Meta:
         model = Job

@@ -6,6 +6,7 @@ from apps.jobs.models.jobs import (
     JobEvent,
     JobKind,
     JobState,
+    JobWait,
     Placement,
     PriorityClass,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "JobEvent",
     "JobKind",
     "JobState",
+    "JobWait",
     "LogLine",
     "Placement",
     "PriorityClass",

@@ -106,10 +106,6 @@ class Job(models.Model):
     )
     state_reason = models.CharField(max_length=300, blank=True, editable=False)
     state_changed_at = models.DateTimeField(auto_now_add=True, editable=False)
-    pending_reason = models.CharField(
-        max_length=300, blank=True, editable=False, help_text="Why it waits, from the last pass."
-    )
-    estimated_start = models.DateTimeField(null=True, blank=True, editable=False)
     pool = models.ForeignKey(
         "fleet.NodePool",
         null=True,
@@ -152,6 +148,45 @@ class Job(models.Model):
     @property
     def priority_rank(self) -> int:
         return PRIORITY_RANK[self.priority_class]
+
+    def _wait(self):
+        try:
+            return self.wait
+        except JobWait.DoesNotExist:
+            return None
+
+    @property
+    def pending_reason(self) -> str:
+        """Why a pending job waits, as the last scheduling pass put it."""
+        if self.state != JobState.PENDING:
+            return ""
+        wait = self._wait()
+        return wait.reason if wait is not None else NOT_YET_PLANNED
+
+    @property
+    def estimated_start(self):
+        wait = self._wait() if self.state == JobState.PENDING else None
+        return wait.estimated_start if wait is not None else None
+
+
+NOT_YET_PLANNED = "waiting for the next scheduling pass"
+
+
+class JobWait(models.Model):
+    """Why a pending job waits and when it may start: rewritten by every scheduling pass.
+
+    Derived, not a record: on PostgreSQL the table is UNLOGGED (no write-ahead log, so a
+    pass writes tens of thousands of reasons cheaply), and after a crash it comes back
+    empty until the next pass, which a reader sees as "waiting for the next scheduling
+    pass". Kept apart from the job row so a pass never rewrites wide job rows.
+    """
+
+    job = models.OneToOneField(Job, on_delete=models.CASCADE, primary_key=True, related_name="wait")
+    reason = models.CharField(max_length=300)
+    estimated_start = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"job {self.job_id}: {self.reason}"
 
 
 class JobEvent(models.Model):

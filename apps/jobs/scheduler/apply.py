@@ -19,7 +19,7 @@ from apps.accounts.services import audit_record_many
 from apps.fleet import cloud
 from apps.fleet import services as fleet
 from apps.fleet.models import SCHEDULABLE_STATES, Node
-from apps.jobs.models import Allocation, Job, JobEvent, JobState, TeamUsage
+from apps.jobs.models import Allocation, Job, JobEvent, JobState, JobWait, TeamUsage
 from apps.jobs.models.jobs import NOT_STARTED_STATES, STARTED_STATES
 from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
@@ -37,8 +37,15 @@ class Applied:
     burst_nodes: list[int] = field(default_factory=list)  # cloud nodes requested this pass
 
 
-def _events_and_audit(rows: list[tuple[int, str, str, str]], *, now: dt.datetime) -> None:
-    """rows: (job id, from, to, reason) → JobEvents and audit rows, two bulk inserts."""
+def _events_and_audit(
+    rows: list[tuple[int, str, str, str]], *, now: dt.datetime, audit: bool = True
+) -> None:
+    """rows: (job id, from, to, reason) → JobEvents and audit rows, two bulk inserts.
+
+    `audit=False` for placements: the scheduler admits thousands of jobs a pass, each
+    recorded by its JobEvent (actor "scheduler"); the audit log keeps the decisions that
+    take something from someone (preemptions) and everything people and clients do.
+    """
     if not rows:
         return
     insert_rows(
@@ -46,6 +53,8 @@ def _events_and_audit(rows: list[tuple[int, str, str, str]], *, now: dt.datetime
         ("job", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
         ((j, now, f, t, r[:300], None, "scheduler") for j, f, t, r in rows),
     )
+    if not audit:
+        return
     jobs = Job.objects.only("id", "name").in_bulk([j for j, _, _, _ in rows])
     by_action: dict[str, list] = defaultdict(list)
     for j, f, t, r in rows:
@@ -106,11 +115,12 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
             pool_id=pool_id,
             admitted_at=now,
             state_changed_at=now,
-            pending_reason="",
-            estimated_start=None,
             state_reason="placed (backfilled)" if backfilled else "placed",
         )
-    fleet.nodes_work_started(node_ids=sorted({n for p in accepted for n, _ in p.node_gpus}))
+    JobWait.objects.filter(job_id__in=[p.job_id for p in accepted]).delete()
+    used = sorted({n for p in accepted for n, _ in p.node_gpus})
+    # Locked above: hand over which of them are READY rather than lock them again.
+    fleet.nodes_work_started(ready=[(n, nodes[n][0]) for n in used if nodes[n][0] == "ready"])
     _events_and_audit(
         [
             (
@@ -122,6 +132,7 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
             for p in accepted
         ],
         now=now,
+        audit=False,
     )
     applied.placed.extend(p.job_id for p in accepted)
 
@@ -146,9 +157,9 @@ def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: App
             state=JobState.PENDING,
             pool=None,
             state_reason="preempted before it started",
-            pending_reason="preempted; waiting for the next scheduling pass",
             state_changed_at=now,
         )
+        _write_reasons([(j, "preempted; waiting for the next scheduling pass", None) for j in back])
         allocations_release(job_ids=back, now=now)
     if stopping:
         Job.objects.filter(pk__in=stopping).update(
@@ -229,29 +240,28 @@ def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Appl
 
 
 def _write_reasons(rows: list[tuple[int, str, dt.datetime | None]]) -> None:
+    """Upsert (job, reason, estimated start) rows into JobWait."""
     if not rows:
         return
     if connection.vendor == "postgresql":
-        # One UPDATE from three arrays: three parameters, however many rows.
+        # One INSERT from three arrays: three parameters, however many rows.
         ids, reasons, starts = (list(column) for column in zip(*rows, strict=True))
         with connection.cursor() as cursor:
             cursor.execute(
-                f"UPDATE {Job._meta.db_table} AS j "  # noqa: S608 (our own table name)
-                "SET pending_reason = v.reason, estimated_start = v.estimated "
-                "FROM unnest(%s::bigint[], %s::varchar[], %s::timestamptz[]) "
-                "AS v(id, reason, estimated) WHERE j.id = v.id",
+                f"INSERT INTO {JobWait._meta.db_table} AS w (job_id, reason, estimated_start) "  # noqa: S608
+                "SELECT * FROM unnest(%s::bigint[], %s::varchar[], %s::timestamptz[]) "
+                "ON CONFLICT (job_id) DO UPDATE "
+                "SET reason = EXCLUDED.reason, estimated_start = EXCLUDED.estimated_start",
                 [ids, reasons, starts],
             )
         return
-    # Elsewhere: one UPDATE per distinct (reason, start); many jobs share a reason.
-    groups: dict[tuple[str, dt.datetime | None], list[int]] = defaultdict(list)
-    for job_id, reason, estimated in rows:
-        groups[(reason, estimated)].append(job_id)
-    for (reason, estimated), job_ids in groups.items():
-        for start in range(0, len(job_ids), 900):
-            Job.objects.filter(pk__in=job_ids[start : start + 900]).update(
-                pending_reason=reason, estimated_start=estimated
-            )
+    JobWait.objects.bulk_create(
+        [JobWait(job_id=j, reason=r, estimated_start=e) for j, r, e in rows],
+        update_conflicts=True,
+        unique_fields=["job"],
+        update_fields=["reason", "estimated_start"],
+        batch_size=300,
+    )
 
 
 LAST_PASS_KEY = "jobs:last-pass-at"  # noqa: S105 (a cache key)

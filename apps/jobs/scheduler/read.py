@@ -9,7 +9,7 @@ from django.db.models import FloatField, Func, Sum
 
 from apps.accounts.models import TeamQuota
 from apps.fleet.models import GONE_STATES, SCHEDULABLE_STATES, Node, NodePool
-from apps.jobs.models import Allocation, Job, JobState, Reservation, TeamUsage
+from apps.jobs.models import Allocation, Job, JobState, JobWait, Reservation, TeamUsage
 from apps.jobs.models.jobs import HOLDING_STATES, PRIORITY_RANK, STOPPING_STATES
 from apps.jobs.models.usage import USAGE_EPOCH
 from apps.jobs.scheduler import snapshot as plain
@@ -142,7 +142,7 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
     budget_by_team: dict[int, bool] = {}
     for row in (
         Job.objects.filter(state=JobState.PENDING)
-        .annotate(queued=Epoch("queued_at"), estimated=Epoch("estimated_start"))
+        .annotate(queued=Epoch("queued_at"))
         .values_list(
             "id",
             "team_id",
@@ -154,8 +154,6 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
             "placement",
             "spot_allowed",
             "time_limit_s",
-            "pending_reason",
-            "estimated",
             "max_cost_usd",
         )
         .order_by("id")
@@ -171,8 +169,6 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
             placement,
             spot,
             limit,
-            reason,
-            estimated,
             max_cost,
         ) = row
         if team_id not in budget_by_team:
@@ -194,7 +190,14 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
                 budget_ok=budget_by_team[team_id],
             )
         )
-        reasons[job_id] = (reason, estimated)
+        reasons[job_id] = ("", None)  # no reason yet, unless JobWait says one
+    for job_id, reason, estimated in (
+        JobWait.objects.filter(job__state=JobState.PENDING)
+        .annotate(estimated=Epoch("estimated_start"))
+        .values_list("job_id", "reason", "estimated")
+    ):
+        if job_id in reasons:
+            reasons[job_id] = (reason, estimated)
 
     quotas = {}
     shares: dict[int, float] = defaultdict(float)
