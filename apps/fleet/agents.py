@@ -242,11 +242,42 @@ def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
             fleet.node_transition(node=node, to=S.READY, reason="agent registered", by=None)
     elif problems:
         _auto_drain(node, problems)
+    upgrade = version_older(node.agent_version, settings.AGENT_VERSION)
+    if upgrade and node.provider in ("local", "ssh"):
+        _upgrade_soon(node.pk)
     return {
         "heartbeat_every_s": settings.AGENT_HEARTBEAT_S,
         "latest_version": settings.AGENT_VERSION,
+        "upgrade": upgrade,
         "problems": problems,
     }
+
+
+def version_older(version: str, than: str) -> bool:
+    """Whether agent `version` is older than `than` (numbers compared; unreadable is older)."""
+
+    def parts(text: str) -> tuple[int, ...] | None:
+        try:
+            return tuple(int(p) for p in text.split("."))
+        except ValueError:
+            return None
+
+    mine, theirs = parts(version), parts(than)
+    return theirs is not None and (mine is None or mine < theirs)
+
+
+def _upgrade_soon(node_id: int) -> None:
+    """Once this commits, ask a worker to put the shipped agent on the node (when idle)."""
+
+    def send():
+        from controlplane.celery import app
+
+        try:
+            app.send_task("fleet.agent_upgrade", args=[node_id])
+        except Exception:  # the next registration asks again
+            log.warning("could not enqueue the agent upgrade of node %s", node_id, exc_info=True)
+
+    transaction.on_commit(send)
 
 
 def node_progress(*, node: Node, step: str, percent: int, message: str) -> None:

@@ -163,6 +163,39 @@ def local_nodes_revive() -> dict[str, int]:
     return counts
 
 
+def agent_upgrade_node(node_id: int) -> str:
+    """Copy the agent this control plane ships to an owned or local node and restart it.
+
+    Only while no run is open there: the agent's restart would stop the job's processes.
+    Cloud nodes are not upgraded in place: they fetch the current agent when launched.
+    """
+    from apps.fleet import agents
+    from apps.fleet.models import Node
+    from apps.jobs.models import OPEN_RUN_STATES, Run
+
+    node = Node.objects.get(pk=node_id)
+    if node.provider not in ("local", "ssh") or node.state not in ("ready", "drained"):
+        return "skipped"
+    if not agents.version_older(node.agent_version, settings.AGENT_VERSION):
+        return "current"
+    if Run.objects.filter(node=node, state__in=OPEN_RUN_STATES).exists():
+        return "busy"
+    provider, spec = provider_for(node)
+    _bootstrap(node, provider, spec)
+    return "upgraded"
+
+
+@shared_task(name="fleet.agent_upgrade", bind=True, acks_late=True, max_retries=48)
+def agent_upgrade(self, node_id: int) -> str:
+    from apps.accounts.context import Origin, acting_from
+
+    with acting_from(Origin(channel="task", label="task:fleet.agent_upgrade")):
+        outcome = agent_upgrade_node(node_id)
+    if outcome == "busy":  # try again when its job may have ended
+        raise self.retry(countdown=300)
+    return outcome
+
+
 @shared_task(name="fleet.local_nodes_revive", acks_late=True)
 def local_nodes_revive_task() -> dict:
     from apps.accounts.context import Origin, acting_from

@@ -193,3 +193,30 @@ def test_failing_nodes_are_drained_but_never_more_than_a_fifth_of_a_pool():
     assert states.count(S.DRAINED) == 2 and states.count(S.READY) == 8
     drained = Node.objects.filter(pool=pool, state=S.DRAINED).first()
     assert "99 °C" in drained.state_reason
+
+
+@pytest.mark.parametrize(
+    ("version", "shipped", "older"),
+    [
+        ("1.0.0", "1.0.0", False),
+        ("0.9.9", "1.0.0", True),
+        ("1.10.0", "1.9.0", False),
+        ("", "1.0.0", True),
+        ("dev", "1.0.0", True),
+        ("1.0", "1.0.1", True),
+    ],
+)
+def test_which_agents_are_older_than_the_one_shipped(version, shipped, older):
+    assert agents.version_older(version, shipped) is older
+
+
+def test_an_old_agent_is_told_and_an_upgrade_is_asked_for(
+    settings, django_capture_on_commit_callbacks
+):
+    settings.AGENT_VERSION = "9.0.0"
+    node = bootstrapping_node(gpu_count=8)
+    client = agent_client(agents.node_agent_token_issue(node=node))
+    with django_capture_on_commit_callbacks() as sent:
+        answer = client.post("/api/v1/agent/register", report(8), format="json").json()
+    assert answer["upgrade"] is True and answer["latest_version"] == "9.0.0"
+    assert any(getattr(c, "__name__", "") == "send" for c in sent)
