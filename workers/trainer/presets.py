@@ -3,9 +3,12 @@
 No torch here (ARCHITECTURE.md): the web and worker images import this module to
 check a job's layout (tp divides heads and KV heads, pp divides layers).
 
-Shapes of the Llama 3 family are those Meta published with the weights
-(Llama 3.2 1B, Llama 3.1 8B and 70B: layers, model width, heads, KV heads, FFN
-width, a 128,256-token vocabulary); `tiny` is ours, for CPU tests.
+`8b` and `70b` have the shapes Meta published with the Llama 3.1 weights
+(layers, model width, heads, KV heads, FFN width, a 128,256-token vocabulary).
+`1b` is the 1.1-billion-parameter shape the trainer's benchmark measures
+(issue 6, bench/trainer.py): 22 layers of width 2048, 32 heads sharing 4 KV
+heads, FFN 5632, a 32,000-token vocabulary and sequences of 2048. `tiny` and
+`small` are ours, for CPU tests and demos.
 """
 
 from dataclasses import dataclass
@@ -52,7 +55,9 @@ PRESETS: dict[str, ModelShape] = {
     "small": ModelShape(
         layers=8, dim=512, heads=8, kv_heads=4, ffn_dim=1536, vocab_size=32000, max_seq_len=2048
     ),
-    "1b": ModelShape(layers=16, dim=2048, heads=32, kv_heads=8, ffn_dim=8192, vocab_size=128256),
+    "1b": ModelShape(
+        layers=22, dim=2048, heads=32, kv_heads=4, ffn_dim=5632, vocab_size=32000, max_seq_len=2048
+    ),
     "8b": ModelShape(layers=32, dim=4096, heads=32, kv_heads=8, ffn_dim=14336, vocab_size=128256),
     "70b": ModelShape(layers=80, dim=8192, heads=64, kv_heads=8, ffn_dim=28672, vocab_size=128256),
 }
