@@ -1,0 +1,214 @@
+"""The trainer's small parts, in one process: run.json, data order, schedule, tokenizers, status."""
+
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from workers.trainer import config as run_config  # noqa: E402
+from workers.trainer.data import Batches, SyntheticSource, TokenFile, read_header  # noqa: E402
+from workers.trainer.model import Transformer, flops_per_token  # noqa: E402
+from workers.trainer.optim import learning_rate  # noqa: E402
+from workers.trainer.prepare import decode_file, prepare  # noqa: E402
+from workers.trainer.presets import PRESETS  # noqa: E402
+from workers.trainer.stopping import STATUS_FILE_VARIABLE, write_status  # noqa: E402
+
+# --- run.json ------------------------------------------------------------------------------------
+
+
+def test_a_short_run_json_gets_defaults():
+    config = run_config.parse({"model": {"preset": "tiny"}, "data": {"seq_len": 64}})
+
+    assert config.model == PRESETS["tiny"]
+    assert config.layout.world_size == 1
+    assert config.data.dataset == "synthetic"
+    assert config.checkpoint.dir is None
+    assert config.activation_checkpointing == "none"
+
+
+def test_what_the_control_plane_writes_parses():
+    written = {
+        "job": {"id": 7, "uuid": "u", "attempt": 2, "name": "x"},
+        "model": {"preset": None, "sizes": {"layers": 2, "dim": 32, "heads": 4, "kv_heads": 2,
+                                            "ffn_dim": 64, "vocab_size": 300}},
+        "data": {"dataset": "/data/tokens.bin", "seq_len": 128},
+        "schedule": {"steps": 10, "global_batch": 8},
+        "precision": "bf16",
+        "activation_checkpointing": "selective",
+        "compile": False,
+        "layout": {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1},
+        "checkpoint": {"dir": "/ckpt/t/job-7", "every_steps": 5, "every_minutes": None,
+                       "resume_from": None, "keep": 2},
+        "collective_timeout_s": 300,
+        "seed": 3,
+        "log_every": 1,
+    }  # fmt: skip
+
+    config = run_config.parse(written)
+
+    assert config.model.vocab_size == 300
+    assert config.layout.dp == 2
+    assert config.local_batch == 4
+    assert config.checkpoint.keep == 2
+    assert config.collective_timeout_s == 300
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"layout": {"tp": 3}}, "layout.tp"),
+        ({"layout": {"pp": 3}}, "layers"),
+        ({"schedule": {"global_batch": 3}, "layout": {"dp_shard": 2}}, "global_batch"),
+        ({"precision": "fp8"}, "precision"),
+        ({"activation_checkpointing": "some"}, "activation_checkpointing"),
+        ({"schedule": {"stpes": 3}}, "stpes"),
+        ({"colour": "blue"}, "colour"),
+        ({"model": {"preset": "nope"}}, "preset"),
+        ({"data": {"seq_len": 4096}}, "seq_len"),
+    ],
+)
+def test_impossible_settings_are_refused_by_name(change, field):
+    data = {"model": {"preset": "tiny"}, "data": {"seq_len": 64}, **change}
+
+    with pytest.raises(run_config.ConfigError, match=field):
+        run_config.parse(data)
+
+
+# --- the schedule and the model's arithmetic ------------------------------------------------------
+
+
+def test_warmup_then_cosine_to_the_floor():
+    schedule = run_config.Schedule(steps=110, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+
+    assert learning_rate(schedule, 5) == pytest.approx(0.5)
+    assert learning_rate(schedule, 10) == pytest.approx(1.0)
+    assert learning_rate(schedule, 60) == pytest.approx(0.55)
+    assert learning_rate(schedule, 110) == pytest.approx(0.1)
+    rates = [learning_rate(schedule, s) for s in range(10, 111)]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_flops_per_token_is_six_n_plus_attention():
+    shape = PRESETS["1b"]
+
+    assert shape.parameters() == 1_100_048_384
+    assert flops_per_token(shape, 2048) == 6 * 1_100_048_384 + 12 * 22 * 2048 * 2048
+
+
+def test_the_model_has_the_parameters_its_preset_counts_and_initialises_by_name():
+    shape = PRESETS["tiny"]
+    first, second = Transformer(shape), Transformer(shape)
+    first.init_weights(seed=1, device=torch.device("cpu"))
+    second.init_weights(seed=1, device=torch.device("cpu"))
+
+    assert sum(p.numel() for p in first.parameters()) == shape.parameters()
+    assert all(
+        torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters(), strict=True)
+    )
+    # A pipeline stage keeps only some blocks; those it keeps start the same.
+    del second.layers["0"]
+    second.init_weights(seed=1, device=torch.device("cpu"))
+    assert torch.equal(
+        first.layers["1"].attention.wq.weight, second.layers["1"].attention.wq.weight
+    )
+    logits = first(torch.randint(0, shape.vocab_size, (2, 16)))
+    assert logits.shape == (2, 16, shape.vocab_size)
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+
+def test_data_parallel_ranks_split_the_global_batch_of_every_step():
+    source = SyntheticSource(vocab_size=256, seq_len=16)
+    whole = Batches(source, seed=0, global_batch=8, dp_rank=0, dp_size=1)
+    halves = [Batches(source, seed=0, global_batch=8, dp_rank=r, dp_size=2) for r in range(2)]
+
+    for step in (1, 2, 9):
+        inputs, targets = whole.at(step)
+        assert torch.equal(torch.cat([h.at(step)[0] for h in halves]), inputs)
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_a_token_file_is_shuffled_per_epoch_and_resumes_in_order(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("".join(chr(97 + i % 26) for i in range(16 * 10 + 1)))
+    prepare([text], tmp_path / "tokens.bin")
+    source = TokenFile(tmp_path / "tokens.bin", seq_len=16)
+    assert source.windows == 10
+
+    batches = Batches(source, seed=5, global_batch=4, dp_rank=0, dp_size=1)
+    seen = [batches.at(step)[0] for step in range(1, 6)]  # 20 windows: two epochs
+    first_epoch = torch.cat(seen)[:10]
+    assert sorted(row[0].item() for row in first_epoch) == sorted(
+        source.window(i)[0].item() for i in range(10)
+    )
+
+    # A run resumed after step 3 with another global batch carries on where the data was.
+    resumed = Batches(source, seed=5, global_batch=2, dp_rank=0, dp_size=1)
+    resumed.rebase(3, batches.position(3)["samples_seen"])
+    assert torch.equal(torch.cat([resumed.at(4)[0], resumed.at(5)[0]]), seen[3])
+
+
+# --- prepare -------------------------------------------------------------------------------------
+
+TEXTS = {
+    "a.txt": "Hello, world_1! Ünïcödé 東京 ²³ tabs\there\n\nand  double  spaces.\n",
+    "b.txt": "the cat sat on the mat; " * 50,
+    "c.txt": "",
+}
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_prepare_round_trips_text(tmp_path, tokenizer):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for name, text in TEXTS.items():
+        (folder / name).write_text(text, encoding="utf-8")
+
+    header = prepare([folder], tmp_path / "tokens.bin", tokenizer=tokenizer, vocab_size=320)
+
+    assert decode_file(tmp_path / "tokens.bin") == list(TEXTS.values())
+    info = read_header(tmp_path / "tokens.bin")
+    assert info.tokens == header["tokens"]
+    if tokenizer == "bpe":
+        assert 256 < info.vocab_size <= 320
+        # Merges make the repetitive document shorter than its bytes.
+        assert info.tokens < sum(len(t.encode()) for t in TEXTS.values())
+    else:
+        assert info.vocab_size == 256
+
+
+# --- the exit status -----------------------------------------------------------------------------
+
+
+def test_a_weightier_exit_reason_is_not_overwritten(tmp_path, monkeypatch):
+    status = tmp_path / "status.json"
+    monkeypatch.setenv(STATUS_FILE_VARIABLE, str(status))
+
+    write_status("collective_timeout", step=4, message="peer gone", rank=1)
+    write_status("code_error", step=4, message="ValueError: bad", rank=0)
+    write_status("collective_timeout", step=4, message="peer gone", rank=2)
+    write_status("finished", step=4, rank=3)
+
+    recorded = json.loads(status.read_text())
+    assert recorded["reason"] == "code_error"
+    assert recorded["message"] == "ValueError: bad"
+
+
+def test_errors_are_classified_as_the_job_s_or_the_infrastructure_s():
+    from workers.trainer.__main__ import classify
+
+    assert classify(ValueError("shapes do not match")) == "code_error"
+    assert classify(RuntimeError("CUDA out of memory")) == "code_error"
+    assert classify(RuntimeError("Timed out waiting 600000ms for recv")) == "collective_timeout"
+    assert classify(torch.distributed.DistNetworkError("Connection reset")) == "collective_timeout"
+
+
+def test_mfu_uses_the_dense_bf16_peak():
+    from workers.trainer.metrics import StepMeter
+
+    meter = StepMeter(device=torch.device("cpu"), tokens_per_step=1, flops_per_token=1, gpus=1)
+    assert meter.peak is None  # CPUs report mfu as null
+    assert not math.isnan(meter.step(step=1, loss=1.0, grad_norm=1.0, lr=1e-3)["tokens_per_s"])

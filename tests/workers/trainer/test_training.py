@@ -1,0 +1,313 @@
+"""The trainer under torchrun on the CPU (gloo), as the local nodes run it: layouts, stops, resumes.
+
+Every run trains the `tiny` preset for STEPS steps on one token file (made by
+prepare.py from generated text) with the same seed, global batch and
+schedule; runs are compared step by step on the loss they print.
+
+Tolerance: LOSS_TOLERANCE (1e-4, absolute, on losses near 5). Every layout
+computes the same function in fp32; what differs is the order of additions
+(shards reduced by gloo, split matrix products), which moved losses by about
+1e-6 when this was written. A wrong gradient scale, a shard initialised
+differently or a batch taken twice moves them by 1e-2 or more.
+
+The processes are few and the steps short: the machine running CI may have
+two cores for all of it.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[3]
+STEPS = 6
+LOSS_TOLERANCE = 1e-4
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Run:
+    returncode: int
+    events: list[dict]
+    status: dict | None
+    output: str
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {e["step"]: e["loss"] for e in self.events if e["event"] == "step"}
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == kind]
+
+
+def run_config(dataset: Path, *, layout=None, checkpoint=None, steps=STEPS, **extra) -> dict:
+    return {
+        "model": {"preset": "tiny"},
+        "data": {"dataset": str(dataset), "seq_len": 32},
+        # Constant after warm-up (no decay): a step's learning rate does not depend on
+        # how many steps the run was asked for.
+        "schedule": {
+            "steps": steps,
+            "global_batch": 8,
+            "lr": 3e-3,
+            "warmup_steps": 2,
+            "min_lr_ratio": 1.0,
+        },
+        "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, **(layout or {})},
+        "checkpoint": checkpoint or {},
+        **extra,
+    }
+
+
+def launch(config: dict, workdir: Path, *, nproc: int) -> subprocess.Popen:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "run.json").write_text(json.dumps(config))
+    env = {
+        **os.environ,
+        "CONTROLPLANE_STATUS_FILE": str(workdir / "status.json"),
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # gloo on the CPU, also on a machine with GPUs
+        "PYTHONPATH": str(ROOT),
+    }
+    if nproc == 1:  # the trainer on its own makes a world of one
+        command = [sys.executable, "-m", "workers.trainer", "--config", "run.json"]
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "workers.trainer",
+            "--config",
+            "run.json",
+        ]
+    # Its own session, as the node agent starts it: a stop signals every process in it.
+    return subprocess.Popen(
+        command,
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(process: subprocess.Popen, workdir: Path, lines: list[str] | None = None) -> Run:
+    rest, _ = process.communicate(timeout=300)
+    output = "".join(lines or []) + rest
+    events = [json.loads(line) for line in output.splitlines() if line.startswith('{"event"')]
+    status_file = workdir / "status.json"
+    status = json.loads(status_file.read_text()) if status_file.exists() else None
+    return Run(process.returncode, events, status, output)
+
+
+def train(config: dict, workdir: Path, *, nproc: int = 1) -> Run:
+    run = finish(launch(config, workdir, nproc=nproc), workdir)
+    assert run.returncode == 0, run.output[-3000:]
+    return run
+
+
+def assert_same_losses(run: Run, reference: Run, steps) -> None:
+    for step in steps:
+        assert abs(run.losses[step] - reference.losses[step]) <= LOSS_TOLERANCE, (
+            f"step {step}: {run.losses[step]} against {reference.losses[step]}"
+        )
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trainer")
+
+
+@pytest.fixture(scope="module")
+def dataset(scratch) -> Path:
+    from workers.trainer.prepare import prepare
+
+    texts = scratch / "texts"
+    texts.mkdir()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "tired",
+        "owls",
+        "count",
+        "stars",
+    ]
+    for n in range(4):
+        lines = [" ".join(words[(i * 7 + n) % len(words) :] + words[: i % 5]) for i in range(60)]
+        (texts / f"doc{n}.txt").write_text("\n".join(lines))
+    out = scratch / "tokens.bin"
+    prepare([texts], out, tokenizer="bytes")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(scratch, dataset) -> Run:
+    """One process, no parallelism: the curve every layout must reproduce."""
+    run = train(run_config(dataset), scratch / "reference")
+    assert set(run.losses) == set(range(1, STEPS + 1))
+    assert run.losses[STEPS] < run.losses[1]  # it learns
+    return run
+
+
+LAYOUTS = {
+    "ddp": ({"dp_replicate": 2}, {}),
+    "fsdp": ({"dp_shard": 2}, {"activation_checkpointing": "selective"}),
+    "tp": ({"tp": 2}, {}),
+    "pp-1f1b": ({"pp": 2}, {}),
+    "pp-interleaved": (
+        {"pp": 2},
+        {"pipeline": {"schedule": "interleaved_1f1b"}, "activation_checkpointing": "full"},
+    ),
+    "fsdp-x-tp": ({"dp_shard": 2, "tp": 2}, {}),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_layout_trains_to_the_same_losses(name, scratch, dataset, reference):
+    layout, extra = LAYOUTS[name]
+    nproc = 1
+    for size in layout.values():
+        nproc *= size
+
+    run = train(run_config(dataset, layout=layout, **extra), scratch / name, nproc=nproc)
+
+    assert_same_losses(run, reference, range(1, STEPS + 1))
+    assert run.status["reason"] == "finished"
+    (start,) = run.of("start")
+    assert start["layout"]["dp_shard"] == layout.get("dp_shard", 1)
+    assert start["world_size"] == nproc
+
+
+@pytest.fixture(scope="module")
+def preempted(scratch, dataset) -> tuple[Run, Path]:
+    """FSDP on two processes, checkpointing every 2 steps, sent SIGTERM once step 3 is reported.
+
+    It is asked for 200 steps, so only the signal ends it early; the learning
+    rate is constant after warm-up, so its steps are the reference's. The
+    signal goes to the whole process group, as the node agent sends it: the
+    workers get it directly, and so does torchrun.
+    """
+    workdir = scratch / "preempted"
+    config = run_config(
+        dataset,
+        layout={"dp_shard": 2},
+        checkpoint={"dir": str(workdir / "checkpoints"), "every_steps": 2},
+        steps=200,
+    )
+    process = launch(config, workdir, nproc=2)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith('{"event":"step","step":3,'):
+            break
+    os.killpg(process.pid, signal.SIGTERM)
+    return finish(process, workdir, lines), workdir / "checkpoints"
+
+
+def copy_of(checkpoints: Path, where: Path) -> Path:
+    """A private copy of a run's checkpoints, so each test resumes from the same ones."""
+    shutil.copytree(checkpoints, where)
+    return where
+
+
+def test_sigterm_mid_run_commits_a_checkpoint_and_reports_preempted(preempted, reference):
+    run, checkpoints = preempted
+
+    assert run.status["reason"] == "preempted", run.output[-3000:]
+    stopped_at = run.status["step"]
+    assert 3 <= stopped_at < STEPS
+    assert [e["step"] for e in run.of("checkpoint")][-1] == stopped_at
+    assert run.of("end")[0]["reason"] == "preempted"
+    manifest = json.loads((checkpoints / f"step-{stopped_at:08d}" / "manifest.json").read_text())
+    assert manifest["step"] == stopped_at
+    assert manifest["world_size"] == 2
+    assert manifest["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}
+    assert manifest["data"]["samples_seen"] == stopped_at * 8
+    assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in manifest["files"].values())
+    assert not list(checkpoints.glob(".tmp-*"))
+    assert_same_losses(run, reference, range(1, stopped_at + 1))
+
+
+def test_stopping_and_resuming_gives_the_uninterrupted_curve(
+    scratch, dataset, reference, preempted
+):
+    stopped, checkpoints = preempted
+    stopped_at = stopped.status["step"]
+    workdir = scratch / "resumed"
+    config = run_config(
+        dataset,
+        layout={"dp_shard": 2},
+        checkpoint={"dir": str(copy_of(checkpoints, workdir / "checkpoints"))},
+    )
+
+    run = train(config, workdir, nproc=2)
+
+    (resume,) = run.of("resume")
+    assert resume["step"] == stopped_at
+    assert set(run.losses) == set(range(stopped_at + 1, STEPS + 1))
+    assert_same_losses(run, reference, range(stopped_at + 1, STEPS + 1))
+    assert run.status["reason"] == "finished"
+
+
+def test_a_checkpoint_resumes_on_another_layout(scratch, dataset, reference, preempted):
+    stopped, checkpoints = preempted
+    stopped_at = stopped.status["step"]
+    workdir = scratch / "relayout"
+    config = run_config(
+        dataset,
+        layout={"tp": 2},
+        checkpoint={"dir": str(copy_of(checkpoints, workdir / "checkpoints"))},
+    )
+
+    run = train(config, workdir, nproc=2)
+
+    (resume,) = run.of("resume")
+    assert resume["from_layout"]["dp_shard"] == 2
+    assert resume["layout"]["tp"] == 2
+    assert_same_losses(run, reference, range(stopped_at + 1, STEPS + 1))
+    # Its own checkpoint records the layout that wrote it.
+    assert run.of("checkpoint")[-1]["layout"]["tp"] == 2
+
+
+def test_a_corrupted_checkpoint_is_detected_and_the_previous_one_used(
+    scratch, dataset, reference, preempted
+):
+    stopped, checkpoints = preempted
+    workdir = scratch / "corrupted"
+    copied = copy_of(checkpoints, workdir / "checkpoints")
+    newest = copied / f"step-{stopped.status['step']:08d}"
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, the size unchanged
+    shard.write_bytes(bytes(data))
+
+    run = train(run_config(dataset, checkpoint={"dir": str(copied)}), workdir)
+
+    (rejected,) = run.of("checkpoint_rejected")
+    assert rejected["path"].endswith(newest.name)
+    assert "SHA-256" in rejected["reason"]
+    (resume,) = run.of("resume")
+    assert resume["step"] == 2
+    assert_same_losses(run, reference, range(3, STEPS + 1))

@@ -1,0 +1,66 @@
+"""`torchrun ... -m workers.trainer --config run.json`: train, and say why the run ended.
+
+Exit 0 when the run finished or stopped on request (its checkpoint committed),
+1 otherwise; either way the reason goes to CONTROLPLANE_STATUS_FILE (stopping.py).
+"""
+
+import argparse
+import os
+import sys
+import traceback
+
+
+def classify(error: BaseException) -> str:
+    """code_error for the job's own failures; collective_timeout for stuck or broken collectives."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return "code_error"
+    kinds = tuple(
+        getattr(dist, name)
+        for name in ("DistBackendError", "DistNetworkError")
+        if hasattr(dist, name)
+    )
+    text = str(error).lower()
+    if isinstance(error, kinds) or (
+        isinstance(error, RuntimeError)
+        and any(
+            sign in text
+            for sign in ("timed out", "timeout", "connection reset", "connection closed by peer")
+        )
+    ):
+        return "collective_timeout"
+    return "code_error"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.trainer", description=__doc__)
+    parser.add_argument("--config", required=True, help="run.json (see workers/trainer/config.py)")
+    args = parser.parse_args(argv)
+
+    from workers.trainer.stopping import write_status
+
+    rank = int(os.environ.get("RANK", "0"))
+    progress = None
+    try:
+        from workers.trainer import config, train
+
+        progress = train.Progress()
+        outcome = train.run(config.load(args.config), progress)
+    except BaseException as error:  # every failure must leave a reason behind
+        traceback.print_exc()
+        sys.stderr.flush()
+        last_line = traceback.format_exception_only(type(error), error)[-1].strip()
+        write_status(
+            classify(error),
+            step=progress.step if progress else 0,
+            message=last_line,
+            rank=rank,
+        )
+        return 1
+    write_status(outcome.reason, step=outcome.step, rank=rank)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

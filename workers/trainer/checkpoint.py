@@ -1,0 +1,391 @@
+"""Checkpoints: torch.distributed.checkpoint shards, committed atomically with a verified manifest.
+
+A checkpoint is the directory `<dir>/step-00001200/`: the shards every rank
+wrote with torch.distributed.checkpoint (DCP), its `.metadata`, and
+`manifest.json`: the step, the layout and world size that wrote it, each
+file's size and SHA-256, the data position, the RNG state and the loss.
+
+Writing: every rank saves its shards into `<dir>/.tmp-step-00001200/`; the
+ranks hash the files between them; rank 0 writes the manifest last, fsyncs it
+and renames the directory to its final name, which is the commit. A directory
+without a manifest, or under a temporary name, is not a checkpoint.
+
+Resuming: from the checkpoint run.json names, or else the newest in the
+directory, the first whose files all match their manifest (the ranks check the
+files between them); a corrupted or incomplete one is reported and the next
+older tried. DCP reshards on load, so a checkpoint written by one layout
+resumes on another: model and optimizer state are keyed by parameter name.
+
+Multi-node jobs must checkpoint to a path every node sees: a probe file from
+rank 0 checks that before training starts. Optionally rank 0 copies each
+committed checkpoint to S3 (boto3) in the background, manifest last.
+"""
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from workers.trainer import metrics
+from workers.trainer.config import ConfigError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+# Optimizer state keyed by parameter name, so it reshards like the model's.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def committed(directory: Path) -> list[Path]:
+    """Committed checkpoints in `directory`, newest first (a manifest makes one)."""
+    if not directory.is_dir():
+        return []
+    found = [
+        p
+        for p in directory.iterdir()
+        if p.name.startswith("step-") and p.name[5:].isdigit() and (p / MANIFEST).is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    def __init__(self, world, parts, optimizers, batches, *, storage=None):
+        self.world = world
+        self.config = world.config
+        self.settings = world.config.checkpoint
+        self.parts = parts
+        self.optimizers = optimizers
+        self.batches = batches
+        self.directory = Path(self.settings.dir) if self.settings.dir else None
+        self.resumed_from: str | None = None
+        self._last_saved_at = time.monotonic()
+        self._copies: list[threading.Thread] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None
+
+    # --- what is saved -------------------------------------------------------------------
+
+    def _state(self) -> tuple[dict, list[tuple[list[str], list[str]]]]:
+        """The merged state of every part, and each part's keys (to hand back after loading)."""
+        model, optimizer, keys = {}, {}, []
+        for part, opt in zip(self.parts, self.optimizers.optimizers, strict=True):
+            part_model = get_model_state_dict(part)
+            part_optimizer = get_optimizer_state_dict(part, opt, options=OPTIONS)
+            model.update(part_model)
+            optimizer.update(part_optimizer)
+            keys.append((list(part_model), list(part_optimizer)))
+        return {"model": model, "optimizer": optimizer}, keys
+
+    # --- saving --------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is due after `step` (for every_minutes, rank 0's clock decides)."""
+        if not self.enabled:
+            return False
+        every = self.settings.every_steps
+        if every and step % every == 0:
+            return True
+        minutes = self.settings.every_minutes
+        return bool(minutes and time.monotonic() - self._last_saved_at >= minutes * 60)
+
+    def prepare(self) -> None:
+        """Before training: make the directory, clear abandoned temporaries, check it is shared."""
+        if not self.enabled:
+            return
+        if self.world.is_logger:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob(".tmp-step-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world.size))
+        if local < self.world.size:
+            self._check_shared()
+
+    def _check_shared(self) -> None:
+        name = [f".probe-{os.getpid()}-{time.time_ns()}" if self.world.is_logger else None]
+        dist.broadcast_object_list(name, src=0)
+        probe = self.directory / name[0]
+        if self.world.is_logger:
+            probe.write_text("probe\n")
+        dist.barrier()
+        missing = torch.tensor([0 if probe.exists() else 1], device=self.world.device)
+        dist.all_reduce(missing)
+        dist.barrier()
+        if self.world.is_logger:
+            probe.unlink(missing_ok=True)
+        if missing.item():
+            raise ConfigError(
+                f"checkpoint.dir {self.directory} is not shared by every node: a multi-node job "
+                "needs a shared path (or S3), since shards on one node's disk cannot be resumed "
+                "elsewhere"
+            )
+
+    def save(self, step: int, loss: float) -> dict | None:
+        """Write, verify-hash and commit the checkpoint of `step`; rank 0 returns its record."""
+        final = self.directory / step_dir_name(step)
+        temporary = self.directory / f".tmp-{step_dir_name(step)}"
+        if self.world.is_logger and temporary.exists():
+            shutil.rmtree(temporary)
+        dist.barrier()
+        state, _ = self._state()
+        dcp.save(state, checkpoint_id=str(temporary))
+        files = self._hash_files(temporary)
+        record = None
+        if self.world.is_logger:
+            record = self._commit(step, loss, temporary, final, files)
+        dist.barrier()
+        self._last_saved_at = time.monotonic()
+        if self.world.is_logger:
+            self._keep_newest()
+            if self.settings.s3:
+                self._copy_to_s3(final, step)
+        return record
+
+    def _hash_files(self, temporary: Path) -> dict:
+        """Every file's size and SHA-256, the ranks taking turns through the sorted list."""
+        names = sorted(p.name for p in temporary.iterdir() if p.is_file())
+        mine = {
+            name: {"size": (temporary / name).stat().st_size, "sha256": sha256_of(temporary / name)}
+            for name in names[self.world.rank :: self.world.size]
+        }
+        gathered: list = [None] * self.world.size
+        dist.all_gather_object(gathered, mine)
+        files = {}
+        for part in gathered:
+            files.update(part)
+        return files
+
+    def _commit(self, step, loss, temporary: Path, final: Path, files: dict) -> dict:
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "loss": loss,
+            "time": time.time(),
+            "world_size": self.world.size,
+            "layout": self.config.layout.as_dict(),
+            "model": {"name": self.config.model_name, "shape": _shape(self.config.model)},
+            "data": {
+                "dataset": self.config.data.dataset,
+                "seq_len": self.config.data.seq_len,
+                **self.batches.position(step),
+            },
+            "rng": _rng_state(self.config.seed),
+            "files": files,
+            "resumed_from": self.resumed_from,
+            "job": self.config.job,
+            "torch": torch.__version__,
+        }
+        body = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        with open(temporary / MANIFEST, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(temporary)
+        if final.exists():
+            # A step saved again (an attempt that resumed before it): keep the old one aside.
+            final.rename(self.directory / f".replaced-{final.name}-{time.time_ns()}")
+        temporary.rename(final)
+        _fsync_dir(self.directory)
+        return {
+            "event": "checkpoint",
+            "step": step,
+            "path": str(final.resolve()),
+            "manifest_sha256": hashlib.sha256(body).hexdigest(),
+            "size_bytes": sum(f["size"] for f in files.values()) + len(body),
+            "world_size": self.world.size,
+            "layout": self.config.layout.as_dict(),
+            "loss": loss,
+            "time": manifest["time"],
+            "files": len(files) + 1,
+        }
+
+    def _keep_newest(self) -> None:
+        keep = self.settings.keep
+        if not keep or keep < 1:
+            return
+        for old in committed(self.directory)[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _copy_to_s3(self, path: Path, step: int) -> None:
+        thread = threading.Thread(
+            target=copy_to_s3, args=(path, self.settings.s3, step), name="s3-copy", daemon=True
+        )
+        thread.start()
+        self._copies.append(thread)
+
+    def wait_for_copies(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        for thread in self._copies:
+            thread.join(max(deadline - time.monotonic(), 0))
+
+    # --- resuming ------------------------------------------------------------------------
+
+    def _candidates(self) -> list[str]:
+        """Paths to try, best first; rank 0 lists them so every rank tries the same ones."""
+        paths = []
+        if self.world.is_logger:
+            named = self.settings.resume_from
+            if named:
+                named_path = Path(named)
+                paths.append(str(named_path))
+                older = committed(named_path.parent)
+                paths += [str(p) for p in older if _step_of(p) < _step_of(named_path)]
+            elif self.enabled:
+                paths = [str(p) for p in committed(self.directory)]
+        box = [paths]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def verify(self, path: Path) -> str | None:
+        """None if every file matches its manifest, else what is wrong (ranks share the work)."""
+        problem = None
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+            if manifest.get("format") != FORMAT:
+                raise ValueError(f"manifest format {manifest.get('format')}")
+            names = sorted(manifest["files"])
+            for name in names[self.world.rank :: self.world.size]:
+                expected, file = manifest["files"][name], path / name
+                if not file.is_file():
+                    problem = f"{name} is missing"
+                elif file.stat().st_size != expected["size"]:
+                    problem = f"{name} has {file.stat().st_size} bytes, not {expected['size']}"
+                elif sha256_of(file) != expected["sha256"]:
+                    problem = f"{name} does not match its SHA-256"
+                if problem:
+                    break
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problem = f"unreadable manifest: {e}"
+        problems: list = [None] * self.world.size
+        dist.all_gather_object(problems, problem)
+        found = [p for p in problems if p]
+        return found[0] if found else None
+
+    def resume(self) -> int:
+        """Load the newest checkpoint that verifies; the step it was taken after (0: none)."""
+        for candidate in self._candidates():
+            path = Path(candidate)
+            problem = self.verify(path)
+            if problem:
+                if self.world.is_logger:
+                    metrics.emit(
+                        {"event": "checkpoint_rejected", "path": str(path), "reason": problem}
+                    )
+                continue
+            return self._load(path)
+        return 0
+
+    def _load(self, path: Path) -> int:
+        manifest = json.loads((path / MANIFEST).read_text())
+        state, keys = self._state()
+        dcp.load(state, checkpoint_id=str(path))
+        for (part, opt), (model_keys, optimizer_keys) in zip(
+            zip(self.parts, self.optimizers.optimizers, strict=True), keys, strict=True
+        ):
+            set_model_state_dict(part, {k: state["model"][k] for k in model_keys})
+            set_optimizer_state_dict(
+                part, opt, {k: state["optimizer"][k] for k in optimizer_keys}, options=OPTIONS
+            )
+        _restore_rng(manifest.get("rng") or {})
+        step = int(manifest["step"])
+        self.batches.rebase(step, int(manifest["data"]["samples_seen"]))
+        self.resumed_from = str(path.resolve())
+        if self.world.is_logger:
+            metrics.emit(
+                {
+                    "event": "resume",
+                    "step": step,
+                    "path": self.resumed_from,
+                    "from_layout": manifest.get("layout"),
+                    "from_world_size": manifest.get("world_size"),
+                    "layout": self.config.layout.as_dict(),
+                    "time": time.time(),
+                }
+            )
+        return step
+
+
+def _step_of(path: Path) -> int:
+    name = path.name
+    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else 1 << 62
+
+
+def _shape(shape) -> dict:
+    return {name: getattr(shape, name) for name in shape.__dataclass_fields__}
+
+
+def _encode(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _rng_state(seed: int) -> dict:
+    state = {"seed": seed, "torch_cpu": _encode(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["torch_cuda"] = _encode(torch.cuda.get_rng_state())
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    if "torch_cpu" in state:
+        torch.set_rng_state(_decode(state["torch_cpu"]))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_decode(state["torch_cuda"]))
+
+
+def copy_to_s3(path: Path, s3, step: int) -> None:
+    """Upload one committed checkpoint, the manifest last, and report the outcome."""
+    uri = f"s3://{s3.bucket}/{s3.prefix.strip('/') + '/' if s3.prefix else ''}{path.name}"
+    try:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=s3.endpoint_url, region_name=s3.region)
+        key_prefix = uri.removeprefix(f"s3://{s3.bucket}/")
+        names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST)
+        for name in [*names, MANIFEST]:
+            client.upload_file(str(path / name), s3.bucket, f"{key_prefix}/{name}")
+    except Exception as e:  # a failed copy must not stop training
+        metrics.emit(
+            {"event": "checkpoint_copy_failed", "step": step, "uri": uri, "message": str(e)}
+        )
+        return
+    metrics.emit({"event": "checkpoint_copy", "step": step, "uri": uri, "time": time.time()})

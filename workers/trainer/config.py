@@ -1,0 +1,270 @@
+"""run.json: what one attempt of a training job is asked to do (no torch here).
+
+The control plane writes the file (apps/jobs/runconfig.py) and this module
+reads it; every field has a default, so a hand-written file for a laptop can
+be a few lines. Unknown keys are refused, so a misspelt setting fails the run
+at once instead of being ignored for a day of training.
+
+    {
+      "job": {"id": 7, "uuid": "…", "attempt": 1, "name": "…"},          # for the record
+      "model": {"preset": "tiny"} or {"sizes": {"layers": …, "dim": …, …}},
+      "data": {"dataset": "/data/tokens.bin" or "synthetic", "seq_len": 2048},
+      "schedule": {"steps": 1000, "global_batch": 64, "micro_batch": null,
+                   "lr": 3e-4, "min_lr_ratio": 0.1, "warmup_steps": 100,
+                   "weight_decay": 0.1, "grad_clip": 1.0},
+      "precision": "bf16",                        # bf16 (GPUs; CPUs train in fp32) or fp32
+      "activation_checkpointing": "selective",    # none, selective or full
+      "compile": false,                           # torch.compile each block and the loss
+      "attention_backend": "auto",                # GPU SDPA kernel: auto, flash, cudnn, efficient
+      "layout": {"dp_replicate": 1, "dp_shard": 8, "tp": 1, "pp": 1},
+      "pipeline": {"schedule": "1f1b", "microbatches": null, "stages_per_rank": 2},
+      "checkpoint": {"dir": "/shared/ckpt/job-7", "every_steps": 500, "every_minutes": null,
+                     "keep": 3, "resume_from": null, "s3": null},
+      "seed": 0,
+      "collective_timeout_s": 600,
+      "log_every": 1
+    }
+"""
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from workers.trainer.presets import PRESETS, ModelShape
+
+AC_MODES = ("none", "selective", "full")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b")
+PRECISIONS = ("bf16", "fp32")
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+class ConfigError(ValueError):
+    """run.json asks for something impossible; the message says which field."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    steps: int = 100
+    global_batch: int = 8
+    micro_batch: int | None = None  # sequences per forward on one rank; None: the whole local batch
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # None: pp (1F1B) or pp × stages_per_rank (interleaved)
+    stages_per_rank: int = 2  # interleaved 1F1B only
+
+
+@dataclass(frozen=True)
+class S3Copy:
+    bucket: str
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    dir: str | None = None
+    every_steps: int | None = None
+    every_minutes: float | None = None
+    keep: int = 3
+    resume_from: str | None = None
+    s3: S3Copy | None = None
+
+
+@dataclass(frozen=True)
+class Data:
+    dataset: str = "synthetic"
+    seq_len: int = 2048
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelShape
+    data: Data = field(default_factory=Data)
+    schedule: Schedule = field(default_factory=Schedule)
+    layout: Layout = field(default_factory=Layout)
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    checkpoint: Checkpointing = field(default_factory=Checkpointing)
+    precision: str = "bf16"
+    activation_checkpointing: str = "none"
+    compile: bool = False
+    attention_backend: str = "auto"
+    seed: int = 0
+    collective_timeout_s: float = 600.0
+    log_every: int = 1
+    job: dict = field(default_factory=dict)
+    model_name: str = "custom"
+
+    @property
+    def local_batch(self) -> int:
+        return self.schedule.global_batch // self.layout.dp
+
+
+def _section(cls, data, where: str):
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be an object")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    try:
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _model(data: dict) -> tuple[ModelShape, str]:
+    data = data or {}
+    preset, sizes = data.get("preset"), data.get("sizes")
+    if sizes:
+        shape = _section(ModelShape, sizes, "model.sizes")
+        name = "custom"
+    elif preset in PRESETS:
+        shape, name = PRESETS[preset], preset
+    else:
+        raise ConfigError(f"model: name a preset ({', '.join(PRESETS)}) or give sizes")
+    problems = shape.problems()
+    if problems:
+        raise ConfigError("model: " + "; ".join(problems))
+    return shape, name
+
+
+TOP_LEVEL = {
+    "job",
+    "model",
+    "data",
+    "schedule",
+    "layout",
+    "pipeline",
+    "checkpoint",
+    "precision",
+    "activation_checkpointing",
+    "compile",
+    "attention_backend",
+    "seed",
+    "collective_timeout_s",
+    "log_every",
+}
+
+
+def parse(data: dict) -> RunConfig:
+    unknown = sorted(set(data) - TOP_LEVEL)
+    if unknown:
+        raise ConfigError(f"unknown field(s) {', '.join(unknown)}")
+    shape, name = _model(data.get("model"))
+    checkpoint = dict(data.get("checkpoint") or {})
+    s3 = checkpoint.pop("s3", None)
+    config = RunConfig(
+        model=shape,
+        model_name=name,
+        data=_section(Data, data.get("data"), "data"),
+        schedule=_section(Schedule, data.get("schedule"), "schedule"),
+        layout=_section(Layout, data.get("layout"), "layout"),
+        pipeline=_section(Pipeline, data.get("pipeline"), "pipeline"),
+        checkpoint=_section(Checkpointing, checkpoint, "checkpoint"),
+        precision=data.get("precision") or "bf16",
+        activation_checkpointing=data.get("activation_checkpointing") or "none",
+        compile=bool(data.get("compile", False)),
+        attention_backend=data.get("attention_backend") or "auto",
+        seed=int(data.get("seed") or 0),
+        collective_timeout_s=float(data.get("collective_timeout_s") or 600),
+        log_every=int(data.get("log_every") or 1),
+        job=dict(data.get("job") or {}),
+    )
+    if s3:
+        config = _replace_checkpoint(config, s3=_section(S3Copy, s3, "checkpoint.s3"))
+    check(config)
+    return config
+
+
+def _replace_checkpoint(config: RunConfig, **changes) -> RunConfig:
+    from dataclasses import replace
+
+    return replace(config, checkpoint=replace(config.checkpoint, **changes))
+
+
+def check(config: RunConfig) -> None:
+    """Refuse what cannot run, naming the field; what depends on the world is checked at start."""
+    shape, layout, schedule = config.model, config.layout, config.schedule
+    if config.precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}")
+    if config.activation_checkpointing not in AC_MODES:
+        raise ConfigError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}")
+    if config.attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+    if config.pipeline.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}")
+    if min(layout.as_dict().values()) < 1:
+        raise ConfigError("layout: every dimension must be at least 1")
+    if shape.heads % layout.tp or shape.kv_heads % layout.tp:
+        raise ConfigError(f"layout.tp {layout.tp} must divide heads and kv_heads")
+    if layout.tp > 1 and config.data.seq_len % layout.tp:
+        raise ConfigError("data.seq_len must split over layout.tp (sequence parallelism)")
+    stages = layout.pp * (
+        config.pipeline.stages_per_rank if config.pipeline.schedule == "interleaved_1f1b" else 1
+    )
+    if layout.pp > 1 and shape.layers % stages:
+        raise ConfigError(f"the model's {shape.layers} layers do not split into {stages} stages")
+    if schedule.global_batch % layout.dp:
+        raise ConfigError(
+            f"schedule.global_batch {schedule.global_batch} does not split over {layout.dp} "
+            "data-parallel ranks"
+        )
+    if schedule.micro_batch and config.local_batch % schedule.micro_batch:
+        raise ConfigError("schedule.micro_batch must divide the batch of each data-parallel rank")
+    if layout.pp > 1 and config.local_batch % microbatches(config):
+        raise ConfigError("pipeline.microbatches must divide the batch of each data-parallel rank")
+    if config.data.seq_len > shape.max_seq_len:
+        raise ConfigError(f"data.seq_len is longer than the model's {shape.max_seq_len}")
+    if schedule.steps < 1 or config.log_every < 1:
+        raise ConfigError("schedule.steps and log_every must be at least 1")
+
+
+def microbatches(config: RunConfig) -> int:
+    pipeline = config.pipeline
+    if pipeline.microbatches:
+        return pipeline.microbatches
+    if pipeline.schedule == "interleaved_1f1b":
+        return config.layout.pp * pipeline.stages_per_rank
+    return config.layout.pp
+
+
+def load(path: str | Path) -> RunConfig:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return parse(data)

@@ -1,0 +1,101 @@
+"""What the trainer reports: one JSON object per line on stdout, from rank 0.
+
+The node agent relays every output line to the control plane, which picks out
+the lines that parse as JSON objects with an "event" key:
+
+    {"event": "step", "step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu",
+     "peak_mem_gib", "time", "step_time_s", "tokens"}
+    {"event": "checkpoint", "step", "path", "manifest_sha256", "size_bytes",
+     "world_size", "layout", "loss", "time", "files"}
+
+and, less often, "start", "resume", "checkpoint_rejected", "checkpoint_copy",
+"checkpoint_copy_failed" and "end" (see train.py and checkpoint.py).
+tokens_per_s counts the whole job's tokens; mfu is per GPU, with training
+FLOPs per token = 6N + 12·L·d·S against the GPU's dense bf16 peak (null on
+CPUs and on GPUs not in the table); peak_mem_gib is the most memory the
+allocator held on rank 0's GPU since the previous report (on a CPU, the
+process's peak resident set).
+"""
+
+import json
+import resource
+import sys
+import threading
+import time
+
+import torch
+
+# Dense bf16 tensor-core peaks (vendor datasheets), matched against the device name.
+PEAK_BF16_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+}
+
+_lock = threading.Lock()
+
+
+def emit(event: dict) -> None:
+    """Print one event as a JSON line (threads may report too: one line at a time)."""
+    line = json.dumps(event, separators=(",", ":"), allow_nan=True)
+    with _lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    # PCIe and NVL variants have lower clocks and peaks; count only the SXM parts we know.
+    if any(variant in name for variant in ("PCIe", "NVL")):
+        return None
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class StepMeter:
+    """Throughput and utilisation of each step, measured between step ends on rank 0."""
+
+    def __init__(self, *, device, tokens_per_step: int, flops_per_token: int, gpus: int):
+        self.device = device
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.gpus = gpus
+        self.peak = peak_flops(device)
+        self.tokens = 0
+        self._last = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        self._last = time.perf_counter()
+
+    def step(self, *, step: int, loss: float, grad_norm: float, lr: float) -> dict:
+        now = time.perf_counter()
+        elapsed, self._last = now - self._last, now
+        self.tokens += self.tokens_per_step
+        tokens_per_s = self.tokens_per_step / elapsed
+        mfu = None
+        if self.peak:
+            mfu = round(tokens_per_s * self.flops_per_token / (self.gpus * self.peak), 4)
+        return {
+            "event": "step",
+            "step": step,
+            "loss": round(loss, 6),
+            "grad_norm": round(grad_norm, 6),
+            "lr": lr,
+            "tokens_per_s": round(tokens_per_s, 1),
+            "mfu": mfu,
+            "peak_mem_gib": round(peak_memory_gib(self.device), 3),
+            "time": time.time(),
+            "step_time_s": round(elapsed, 4),
+            "tokens": self.tokens,
+        }

@@ -1,0 +1,192 @@
+"""The model: a Llama-style decoder in plain PyTorch, with no parallelism in it.
+
+RMSNorm before attention and before the feed-forward, rotary position
+embeddings, SwiGLU, grouped-query attention through the fused
+scaled-dot-product kernel. parallelize.py shards, pipelines, recomputes and
+compiles it from outside; the code here only has to keep to habits that make
+that possible:
+
+- shapes come from the tensors, never from the configuration (`view(b, s, -1,
+  head_dim)`), so a tensor-parallel shard with a fraction of the heads runs
+  the same code;
+- the blocks live in a ModuleDict keyed by their index, so a pipeline stage
+  that keeps blocks 8 to 15 still names them `layers.8`..`layers.15` and
+  checkpoints move between pipeline layouts;
+- the embedding, the final norm and the output head may be None (a pipeline
+  stage that does not own them), and forward skips what is missing.
+"""
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.trainer.presets import ModelShape
+
+ROPE_THETA = 10_000.0
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.head_dim = shape.head_dim
+        self.wq = nn.Linear(shape.dim, shape.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(shape.dim, shape.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(shape.dim, shape.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(shape.heads * self.head_dim, shape.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        # The tables cover max_seq_len; the sequence is whatever arrived (under sequence
+        # parallelism only q, after the gather, has the whole of it).
+        cos, sin = cos[:seq], sin[:seq]
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        # Grouped-query attention: each KV head serves heads/kv_heads query heads.
+        # Expanding here keeps every SDPA backend (flash, cuDNN, CPU) available.
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.w1 = nn.Linear(shape.dim, shape.ffn_dim, bias=False)
+        self.w3 = nn.Linear(shape.dim, shape.ffn_dim, bias=False)
+        self.w2 = nn.Linear(shape.ffn_dim, shape.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: ModelShape, norm_eps: float):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(shape.dim, eps=norm_eps)
+        self.attention = Attention(shape)
+        self.ffn_norm = nn.RMSNorm(shape.dim, eps=norm_eps)
+        self.feed_forward = FeedForward(shape)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, shape: ModelShape, *, norm_eps: float = 1e-5):
+        super().__init__()
+        problems = shape.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.shape = shape
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(shape.vocab_size, shape.dim)
+        self.layers = nn.ModuleDict({str(i): Block(shape, norm_eps) for i in range(shape.layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(shape.dim, eps=norm_eps)
+        self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        # Rotary tables are derived, not learned: not saved, rebuilt by init_weights.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids in (first stage) or hidden states in (later stages); logits or hidden out."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
+            h = block(h, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, *, seed: int, device: torch.device) -> None:
+        """Fill every parameter, wherever it lives and however it is sharded, the same way.
+
+        Each parameter's full value comes from its own generator, seeded by the
+        run's seed and the parameter's name, on the compute device; each rank
+        keeps its own shard of it. So a model initialises identically on one
+        process or sixty-four, under any layout, and a pipeline stage gets the
+        same blocks it would have had in one piece. Generating the full tensor
+        costs a moment per parameter on a GPU, and needs no collective.
+        """
+        self.rope_cos, self.rope_sin = rotary_tables(self.shape, device)
+        depth_scale = 1 / math.sqrt(2 * self.shape.layers)
+        for name, param in self.named_parameters():
+            name = canonical_name(name)
+            if name.endswith("norm.weight"):
+                fill(param, torch.ones(param.shape, device=device))
+                continue
+            std = 0.02
+            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                std *= depth_scale  # residual branches: keep the stream's variance flat with depth
+            elif name == "output.weight":
+                std = self.shape.dim**-0.5
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.randn(param.shape, generator=generator, device=device) * std
+            fill(param, full)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the wrappers parallelize.py may have put around its module."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def fill(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy `full` (the whole tensor) into `param`, which may be one shard of a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank cuts its own shard from its own copy, no scatter.
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
+
+
+def rotary_tables(shape: ModelShape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position × frequency, (max_seq_len, head_dim), halves repeated."""
+    half = shape.head_dim // 2
+    freqs = ROPE_THETA ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
+    angles = torch.outer(torch.arange(shape.max_seq_len, device=device, dtype=torch.float32), freqs)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of (batch, seq, heads, head_dim), the two halves of each head paired."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+def use_attention_backend(name: str) -> None:
+    """Restrict GPU attention to one fused SDPA kernel ("auto" leaves torch's own choice).
+
+    On Hopper, cuDNN's attention is faster than the flash kernel torch ships for
+    head dimension 64; the choice is global and must be made before compiling.
+    """
+    if name == "auto" or not torch.cuda.is_available():
+        return
+    backends = torch.backends.cuda
+    backends.enable_flash_sdp(name == "flash")
+    backends.enable_mem_efficient_sdp(name == "efficient")
+    backends.enable_cudnn_sdp(name == "cudnn")
+    backends.enable_math_sdp(name == "math")
+
+
+def flops_per_token(shape: ModelShape, seq_len: int) -> int:
+    """Training FLOPs per token: 6N for the matrices, 12·L·d·S for attention (PaLM's count)."""
+    return 6 * shape.parameters() + 12 * shape.layers * shape.dim * seq_len

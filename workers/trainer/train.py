@@ -1,0 +1,237 @@
+"""The training loop: build, resume, then step until done or asked to stop.
+
+Each step: the learning rate for the step, forward and backward over this
+rank's share of the batch (through the pipeline schedule when there is one),
+clipping, the optimizer step, then one small all-reduce in which every rank
+adds its part of the loss and its stop flag, so all ranks see the same loss
+and agree, after the same step, whether to checkpoint and stop.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from workers.trainer import metrics, parallelize
+from workers.trainer.checkpoint import Checkpointer
+from workers.trainer.config import RunConfig
+from workers.trainer.data import Batches, open_source
+from workers.trainer.model import Transformer, flops_per_token, use_attention_backend
+from workers.trainer.optim import Optimizers
+from workers.trainer.stopping import StepWatchdog, StopSignal
+
+
+@dataclass
+class Outcome:
+    reason: str  # finished or preempted
+    step: int
+
+
+@dataclass
+class Progress:
+    """Where the run is, for the exit status when something fails mid-step."""
+
+    step: int = 0
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class Model:
+    """This rank's model parts, and how to run forward and backward over a batch with them."""
+
+    def __init__(self, world: parallelize.World):
+        self.world = world
+        config = world.config
+        with torch.device("meta"):
+            whole = Transformer(config.model)
+        self.loss_fn = torch.compile(cross_entropy) if config.compile else cross_entropy
+        stages = parallelize.split_stages(whole, world)
+        for _, part in stages:
+            parallelize.parallelize(part, world)
+            part.to_empty(device=world.device)
+            part.init_weights(seed=config.seed, device=world.device)
+        if world.data_parallel == "ddp":
+            stages = [(index, parallelize.wrap_ddp(part, world)) for index, part in stages]
+        self.parts = [part for _, part in stages]
+        self.schedule = None
+        if config.layout.pp > 1:
+            self.schedule = parallelize.pipeline_schedule(stages, world, self.loss_fn)
+            stage_count = config.layout.pp * len(stages)
+            self.has_first = any(index == 0 for index, _ in stages)
+            self.has_last = any(index == stage_count - 1 for index, _ in stages)
+        else:
+            self.has_first = self.has_last = True
+
+    def train(self) -> None:
+        for part in self.parts:
+            part.train()
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Accumulate this batch's gradients; return its mean loss (0 where no loss is computed)."""
+        device = self.world.device
+        inputs, targets = (
+            inputs.to(device, non_blocking=True),
+            targets.to(device, non_blocking=True),
+        )
+        with self.world.autocast:
+            if self.schedule is not None:
+                return self._pipelined(inputs, targets)
+            return self._accumulated(inputs, targets)
+
+    def _pipelined(self, inputs, targets) -> torch.Tensor:
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        if self.has_first:
+            self.schedule.step(inputs, target=targets, losses=losses)
+        else:
+            self.schedule.step(target=targets, losses=losses)
+        if not self.has_last:
+            return torch.zeros((), device=self.world.device)
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    def _accumulated(self, inputs, targets) -> torch.Tensor:
+        micro = self.world.config.schedule.micro_batch or inputs.shape[0]
+        chunks = list(zip(inputs.split(micro), targets.split(micro), strict=True))
+        total = torch.zeros((), device=self.world.device)
+        for index, (chunk_inputs, chunk_targets) in enumerate(chunks):
+            self._sync_gradients(index == len(chunks) - 1)
+            loss = self.loss_fn(self.parts[0](chunk_inputs), chunk_targets) / len(chunks)
+            loss.backward()
+            total += loss.detach().float()
+        return total
+
+    def _sync_gradients(self, sync: bool) -> None:
+        """Reduce gradients only after the last microbatch of a step (FSDP2 and DDP)."""
+        part = self.parts[0]
+        if hasattr(part, "set_requires_gradient_sync"):
+            part.set_requires_gradient_sync(sync)
+        elif hasattr(part, "require_backward_grad_sync"):
+            part.require_backward_grad_sync = sync
+
+
+@dataclass
+class Agreement:
+    loss: float
+    grad_norm: float
+    stop: bool
+    save: bool
+
+
+def agree(world: parallelize.World, loss, grad_norm, *, stop: bool, save: bool) -> Agreement:
+    """One all-reduce over the world: the step's figures and whether to stop or save after it.
+
+    Every rank votes to stop (its signal flag); rank 0 alone decides time-based
+    saves and contributes the gradient norm (the same on every rank). The loss
+    comes from the ranks that hold it and lead their tensor-parallel group
+    (last pipeline stage, tp rank 0), each adding its share of the mean.
+    """
+    device = world.device
+    holds_loss = world.coordinate("tp") == 0 and world.pp_rank == world.config.layout.pp - 1
+    zero = torch.zeros((), device=device)
+    values = torch.stack(
+        [
+            loss.float() / world.config.layout.dp if holds_loss else zero,
+            grad_norm.float() if world.is_logger else zero,
+            torch.tensor(float(stop), device=device),
+            torch.tensor(float(save and world.is_logger), device=device),
+        ]
+    )
+    dist.all_reduce(values)
+    mean_loss, norm, stop_votes, save_votes = values.tolist()
+    return Agreement(mean_loss, norm, stop_votes > 0, save_votes > 0)
+
+
+def run(config: RunConfig, progress: Progress) -> Outcome:
+    world = parallelize.start_world(config)
+    stop = StopSignal()
+    torch.manual_seed(config.seed)
+    use_attention_backend(config.attention_backend)
+
+    model = Model(world)
+    pp_group = world.mesh["pp"].get_group() if config.layout.pp > 1 else None
+    optimizers = Optimizers(model.parts, config.schedule, pp_group=pp_group)
+    source = open_source(
+        config.data.dataset, seq_len=config.data.seq_len, vocab_size=config.model.vocab_size
+    )
+    batches = Batches(
+        source,
+        seed=config.seed,
+        global_batch=config.schedule.global_batch,
+        dp_rank=world.dp_rank,
+        dp_size=config.layout.dp,
+    )
+    checkpoints = Checkpointer(world, model.parts, optimizers, batches)
+    checkpoints.prepare()
+    step = checkpoints.resume()
+    progress.step = step
+
+    tokens_per_step = config.schedule.global_batch * config.data.seq_len
+    meter = metrics.StepMeter(
+        device=world.device,
+        tokens_per_step=tokens_per_step,
+        flops_per_token=flops_per_token(config.model, config.data.seq_len),
+        gpus=world.size,
+    )
+    meter.tokens = step * tokens_per_step
+    if world.is_logger:
+        metrics.emit(_start_event(world, step, checkpoints.resumed_from))
+    watchdog = StepWatchdog(config.collective_timeout_s, rank=world.rank)
+    model.train()
+    reason = "finished"
+    try:
+        while step < config.schedule.steps:
+            step += 1
+            lr = optimizers.set_lr(step)
+            loss = model.forward_backward(*batches.at(step))
+            grad_norm = optimizers.clip()
+            optimizers.step()
+            after = agree(world, loss, grad_norm, stop=stop.requested, save=checkpoints.due(step))
+            progress.step = step
+            watchdog.beat(step)
+            last = step == config.schedule.steps
+            if world.is_logger and (step % config.log_every == 0 or last):
+                metrics.emit(
+                    meter.step(step=step, loss=after.loss, grad_norm=after.grad_norm, lr=lr)
+                )
+            if checkpoints.enabled and (after.save or after.stop or last):
+                watchdog.pause()
+                record = checkpoints.save(step, after.loss)
+                if record:
+                    metrics.emit(record)
+                meter.restart_clock()
+            if after.stop:
+                reason = "preempted"
+                break
+    finally:
+        watchdog.close()
+    checkpoints.wait_for_copies()
+    if world.is_logger:
+        metrics.emit({"event": "end", "reason": reason, "step": step, "time": time.time()})
+    dist.barrier()
+    dist.destroy_process_group()
+    return Outcome(reason, step)
+
+
+def _start_event(world: parallelize.World, step: int, resumed_from: str | None) -> dict:
+    config = world.config
+    return {
+        "event": "start",
+        "step": step,
+        "resumed_from": resumed_from,
+        "model": config.model_name,
+        "parameters": config.model.parameters(),
+        "layout": config.layout.as_dict(),
+        "world_size": world.size,
+        "device": torch.cuda.get_device_name(world.device) if world.on_gpu else "cpu",
+        "dtype": str(world.compute_dtype).removeprefix("torch."),
+        "data_parallel": world.data_parallel,
+        "pipeline": config.pipeline.schedule if config.layout.pp > 1 else None,
+        "activation_checkpointing": config.activation_checkpointing,
+        "compile": config.compile,
+        "attention_backend": config.attention_backend,
+        "torch": torch.__version__,
+        "time": time.time(),
+    }
