@@ -18,7 +18,7 @@ DEV_ENV := DJANGO_DEBUG=1 SECRET_KEY_FILE=var/secret_key SECURE_COOKIES=0 \
 	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL= \
 	CONTROLPLANE_URL=http://127.0.0.1:$(PORT) NODE_MIN_FREE_DISK_GB=1
 
-.PHONY: run test test-fast lint format bench bench-api bench-scheduler clean install system-test-deps
+.PHONY: run test test-fast lint format bench bench-api bench-scheduler bench-trainer clean install system-test-deps
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,13 @@ bench-api: $(VENV)/.installed
 bench-scheduler: $(VENV)/.installed
 	$(BIN)/python -m bench.scheduler_plan
 	$(BIN)/python -m bench.scheduler
+
+# The trainer against Hugging Face's LlamaForCausalLM on one GPU (bench/trainer.py). It needs
+# python3 with torch (and transformers for the baseline), not .venv: on a GPU machine the
+# system's python3; without a GPU it says so and runs a tiny CPU smoke configuration.
+bench-trainer:
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m bench.trainer $(BENCH_ARGS); \
+	else $(MAKE) --no-print-directory install && $(BIN)/python -m bench.trainer $(BENCH_ARGS); fi
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache .hypothesis

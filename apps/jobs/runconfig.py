@@ -19,6 +19,7 @@ def checkpoint_dir(job: Job) -> str:
 
 
 def trainer_run_config(job: Job, *, attempt: int) -> str:
+    """run.json; its fields and defaults are documented in workers/trainer/config.py."""
     trainer = job.spec["trainer"]
     config = {
         "job": {"id": job.pk, "uuid": str(job.uuid), "attempt": attempt, "name": job.name},
@@ -27,21 +28,35 @@ def trainer_run_config(job: Job, *, attempt: int) -> str:
         "schedule": {
             "steps": trainer["steps"],
             "global_batch": trainer["global_batch"],
+            **{
+                key: trainer[key]
+                for key in ("micro_batch", "lr", "warmup_steps", "min_lr_ratio", "grad_clip")
+                if trainer.get(key) is not None
+            },
         },
         "precision": trainer.get("precision", "bf16"),
         "activation_checkpointing": trainer.get("activation_checkpointing", "selective"),
         "compile": trainer.get("compile", False),
+        "attention_backend": trainer.get("attention_backend", "auto"),
         "layout": {
             "dp_replicate": job.dp_replicate,
             "dp_shard": job.dp_shard,
             "tp": job.tp,
             "pp": job.pp,
         },
+        # Pipeline schedule: "1f1b" or "interleaved_1f1b" (stages_per_rank stages on each rank).
+        "pipeline": trainer.get("pipeline") or {"schedule": "1f1b"},
         "checkpoint": {
             "dir": checkpoint_dir(job),
             "every_steps": trainer.get("checkpoint_every_steps"),
             "every_minutes": trainer.get("checkpoint_every_minutes"),
-            "resume_from": None,  # the checkpoints issue names the newest verified one
+            "keep": trainer.get("checkpoint_keep", 3),
+            # None: the trainer resumes from the newest checkpoint in dir whose manifest verifies.
+            "resume_from": None,
         },
+        # The same seed on every attempt: a resumed run continues the same data order.
+        "seed": trainer.get("seed", 0),
+        "collective_timeout_s": trainer.get("collective_timeout_s", 600),
+        "log_every": trainer.get("log_every", 1),
     }
     return json.dumps(config, indent=2, sort_keys=True)

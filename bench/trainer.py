@@ -1,0 +1,270 @@
+"""The bundled trainer against the baseline a user would pick, on one GPU (issue 6, "Speed").
+
+Both train the `1b` preset's shape (hidden 2048, 22 layers, 32 heads sharing 4
+KV heads, FFN 5632, vocabulary 32,000) on sequences of 2048 with the same batch,
+bf16 compute, fused AdamW, gradient clipping at 1.0 and no activation
+checkpointing, on the same synthetic token windows:
+
+- the trainer: `python -m workers.trainer --config run.json` as the control
+  plane would start it (a world of one, no torchrun), with compile on; its
+  tokens/s, MFU and peak memory are read from the step lines it prints;
+- the baseline: Hugging Face transformers' LlamaForCausalLM of exactly that
+  shape (untied embeddings, SDPA attention), fp32 weights under bf16 autocast,
+  `torch.compile(model)`, fused AdamW, loss from `labels=`.
+
+Each side runs in its own process (its own compile caches and allocator);
+the first --warmup steps are not counted; figures are medians of the per-step
+rates that follow. Variants of the trainer (--variants, comma-separated
+attention backends) run one after another, and the last line reports the
+fastest:
+
+    trainer: tokens_per_s=<n> baseline_tokens_per_s=<n> ratio=<x> mfu=<x>
+             peak_mem_gib=<n> layout=<...>     (on one line)
+
+Needs only python3 and torch (transformers for the baseline): no Django, no
+.venv, no network. Without a GPU it says so and runs a tiny smoke configuration
+on the CPU instead, so `make bench-trainer` stays harmless on a laptop.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from workers.trainer.presets import PRESETS  # noqa: E402  (torch-free, as the control plane uses it)
+
+PEAK_BF16 = 989e12  # H100 and H200 SXM, dense
+
+
+def flops_per_token(shape, seq_len: int) -> int:
+    return 6 * shape.parameters() + 12 * shape.layers * shape.dim * seq_len
+
+
+# --- the trainer ----------------------------------------------------------------------------------
+
+
+def trainer_config(args, attention: str, *, gpu: bool) -> dict:
+    return {
+        "model": {"preset": args.preset},
+        "data": {"dataset": "synthetic", "seq_len": args.seq_len},
+        "schedule": {
+            "steps": args.warmup + args.steps,
+            "global_batch": args.batch,
+            "lr": 3e-4,
+            "warmup_steps": 10,
+            "grad_clip": 1.0,
+        },
+        "precision": "bf16",
+        "activation_checkpointing": "none",
+        "compile": gpu,
+        "attention_backend": attention,
+        "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1},
+        "checkpoint": {"dir": None},
+    }
+
+
+def run_trainer(args, attention: str, *, gpu: bool) -> dict:
+    with tempfile.TemporaryDirectory() as scratch:
+        config_path = Path(scratch) / "run.json"
+        config_path.write_text(json.dumps(trainer_config(args, attention, gpu=gpu)))
+        env = {**os.environ, "CONTROLPLANE_STATUS_FILE": str(Path(scratch) / "status.json")}
+        started = time.monotonic()
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "workers.trainer", "--config", str(config_path)],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+            )
+        except subprocess.TimeoutExpired as e:
+            return {"error": f"timed out after {e.timeout:.0f} s"}
+        wall = time.monotonic() - started
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    steps = [e for e in events if e.get("event") == "step" and e["step"] > args.warmup]
+    if done.returncode or not steps:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        return {"error": f"exit {done.returncode}: " + " | ".join(tail)}
+    mfus = [e["mfu"] for e in steps if e["mfu"] is not None]
+    return {
+        "tokens_per_s": statistics.median(e["tokens_per_s"] for e in steps),
+        "mfu": statistics.median(mfus) if mfus else None,
+        "peak_mem_gib": max(e["peak_mem_gib"] for e in steps),
+        "first_loss": events[1]["loss"] if len(events) > 1 and "loss" in events[1] else None,
+        "last_loss": steps[-1]["loss"],
+        "wall_s": round(wall, 1),
+    }
+
+
+# --- the baseline (its own process: python -m bench.trainer --baseline ...) ----------------------
+
+
+def baseline(args) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workers.trainer.data import Batches, SyntheticSource
+
+    shape = PRESETS[args.preset]
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.dim,
+        intermediate_size=shape.ffn_dim,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_seq_len,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with device:
+        model = LlamaForCausalLM(config)
+    model.train()
+    step_fn = torch.compile(model) if gpu else model
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=gpu or None
+    )
+    batches = Batches(
+        SyntheticSource(shape.vocab_size, args.seq_len),
+        seed=0,
+        global_batch=args.batch,
+        dp_rank=0,
+        dp_size=1,
+    )
+    rates, losses = [], []
+    for step in range(1, args.warmup + args.steps + 1):
+        inputs, _ = batches.at(step)
+        inputs = inputs.to(device)
+        started = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu):
+            loss = step_fn(input_ids=inputs, labels=inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # a user logs the loss: one sync per step, as the trainer
+        if step > args.warmup:
+            rates.append(args.batch * args.seq_len / (time.perf_counter() - started))
+    tokens_per_s = statistics.median(rates)
+    return {
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token(shape, args.seq_len) / PEAK_BF16 if gpu else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "transformers": __import__("transformers").__version__,
+    }
+
+
+def run_baseline(args) -> dict:
+    command = [
+        sys.executable,
+        "-m",
+        "bench.trainer",
+        "--baseline",
+        *("--preset", args.preset, "--batch", str(args.batch), "--seq-len", str(args.seq_len)),
+        *("--steps", str(args.steps), "--warmup", str(args.warmup)),
+    ]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout
+        )
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"timed out after {e.timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        return {"error": f"exit {done.returncode}: " + " | ".join(tail)}
+    return {**json.loads(lines[-1]), "wall_s": round(time.monotonic() - started, 1)}
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+
+def describe_machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"torch {torch.__version__}, {gpu}, Python {sys.version.split()[0]}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.trainer", description=__doc__)
+    parser.add_argument("--preset", default="1b")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=20, help="measured steps (default 20)")
+    parser.add_argument("--warmup", type=int, default=8, help="steps not counted (default 8)")
+    parser.add_argument("--variants", default="auto,cudnn", help="attention backends to try")
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--timeout", type=float, default=540, help="seconds per process")
+    parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.baseline:
+        print(json.dumps(baseline(args)), flush=True)
+        return 0
+
+    import torch
+
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        print("bench.trainer: no CUDA GPU here; running the CPU smoke configuration (tiny preset)")
+        args.preset, args.batch, args.seq_len = "tiny", 4, 64
+        args.steps, args.warmup, args.variants = 4, 2, "auto"
+    print(
+        f"bench.trainer: {describe_machine()}; preset {args.preset}, batch {args.batch}, "
+        f"sequence {args.seq_len}, {args.warmup} warm-up + {args.steps} measured steps",
+        flush=True,
+    )
+
+    results = {}
+    for variant in args.variants.split(","):
+        results[variant] = run_trainer(args, variant, gpu=gpu)
+        print(f"trainer[{variant}]: {json.dumps(results[variant])}", flush=True)
+    base = {"error": "skipped"}
+    if not args.no_baseline:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            base = {"error": "transformers is not installed"}
+        else:
+            base = run_baseline(args)
+        print(f"baseline: {json.dumps(base)}", flush=True)
+
+    measured = {k: v for k, v in results.items() if "tokens_per_s" in v}
+    if not measured:
+        print("trainer: every variant failed")
+        return 1
+    best_name, best = max(measured.items(), key=lambda item: item[1]["tokens_per_s"])
+    base_rate = base.get("tokens_per_s")
+    ratio = f"{best['tokens_per_s'] / base_rate:.3f}" if base_rate else "n/a"
+    mfu = f"{best['mfu']:.3f}" if best["mfu"] is not None else "n/a"
+    print(
+        f"trainer: tokens_per_s={best['tokens_per_s']:.0f} "
+        f"baseline_tokens_per_s={f'{base_rate:.0f}' if base_rate else 'n/a'} ratio={ratio} "
+        f"mfu={mfu} peak_mem_gib={best['peak_mem_gib']:.1f} "
+        f"layout=dp_replicate1.dp_shard1.tp1.pp1{'+compile' if gpu else ''}+attention:{best_name}"
+        f"+batch{args.batch}x{args.seq_len}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
