@@ -14,9 +14,9 @@ checkpointing, on the same synthetic token windows:
 
 Each side runs in its own process (its own compile caches and allocator);
 the first --warmup steps are not counted; figures are medians of the per-step
-rates that follow. Variants of the trainer (--variants, comma-separated
-attention backends) run one after another, and the last line reports the
-fastest:
+rates that follow. Variants of the trainer (--variants, comma-separated names
+from VARIANTS, "a+b" for both) run one after another, and the last line
+reports the fastest:
 
     trainer: tokens_per_s=<n> baseline_tokens_per_s=<n> ratio=<x> mfu=<x>
              peak_mem_gib=<n> layout=<...>     (on one line)
@@ -44,6 +44,30 @@ from workers.trainer.presets import PRESETS  # noqa: E402  (torch-free, as the c
 
 PEAK_BF16 = 989e12  # H100 and H200 SXM, dense
 
+# Trainer variants: run.json settings over the defaults; "a+b" applies both.
+VARIANTS = {
+    "auto": {},
+    "cudnn": {"attention_backend": "cudnn"},
+    "flash": {"attention_backend": "flash"},
+    "gqa": {"kernels": {"native_gqa": True}},  # the default since 2026-12-01
+    "repeat": {"kernels": {"native_gqa": False}},  # k and v repeated for every query head
+    "fused": {"kernels": {"fused_projections": True}},
+    "fsdp1": {"kernels": {"single_gpu_fsdp": True}},
+    "cdt": {"kernels": {"coordinate_descent_tuning": True}},
+    "autotune": {"kernels": {"compile_mode": "max-autotune-no-cudagraphs"}},
+}
+
+
+def variant_settings(name: str) -> dict:
+    settings: dict = {"kernels": {}}
+    for part in name.split("+"):
+        for key, value in VARIANTS[part].items():
+            if key == "kernels":
+                settings["kernels"].update(value)
+            else:
+                settings[key] = value
+    return settings
+
 
 def flops_per_token(shape, seq_len: int) -> int:
     return 6 * shape.parameters() + 12 * shape.layers * shape.dim * seq_len
@@ -52,7 +76,7 @@ def flops_per_token(shape, seq_len: int) -> int:
 # --- the trainer ----------------------------------------------------------------------------------
 
 
-def trainer_config(args, attention: str, *, gpu: bool) -> dict:
+def trainer_config(args, variant: str, *, gpu: bool) -> dict:
     return {
         "model": {"preset": args.preset},
         "data": {"dataset": "synthetic", "seq_len": args.seq_len},
@@ -66,16 +90,16 @@ def trainer_config(args, attention: str, *, gpu: bool) -> dict:
         "precision": "bf16",
         "activation_checkpointing": "none",
         "compile": gpu,
-        "attention_backend": attention,
+        **variant_settings(variant),
         "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1},
         "checkpoint": {"dir": None},
     }
 
 
-def run_trainer(args, attention: str, *, gpu: bool) -> dict:
+def run_trainer(args, variant: str, *, gpu: bool) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         config_path = Path(scratch) / "run.json"
-        config_path.write_text(json.dumps(trainer_config(args, attention, gpu=gpu)))
+        config_path.write_text(json.dumps(trainer_config(args, variant, gpu=gpu)))
         env = {**os.environ, "CONTROLPLANE_STATUS_FILE": str(Path(scratch) / "status.json")}
         started = time.monotonic()
         try:
@@ -211,7 +235,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20, help="measured steps (default 20)")
     parser.add_argument("--warmup", type=int, default=8, help="steps not counted (default 8)")
-    parser.add_argument("--variants", default="auto,cudnn", help="attention backends to try")
+    parser.add_argument(
+        "--variants", default="auto", help=f"trainer variants, a+b combined: {', '.join(VARIANTS)}"
+    )
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per process")
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
@@ -260,7 +286,7 @@ def main(argv=None) -> int:
         f"trainer: tokens_per_s={best['tokens_per_s']:.0f} "
         f"baseline_tokens_per_s={f'{base_rate:.0f}' if base_rate else 'n/a'} ratio={ratio} "
         f"mfu={mfu} peak_mem_gib={best['peak_mem_gib']:.1f} "
-        f"layout=dp_replicate1.dp_shard1.tp1.pp1{'+compile' if gpu else ''}+attention:{best_name}"
+        f"layout=dp_replicate1.dp_shard1.tp1.pp1{'+compile' if gpu else ''}+{best_name}"
         f"+batch{args.batch}x{args.seq_len}"
     )
     return 0

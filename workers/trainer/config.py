@@ -16,6 +16,7 @@ at once instead of being ignored for a day of training.
       "activation_checkpointing": "selective",    # none, selective or full
       "compile": false,                           # torch.compile each block and the loss
       "attention_backend": "auto",                # GPU SDPA kernel: auto, flash, cudnn, efficient
+      "kernels": {"fused_projections": false, …},  # see Kernels
       "layout": {"dp_replicate": 1, "dp_shard": 8, "tp": 1, "pp": 1},
       "pipeline": {"schedule": "1f1b", "microbatches": null, "stages_per_rank": 2},
       "checkpoint": {"dir": "/shared/ckpt/job-7", "every_steps": 500, "every_minutes": null,
@@ -101,6 +102,17 @@ class Checkpointing:
 
 
 @dataclass(frozen=True)
+class Kernels:
+    """How the arithmetic is done on GPUs, not what it computes (bench/RESULTS.md measures each)."""
+
+    fused_projections: bool = False  # q·k·v and gate·up as single products (ignored under TP)
+    native_gqa: bool = True  # SDPA's grouped-query attention (flash, math) instead of repeating
+    single_gpu_fsdp: bool = False  # one data-parallel rank: FSDP2's bf16 policy, not autocast
+    compile_mode: str = "default"  # torch.compile mode for each block
+    coordinate_descent_tuning: bool = False  # inductor tunes its generated kernels' launch sizes
+
+
+@dataclass(frozen=True)
 class Data:
     dataset: str = "synthetic"
     seq_len: int = 2048
@@ -118,6 +130,7 @@ class RunConfig:
     activation_checkpointing: str = "none"
     compile: bool = False
     attention_backend: str = "auto"
+    kernels: Kernels = field(default_factory=Kernels)
     seed: int = 0
     collective_timeout_s: float = 600.0
     log_every: int = 1
@@ -172,6 +185,7 @@ TOP_LEVEL = {
     "activation_checkpointing",
     "compile",
     "attention_backend",
+    "kernels",
     "seed",
     "collective_timeout_s",
     "log_every",
@@ -197,6 +211,7 @@ def parse(data: dict) -> RunConfig:
         activation_checkpointing=data.get("activation_checkpointing") or "none",
         compile=bool(data.get("compile", False)),
         attention_backend=data.get("attention_backend") or "auto",
+        kernels=_section(Kernels, data.get("kernels"), "kernels"),
         seed=int(data.get("seed") or 0),
         collective_timeout_s=float(data.get("collective_timeout_s") or 600),
         log_every=int(data.get("log_every") or 1),

@@ -29,6 +29,10 @@ ROPE_THETA = 10_000.0
 
 
 class Attention(nn.Module):
+    # Kernel choices (Transformer.use_kernels); parameters and results are the same either way.
+    fused_projections = False  # q, k and v from one matrix product over the concatenated weights
+    native_gqa = False  # SDPA's own grouped-query attention instead of repeating k and v
+
     def __init__(self, shape: ModelShape):
         super().__init__()
         self.head_dim = shape.head_dim
@@ -39,26 +43,38 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.fused_projections:
+            weight = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
+            sizes = [self.wq.out_features, self.wk.out_features, self.wv.out_features]
+            q, k, v = F.linear(x, weight).split(sizes, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(batch, seq, -1, self.head_dim)
+        k = k.view(batch, seq, -1, self.head_dim)
+        v = v.view(batch, seq, -1, self.head_dim)
         # The tables cover max_seq_len; the sequence is whatever arrived (under sequence
         # parallelism only q, after the gather, has the whole of it).
         cos, sin = cos[:seq], sin[:seq]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        # Grouped-query attention: each KV head serves heads/kv_heads query heads.
-        # Expanding here keeps every SDPA backend (flash, cuDNN, CPU) available.
+        # Grouped-query attention: each KV head serves heads/kv_heads query heads. SDPA
+        # does that itself only in its flash and math kernels; expanding k and v here
+        # keeps every backend (cuDNN, CPU) available.
         group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if group > 1 and self.native_gqa:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            if group > 1:
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    fused_projections = False  # w1 x and w3 x from one matrix product
 
     def __init__(self, shape: ModelShape):
         super().__init__()
@@ -67,7 +83,11 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(shape.ffn_dim, shape.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.fused_projections:
+            gate, up = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).chunk(2, dim=-1)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -106,6 +126,13 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+    def use_kernels(self, *, fused_projections: bool, native_gqa: bool) -> None:
+        """Choose how blocks compute (not what): fused projections need whole, unsplit weights."""
+        for block in self.layers.values():
+            block.attention.fused_projections = fused_projections
+            block.attention.native_gqa = native_gqa
+            block.feed_forward.fused_projections = fused_projections
 
     @torch.no_grad()
     def init_weights(self, *, seed: int, device: torch.device) -> None:

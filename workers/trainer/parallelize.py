@@ -94,7 +94,10 @@ class World:
         """none, ddp or fsdp (FSDP2; HSDP when dp_replicate > 1 too)."""
         layout = self.config.layout
         if layout.dp == 1:
-            return "none"
+            # On one GPU FSDP2 can still serve as the mixed-precision policy (bf16 compute
+            # and activations, fp32 master weights and gradients) in place of autocast.
+            single = self.config.kernels.single_gpu_fsdp and self.compute_dtype != torch.float32
+            return "fsdp" if single else "none"
         if layout.dp_shard == 1 and layout.tp == 1:
             return "ddp"
         return "fsdp"
@@ -215,13 +218,24 @@ def pipeline_schedule(stages: list[tuple[int, nn.Module]], world: World, loss_fn
 def parallelize(model: Transformer, world: World) -> Transformer:
     """Apply TP, activation checkpointing, compile and FSDP to one model part, in that order."""
     config = world.config
+    kernels = config.kernels
+    model.use_kernels(
+        # Fused projections concatenate whole weights; tensor parallelism splits them.
+        fused_projections=kernels.fused_projections and config.layout.tp == 1,
+        # Only the flash and math kernels of SDPA group queries themselves.
+        native_gqa=kernels.native_gqa and config.attention_backend in ("auto", "flash", "math"),
+    )
     if config.layout.tp > 1:
         apply_tensor_parallel(model, world.mesh["tp"])
     if config.activation_checkpointing != "none":
         apply_activation_checkpointing(model, config.activation_checkpointing)
     if config.compile:
+        if kernels.coordinate_descent_tuning:
+            import torch._inductor.config as inductor
+
+            inductor.coordinate_descent_tuning = True
         for block in model.layers.values():
-            block.compile(fullgraph=True)
+            block.compile(fullgraph=True, mode=kernels.compile_mode)
     if world.data_parallel == "fsdp":
         apply_fsdp(model, world)
     return model

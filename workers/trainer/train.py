@@ -7,6 +7,7 @@ adds its part of the loss and its stop flag, so all ranks see the same loss
 and agree, after the same step, whether to checkpoint and stop.
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -232,6 +233,7 @@ def _start_event(world: parallelize.World, step: int, resumed_from: str | None) 
         "activation_checkpointing": config.activation_checkpointing,
         "compile": config.compile,
         "attention_backend": config.attention_backend,
+        "kernels": dataclasses.asdict(config.kernels),
         "torch": torch.__version__,
         "time": time.time(),
     }

@@ -212,3 +212,39 @@ def test_mfu_uses_the_dense_bf16_peak():
     meter = StepMeter(device=torch.device("cpu"), tokens_per_step=1, flops_per_token=1, gpus=1)
     assert meter.peak is None  # CPUs report mfu as null
     assert not math.isnan(meter.step(step=1, loss=1.0, grad_norm=1.0, lr=1e-3)["tokens_per_s"])
+
+
+# --- the S3 copy ---------------------------------------------------------------------------------
+
+
+def test_a_committed_checkpoint_is_copied_to_s3(tmp_path, aws_endpoint, capsys):
+    boto3 = pytest.importorskip("boto3")
+    from workers.trainer.checkpoint import copy_to_s3
+    from workers.trainer.config import S3Copy
+
+    checkpoint = tmp_path / "step-00000004"
+    checkpoint.mkdir()
+    for name, body in {
+        "__0_0.distcp": b"shard",
+        ".metadata": b"meta",
+        "manifest.json": b"{}",
+    }.items():
+        (checkpoint / name).write_bytes(body)
+    client = boto3.client("s3", endpoint_url=aws_endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket="checkpoints")
+    target = S3Copy(bucket="checkpoints", prefix="foundation/job-7", endpoint_url=aws_endpoint,
+                    region="us-east-1")  # fmt: skip
+
+    copy_to_s3(checkpoint, target, 4)
+    copy_to_s3(checkpoint, S3Copy(bucket="missing", endpoint_url=aws_endpoint), 4)
+
+    listed = client.list_objects_v2(Bucket="checkpoints")["Contents"]
+    assert {o["Key"] for o in listed} == {
+        f"foundation/job-7/step-00000004/{name}"
+        for name in ("__0_0.distcp", ".metadata", "manifest.json")
+    }
+    copied, failed = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert copied["event"] == "checkpoint_copy"
+    assert copied["uri"] == "s3://checkpoints/foundation/job-7/step-00000004"
+    assert failed["event"] == "checkpoint_copy_failed"
+    assert "missing" in failed["uri"]

@@ -4,11 +4,16 @@ Every run trains the `tiny` preset for STEPS steps on one token file (made by
 prepare.py from generated text) with the same seed, global batch and
 schedule; runs are compared step by step on the loss they print.
 
-Tolerance: LOSS_TOLERANCE (1e-4, absolute, on losses near 5). Every layout
-computes the same function in fp32; what differs is the order of additions
-(shards reduced by gloo, split matrix products), which moved losses by about
-1e-6 when this was written. A wrong gradient scale, a shard initialised
-differently or a batch taken twice moves them by 1e-2 or more.
+Tolerances: losses within LOSS_TOLERANCE (1e-3, absolute, on losses from 5.5
+down to about 4) at every step, and the first step's gradient norm within
+NORM_TOLERANCE (1e-5, relative). Every layout computes the same function in
+fp32; what differs is the order of additions (shards reduced by gloo, split
+matrix products). That moves the first gradient norm by about 1e-7, and the
+losses by 1e-6 to 1e-4 after a few steps, since Adam's first updates are
+nearly lr·sign(gradient) and a coordinate whose gradient is almost zero can
+flip. A shard initialised differently or a batch taken twice moves the losses
+by 1e-2 or more; a gradient off by a factor (which Adam would hide in the
+losses) shows in the norm.
 
 The processes are few and the steps short: the machine running CI may have
 two cores for all of it.
@@ -29,7 +34,8 @@ torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 6
-LOSS_TOLERANCE = 1e-4
+LOSS_TOLERANCE = 1e-3
+NORM_TOLERANCE = 1e-5
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +50,10 @@ class Run:
     @property
     def losses(self) -> dict[int, float]:
         return {e["step"]: e["loss"] for e in self.events if e["event"] == "step"}
+
+    @property
+    def grad_norms(self) -> dict[int, float]:
+        return {e["step"]: e["grad_norm"] for e in self.events if e["event"] == "step"}
 
     def of(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["event"] == kind]
@@ -194,6 +204,7 @@ def test_every_layout_trains_to_the_same_losses(name, scratch, dataset, referenc
     run = train(run_config(dataset, layout=layout, **extra), scratch / name, nproc=nproc)
 
     assert_same_losses(run, reference, range(1, STEPS + 1))
+    assert run.grad_norms[1] == pytest.approx(reference.grad_norms[1], rel=NORM_TOLERANCE)
     assert run.status["reason"] == "finished"
     (start,) = run.of("start")
     assert start["layout"]["dp_shard"] == layout.get("dp_shard", 1)
