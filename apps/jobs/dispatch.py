@@ -403,13 +403,21 @@ def run_logs_append(*, node_id: int, run_id: int, lines: list, dropped: int = 0)
 STEP_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_gib")
 
 
-def _step_metric(run: Run, line: LogLine) -> StepMetric | None:
-    """The trainer's per-step line, `{"event": "step", "step": 12, "loss": 3.1, ...}`."""
-    if not line.text.startswith('{"event": "step"'):
+def trainer_event(text: str) -> dict | None:
+    """A line the bundled trainer printed for us: a JSON object with an "event" key."""
+    if not text.startswith("{") or '"event"' not in text[:40]:
         return None
     try:
-        data = json.loads(line.text)
+        data = json.loads(text)
     except ValueError:
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("event"), str) else None
+
+
+def _step_metric(run: Run, line: LogLine) -> StepMetric | None:
+    """The trainer's per-step line, `{"event":"step","step":12,"loss":3.1,...}`."""
+    data = trainer_event(line.text)
+    if data is None or data["event"] != "step":
         return None
     step = data.get("step")
     if not isinstance(step, int) or not 0 <= step < 2**31:

@@ -10,6 +10,7 @@ idempotent (aws: look-up by tag and ClientToken = the node's UUID).
 """
 
 import logging
+import sys
 from pathlib import Path
 
 from celery import shared_task
@@ -63,12 +64,16 @@ def agent_bundle(node, *, token: str, nccl_env: str) -> Bundle:
         "CONTROLPLANE_NODE_TOKEN": token,
         "AGENT_HEARTBEAT_S": str(settings.AGENT_HEARTBEAT_S),
     }
+    argv = AGENT_ARGV
     if node.provider == "local":
         agent_env["AGENT_SLOTS"] = str(node.gpu_count)
+        # A local node is this machine: its Python is the worker's own (the venv with torch
+        # under `make run`), and the agent hands it to the runs it starts.
+        argv = (sys.executable, "-m", "workers.agent")
     if settings.AGENT_IMDS_URL:  # owned nodes have no instance metadata; tests stand one in
         agent_env["AGENT_IMDS_URL"] = settings.AGENT_IMDS_URL
         agent_env["AGENT_SPOT_POLL_S"] = str(settings.AGENT_SPOT_POLL_S)
-    return Bundle(agent_argv=AGENT_ARGV, nccl_env=nccl_env, agent_env=agent_env)
+    return Bundle(agent_argv=argv, nccl_env=nccl_env, agent_env=agent_env)
 
 
 def _bootstrap(node, provider, spec, progress=None) -> None:

@@ -315,7 +315,7 @@ def test_a_trainer_jobs_page_draws_its_curves_from_the_reported_steps(
             ]
         )
     ]
-    lines.append({"seq": 99, "stream": "stdout", "at": 1.7e9, "text": '{"event": "step", "step"'})
+    lines.append({"seq": 99, "stream": "stdout", "at": 1.7e9, "text": '{"event":"step","step"'})
     run_logs_append(node_id=run.node_id, run_id=run.pk, lines=lines)
     run_logs_append(node_id=run.node_id, run_id=run.pk, lines=lines)  # an agent's retry
     assert StepMetric.objects.filter(job=job).count() == 20
