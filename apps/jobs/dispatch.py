@@ -13,7 +13,6 @@ import datetime as dt
 import json
 import logging
 import math
-import shlex
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -122,6 +121,8 @@ def run_plan(job: Job, *, rank: int, head: Node, attempt: int, nccl_env: dict) -
         }
     from apps.jobs.runconfig import trainer_run_config  # the trainer issue's part
 
+    # Fewer out-of-memory stops from fragmentation on long runs (PyTorch's allocator).
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return {
         "argv": trainer_argv(job, rank=rank, head=head),
         "env": env,
@@ -553,8 +554,3 @@ def jobs_stuck_redrive(*, now: dt.datetime | None = None) -> dict[str, int]:
                     _transition(locked, J.STOPPING, f"time limit of {job.time_limit_s}s reached")
                     counts["timed_out"] += 1
     return counts
-
-
-def command_line(plan: dict) -> str:
-    """The plan's argument list as a reader would type it (for pages; never executed)."""
-    return shlex.join(plan.get("argv") or [])

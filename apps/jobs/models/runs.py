@@ -1,5 +1,7 @@
 """What runs on each node for a job (one Run per node per attempt), and its output lines."""
 
+import shlex
+
 from django.db import models
 from django.db.models import Q
 
@@ -60,6 +62,11 @@ class Run(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.job_id} attempt {self.attempt} rank {self.node_rank}"
+
+    @property
+    def command_line(self) -> str:
+        """The argument list as a person would type it (shown, never run by a shell)."""
+        return shlex.join(self.plan.get("argv") or [])
 
 
 class LogLine(models.Model):
