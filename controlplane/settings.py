@@ -65,6 +65,7 @@ INSTALLED_APPS = [
     "apps.accounts",
     "apps.fleet",
     "apps.tuning",
+    "apps.costs",
     "apps.jobs",
 ]
 
@@ -352,4 +353,29 @@ CELERY_BEAT_SCHEDULE["fleet-cloud-sweep"] = {
 CELERY_BEAT_SCHEDULE["fleet-orphan-sweep"] = {
     "task": "fleet.orphan_sweep",
     "schedule": float(ORPHAN_SWEEP_EVERY_S),
+}
+
+# Costs: every node-second metered into the usage ledger (apps/costs). Days and months
+# are counted in COSTS_TIME_ZONE; amounts are in COSTS_CURRENCY (the price book's).
+# Idle capacity is shown as its own line ("separate") or spread over the teams in
+# proportion to their use ("spread"). Metering stops COSTS_METER_LAG_S short of now, so
+# allocations still being written are in; budget states are kept COSTS_BUDGET_CACHE_S.
+COSTS_TIME_ZONE = env_str("COSTS_TIME_ZONE", "UTC")
+COSTS_CURRENCY = env_str("COSTS_CURRENCY", "USD")
+COSTS_IDLE_COST = env_str("COSTS_IDLE_COST", "separate")
+if COSTS_IDLE_COST not in ("separate", "spread"):
+    raise ImproperlyConfigured(f"COSTS_IDLE_COST is separate or spread, not {COSTS_IDLE_COST!r}")
+COSTS_METER_EVERY_S = env_int("COSTS_METER_EVERY_S", 300)
+COSTS_METER_LAG_S = env_int("COSTS_METER_LAG_S", 60)
+COSTS_SPOT_PRICES_EVERY_S = env_int("COSTS_SPOT_PRICES_EVERY_S", 3600)
+COSTS_FORECAST_DAYS = env_int("COSTS_FORECAST_DAYS", 7)
+COSTS_BUDGET_CACHE_S = env_int("COSTS_BUDGET_CACHE_S", 5)
+CELERY_BEAT_SCHEDULE["costs-meter"] = {"task": "costs.meter", "schedule": float(COSTS_METER_EVERY_S)}
+CELERY_BEAT_SCHEDULE["costs-spot-prices"] = {
+    "task": "costs.spot_prices",
+    "schedule": float(COSTS_SPOT_PRICES_EVERY_S),
+}
+CELERY_BEAT_SCHEDULE["costs-budget-webhooks"] = {
+    "task": "costs.deliver_budget_webhooks",
+    "schedule": 60.0,
 }

@@ -7,7 +7,7 @@ from apps.accounts.selectors import roles_of
 from apps.fleet.selectors import pools_capacity
 from apps.jobs import specs
 from apps.jobs.models import Job, JobState, LogLine, Reservation, Run, StepMetric, Webhook
-from apps.jobs.models.jobs import ACTIVE_STATES
+from apps.jobs.models.jobs import ACTIVE_STATES, FINISHED_STATES
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 
 
@@ -144,3 +144,51 @@ def job_training_series(*, job: Job) -> dict:
                 series[key].setdefault(name, []).append((step, value))
     latest = StepMetric.objects.filter(job=job).order_by("-attempt", "-step").first()
     return {"latest": latest, **series}
+
+
+# --- cost ----------------------------------------------------------------------------------
+
+
+def allocations_overlapping(*, node_ids, since, until) -> list[tuple]:
+    """(node, job, team, GPUs, started, ended) of the allocations on these nodes that overlap
+    [since, until): what the metering task hands to the cost ledger."""
+    from django.db.models import Q
+
+    from apps.jobs.models import Allocation
+
+    return list(
+        Allocation.objects.filter(node_id__in=list(node_ids), started_at__lt=until)
+        .filter(Q(ended_at__isnull=True) | Q(ended_at__gt=since))
+        .values_list("node_id", "job_id", "job__team_id", "gpus", "started_at", "ended_at")
+        .order_by("node_id", "started_at", "id")
+    )
+
+
+def job_cost(*, job: Job):
+    """The job's cost so far and projected (apps/costs/selectors.py's JobCost): on the GPUs
+    it holds once placed; before that, the range over the pools that could hold it."""
+    from apps.costs.selectors import job_cost as cost_of
+    from apps.jobs.models import Allocation
+
+    held = list(
+        Allocation.objects.filter(job=job, ended_at__isnull=True).values_list("node_id", "gpus")
+    )
+    pool_ids = []
+    if not held and job.state not in FINISHED_STATES:
+        eligible = specs.eligible_pools(
+            pools_capacity(cached=True), gpu_type=job.gpu_type, where=job.placement
+        )
+        pool_ids = [
+            p.pool_id
+            for p in eligible
+            if p.can_hold(nodes=job.nodes, gpus_per_node=job.gpus_per_node)
+        ]
+    return cost_of(
+        job_id=job.pk,
+        gpus=job.gpus,
+        time_limit_s=job.time_limit_s,
+        started_at=job.started_at or job.admitted_at,
+        held=held,
+        candidate_pool_ids=pool_ids,
+        spot_allowed=job.spot_allowed,
+    )

@@ -6,6 +6,7 @@ import json
 import logging
 import secrets
 import time
+from decimal import Decimal
 
 from django.conf import settings
 from django.core.cache import cache
@@ -17,6 +18,8 @@ from apps.accounts.models import TeamQuota, TeamSecret
 from apps.accounts.secrets import decrypt, encrypt
 from apps.accounts.selectors import roles_of
 from apps.accounts.services import audit_record, snapshot
+from apps.costs import selectors as costs
+from apps.costs.money import money_text
 from apps.fleet import services as fleet
 from apps.fleet.selectors import pools_capacity
 from apps.jobs import specs, webhooks
@@ -89,12 +92,10 @@ def schedule_soon() -> None:
 
 
 def budget_allows(*, team, gpus: int, time_limit_s: int, max_cost_usd) -> bool:
-    """Whether the team's budget covers this job's projected cost.
-
-    The boundary the costs issue fills in (price book, budgets); until then every
-    job is within budget, and the scheduler reads the answer before planning.
-    """
-    return True
+    """Whether the team may still burst to the cloud: not once its spend this month has
+    reached its budget (apps/costs). The scheduler asks before planning and before each
+    burst; the answer is read for all teams at once and kept a few seconds."""
+    return costs.team_within_budget(team_id=getattr(team, "pk", team))
 
 
 # --- submit ---------------------------------------------------------------------------
@@ -146,6 +147,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
     if spec.get("command"):
         specs.check_command(spec["command"], errors)
     _check_nccl(spec, resources, pools, errors)
+    _check_cost(spec, team, resources, pools, errors)
     wanted_secrets = set(spec.get("secrets") or [])
     if wanted_secrets:
         known = set(
@@ -222,6 +224,45 @@ def _check_nccl(spec: dict, resources, pools, errors: specs.SpecErrors) -> None:
     for path, messages in problems.items():
         for message in messages:
             errors.add(path, message)
+
+
+def _check_cost(spec: dict, team, resources, pools, errors: specs.SpecErrors) -> None:
+    """A team whose budget is spent and set to refuse new jobs is refused; a job whose
+    projected cost (its GPUs × time limit at the cheapest pool it may run in) is above its
+    max_cost_usd is refused, with the projection."""
+    refused = costs.submissions_refused(team_id=team.pk)
+    if refused is not None:
+        errors.add(
+            "team",
+            f"{team.slug} has spent {money_text(refused.spent)} of its "
+            f"{money_text(refused.monthly_limit)} budget this month; new jobs are refused "
+            "until it is raised or the month ends.",
+        )
+    limit = spec.get("max_cost_usd")
+    if limit is None or resources is None:
+        return
+    where = spec.get("placement", {}).get("where", "owned_then_cloud")
+    pool_ids = [
+        p.pool_id
+        for p in specs.eligible_pools(pools, gpu_type=resources.gpu_type, where=where)
+        if p.can_hold(nodes=resources.nodes, gpus_per_node=resources.gpus_per_node)
+    ]
+    projection = costs.projection_for(
+        pool_ids=pool_ids,
+        gpus=resources.gpus,
+        time_limit_s=spec["time_limit_s"],
+        spot_allowed=spec.get("placement", {}).get("spot", False),
+    )
+    if projection is not None and projection.low > Decimal(str(limit)):
+        errors.add(
+            "max_cost_usd",
+            f"The projected cost is {money_text(projection.low)} "
+            f"({projection.gpu_hours.normalize():f} GPU-hours at "
+            f"{money_text(projection.per_gpu_hour, places=4)} per GPU-hour on "
+            f"{projection.cheapest_pool}, the cheapest pool it may run in; up to "
+            f"{money_text(projection.high)}), above max_cost_usd "
+            f"{money_text(Decimal(str(limit)))}.",
+        )
 
 
 def _same_request(existing: Job, spec: dict) -> Job:
@@ -445,6 +486,34 @@ def jobs_reconcile(*, now: dt.datetime | None = None) -> dict[str, int]:
         except ApplicationError:
             continue  # it moved on by itself meanwhile
     return counts
+
+
+def jobs_cost_limit_stop() -> list[int]:
+    """Stop, with a checkpoint, the running jobs whose metered cost reached max_cost_usd
+    (STOPPING, then FAILED with the reason). Called by the metering task after each run."""
+    limits = dict(
+        Job.objects.filter(
+            state__in=(J.STARTING, J.RUNNING), max_cost_usd__isnull=False
+        ).values_list("id", "max_cost_usd")
+    )
+    spent = costs.job_costs_so_far(job_ids=list(limits))
+    stopped = []
+    for job_id, limit in limits.items():
+        cost = spent.get(job_id)
+        if cost is None or cost < limit:
+            continue
+        with transaction.atomic():
+            locked = Job.objects.select_for_update().get(pk=job_id)
+            if locked.state not in (J.STARTING, J.RUNNING):
+                continue
+            job_transition(
+                job=locked,
+                to=J.STOPPING,
+                by=None,
+                reason=f"cost limit of ${limit} reached: ${cost.quantize(Decimal('0.01'))} spent",
+            )
+        stopped.append(job_id)
+    return stopped
 
 
 # --- webhooks --------------------------------------------------------------------------------

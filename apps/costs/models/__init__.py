@@ -1,0 +1,21 @@
+"""Costs: the price book, the usage ledger and its roll-ups, budgets and their alerts."""
+
+from apps.costs.models.budgets import THRESHOLDS, Budget, BudgetAlert, WebhookState
+from apps.costs.models.ledger import DailySpend, JobDailySpend, MeterMark, UsageEntry, UsageKind
+from apps.costs.models.prices import CloudPrice, OwnedPrice, PoolDiscount, SpotPrice
+
+__all__ = [
+    "THRESHOLDS",
+    "Budget",
+    "BudgetAlert",
+    "CloudPrice",
+    "DailySpend",
+    "JobDailySpend",
+    "MeterMark",
+    "OwnedPrice",
+    "PoolDiscount",
+    "SpotPrice",
+    "UsageEntry",
+    "UsageKind",
+    "WebhookState",
+]

@@ -1,0 +1,909 @@
+"""Reads for costs: the price book as rates, spend reports from the roll-ups, job costs and
+projections, budget states (and the budget boundary the scheduler asks), banners.
+
+Team roles see their own teams' spend only; idle capacity belongs to no team, so only
+those who read every team (ops, finance) see it as such. Reports read the daily
+roll-ups, never the ledger, so a month of any size is a few hundred rows.
+"""
+
+import datetime as dt
+import time
+import zoneinfo
+from collections import defaultdict
+from dataclasses import dataclass, field
+from decimal import Decimal
+from functools import reduce
+
+from django.conf import settings
+from django.db.models import Max, Min, Q, QuerySet, Sum
+from django.utils import timezone
+
+from apps.accounts.models import Team
+from apps.accounts.selectors import roles_of
+from apps.costs import pricing
+from apps.costs.models import (
+    THRESHOLDS,
+    Budget,
+    BudgetAlert,
+    CloudPrice,
+    DailySpend,
+    JobDailySpend,
+    MeterMark,
+    OwnedPrice,
+    PoolDiscount,
+    SpotPrice,
+    UsageEntry,
+)
+from apps.costs.money import ZERO, money_text
+from apps.fleet.models import InstanceType, Node, NodeEvent, NodePool, NodeState, PoolKind
+from apps.fleet.models.nodes import CapacityType
+
+CAPACITY_LABELS = dict(CapacityType.choices)
+IDLE_LABEL = "idle"
+
+
+def money(value) -> str:
+    return money_text(value)
+
+
+def time_zone() -> zoneinfo.ZoneInfo:
+    return zoneinfo.ZoneInfo(settings.COSTS_TIME_ZONE)
+
+
+def local_today(now: dt.datetime | None = None) -> dt.date:
+    return (now or timezone.now()).astimezone(time_zone()).date()
+
+
+def month_start(now: dt.datetime | None = None) -> dt.date:
+    return local_today(now).replace(day=1)
+
+
+def month_after(first: dt.date) -> dt.date:
+    return (first.replace(day=28) + dt.timedelta(days=4)).replace(day=1)
+
+
+def local_midnight(day: dt.date) -> dt.datetime:
+    return dt.datetime.combine(day, dt.time(0), tzinfo=time_zone())
+
+
+# --- the price book, for a batch of nodes --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    id: int
+    pool_id: int
+    instance_type_id: int | None
+    capacity_type: str
+    gpus: int
+    billable_from: dt.datetime | None
+    billable_until: dt.datetime | None
+    power_w: int | None
+    region: str
+
+    @property
+    def facts(self):
+        from apps.costs.metering import NodeFacts
+
+        return NodeFacts(
+            node_id=self.id,
+            pool_id=self.pool_id,
+            instance_type_id=self.instance_type_id,
+            capacity_type=self.capacity_type,
+            gpus=self.gpus,
+            billable_from=self.billable_from,
+            billable_until=self.billable_until,
+        )
+
+
+@dataclass
+class PriceBook:
+    """The price book rows a batch of nodes needs, read in a few queries."""
+
+    owned: dict = field(default_factory=lambda: defaultdict(list))
+    cloud: dict = field(default_factory=lambda: defaultdict(list))
+    discounts: dict = field(default_factory=lambda: defaultdict(list))
+    spot: dict = field(default_factory=lambda: defaultdict(list))
+
+    @classmethod
+    def read(cls, facts: list["NodeRow"], *, since: dt.datetime, until: dt.datetime):
+        prices = cls()
+        pools = {f.pool_id for f in facts}
+        pairs = {(f.instance_type_id, f.region) for f in facts if f.instance_type_id}
+        for price in OwnedPrice.objects.filter(pool_id__in=pools).order_by("effective_from"):
+            terms = pricing.OwnedTerms(
+                purchase_price=price.purchase_price,
+                depreciation_months=price.depreciation_months,
+                electricity_per_kwh=price.electricity_per_kwh,
+                pue=price.pue,
+                overhead_per_month=price.overhead_per_month,
+                default_power_w=price.default_power_w,
+            )
+            prices.owned[price.pool_id].append((price.effective_from, price.pk, terms))
+        types = {t for t, _ in pairs}
+        for row in CloudPrice.objects.filter(instance_type_id__in=types).values_list(
+            "instance_type_id", "region", "effective_from", "id", "per_hour"
+        ):
+            prices.cloud[(row[0], row[1])].append(row[2:])
+        for row in PoolDiscount.objects.filter(pool_id__in=pools).values_list(
+            "pool_id", "effective_from", "id", "percent"
+        ):
+            prices.discounts[row[0]].append(row[1:])
+        spot_types = {f.instance_type_id for f in facts if f.capacity_type == CapacityType.SPOT}
+        if spot_types:
+            # Each zone's last price before the window, then every change inside it.
+            latest = (
+                SpotPrice.objects.filter(instance_type_id__in=spot_types, effective_at__lte=since)
+                .values("instance_type_id", "availability_zone")
+                .annotate(at=Max("effective_at"))
+                .order_by()
+            )
+            wanted = Q(instance_type_id__in=spot_types, effective_at__gt=since) & Q(
+                effective_at__lt=until
+            )
+            for last in latest:
+                wanted |= Q(
+                    instance_type_id=last["instance_type_id"],
+                    availability_zone=last["availability_zone"],
+                    effective_at=last["at"],
+                )
+            for type_id, region, at, zone, per_hour in SpotPrice.objects.filter(wanted).values_list(
+                "instance_type_id", "region", "effective_at", "availability_zone", "per_hour"
+            ):
+                prices.spot[(type_id, region)].append((at, zone, per_hour))
+        return prices
+
+    def timeline(self, node: "NodeRow", power_w: int | None) -> pricing.Timeline:
+        if node.capacity_type == CapacityType.OWNED:
+            return pricing.owned_timeline(self.owned.get(node.pool_id, []), power_w)
+        on_demand = pricing.on_demand_timeline(
+            self.cloud.get((node.instance_type_id, node.region), []),
+            self.discounts.get(node.pool_id, []),
+        )
+        if node.capacity_type == CapacityType.SPOT:
+            return pricing.spot_timeline(
+                self.spot.get((node.instance_type_id, node.region), []), on_demand, node.region
+            )
+        return on_demand
+
+
+def node_rows(node_ids: list[int]) -> dict[int, NodeRow]:
+    ends = dict(
+        NodeEvent.objects.filter(node_id__in=node_ids, to_state=NodeState.TERMINATED)
+        .values_list("node_id")
+        .annotate(at=Min("at"))
+        .order_by()
+    )
+    rows = {}
+    for (
+        node_id,
+        pool_id,
+        type_id,
+        capacity,
+        gpus,
+        created_at,
+        launched_at,
+        measured,
+        nameplate,
+        region,
+    ) in Node.objects.filter(pk__in=node_ids).values_list(
+        "id",
+        "pool_id",
+        "instance_type_id",
+        "capacity_type",
+        "gpu_count",
+        "created_at",
+        "launched_at",
+        "power_w",
+        "nameplate_power_w",
+        "pool__region",
+    ):
+        # Owned nodes cost from the moment they exist; cloud nodes from their launch.
+        start = created_at if capacity == CapacityType.OWNED else launched_at
+        rows[node_id] = NodeRow(
+            id=node_id,
+            pool_id=pool_id,
+            instance_type_id=type_id,
+            capacity_type=capacity,
+            gpus=gpus,
+            billable_from=start,
+            billable_until=ends.get(node_id),
+            power_w=measured or nameplate,
+            region=region or "",
+        )
+    return rows
+
+
+def rate_now(timeline: pricing.Timeline, at: dt.datetime) -> pricing.Rate:
+    return pricing.value_at(timeline, at, pricing.UNPRICED)
+
+
+# --- what pools cost, for projections ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolRate:
+    """What one GPU-hour of a pool costs now (low: spot where allowed; high: on-demand)."""
+
+    pool_id: int
+    pool: str
+    low: Decimal
+    high: Decimal
+    gpus_per_node: int
+    priced: bool
+
+
+def pool_rates(*, pool_ids, spot_allowed: bool = False, at: dt.datetime | None = None):
+    """Per GPU-hour rates of these pools now, from the price book (a few queries)."""
+    at = at or timezone.now()
+    pools = list(NodePool.objects.filter(pk__in=list(pool_ids)).prefetch_related("instance_types"))
+    if not pools:
+        return []
+    owned_ids = [p.pk for p in pools if p.kind == PoolKind.OWNED]
+    fleet_nodes: dict[int, list[tuple]] = defaultdict(list)
+    for pool_id, gpus, measured, nameplate in (
+        Node.objects.filter(pool_id__in=owned_ids)
+        .exclude(state__in=(NodeState.TERMINATED, NodeState.FAILED))
+        .values_list("pool_id", "gpu_count", "power_w", "nameplate_power_w")
+    ):
+        fleet_nodes[pool_id].append((gpus, measured or nameplate))
+    facts = []
+    for pool in pools:
+        if pool.kind == PoolKind.OWNED:
+            nodes = fleet_nodes.get(pool.pk) or [(8, None)]
+            gpus = max(g for g, _ in nodes) or 8
+            powers = [w for _, w in nodes if w]
+            power = round(sum(powers) / len(powers)) if powers else None
+            facts.append((pool, None, CapacityType.OWNED, gpus, power))
+        else:
+            types = sorted(pool.instance_types.all(), key=lambda t: t.gpu_count)
+            for kind in [CapacityType.ON_DEMAND] + (
+                [CapacityType.SPOT]
+                if spot_allowed and pool.capacity_preference == "spot_then_on_demand"
+                else []
+            ):
+                for itype in types:
+                    facts.append((pool, itype, kind, itype.gpu_count, None))
+    rows = [
+        NodeRow(
+            id=0,
+            pool_id=pool.pk,
+            instance_type_id=itype.pk if itype else None,
+            capacity_type=kind,
+            gpus=gpus,
+            billable_from=None,
+            billable_until=None,
+            power_w=power,
+            region=pool.region,
+        )
+        for pool, itype, kind, gpus, power in facts
+    ]
+    book = PriceBook.read(rows, since=at, until=at + dt.timedelta(seconds=1))
+    by_pool: dict[int, list[Decimal]] = defaultdict(list)
+    for row in rows:
+        rate = rate_now(book.timeline(row, row.power_w), at)
+        if rate is not pricing.UNPRICED and row.gpus:
+            by_pool[row.pool_id].append(rate.per_hour / row.gpus)
+    answer = []
+    for pool in pools:
+        per_gpu = by_pool.get(pool.pk)
+        gpus = max((g for p, _, _, g, _ in facts if p.pk == pool.pk), default=8)
+        answer.append(
+            PoolRate(
+                pool_id=pool.pk,
+                pool=pool.slug,
+                low=min(per_gpu) if per_gpu else ZERO,
+                high=max(per_gpu) if per_gpu else ZERO,
+                gpus_per_node=gpus,
+                priced=bool(per_gpu),
+            )
+        )
+    return answer
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A job's projected cost before placement: the cheapest and dearest eligible pool."""
+
+    low: Decimal
+    high: Decimal
+    cheapest_pool: str
+    per_gpu_hour: Decimal
+    gpu_hours: Decimal
+
+
+def projection_for(*, pool_ids, gpus: int, time_limit_s: int, spot_allowed: bool):
+    """None when no eligible pool has a price."""
+    priced = [r for r in pool_rates(pool_ids=pool_ids, spot_allowed=spot_allowed) if r.priced]
+    if not priced:
+        return None
+    gpu_hours = Decimal(gpus) * Decimal(time_limit_s) / 3600
+    cheapest = min(priced, key=lambda r: r.low)
+    return Projection(
+        low=cheapest.low * gpu_hours,
+        high=max(r.high for r in priced) * gpu_hours,
+        cheapest_pool=cheapest.pool,
+        per_gpu_hour=cheapest.low,
+        gpu_hours=gpu_hours,
+    )
+
+
+# --- a job's cost ---------------------------------------------------------------------------
+
+
+def job_costs_so_far(*, job_ids) -> dict[int, Decimal]:
+    """What each job has cost, as metered (the daily roll-ups)."""
+    return {
+        job_id: total
+        for job_id, total in JobDailySpend.objects.filter(job_id__in=list(job_ids))
+        .values_list("job_id")
+        .annotate(total=Sum("amount"))
+        .order_by()
+    }
+
+
+@dataclass(frozen=True)
+class JobCost:
+    so_far: Decimal
+    metered_until: dt.datetime | None
+    per_hour: Decimal | None  # the rate of the GPUs it holds now
+    projected: Decimal | None  # so far + per hour × what is left of its time limit
+    low: Decimal | None = None  # before placement: the cheapest eligible pool...
+    high: Decimal | None = None  # ...and the dearest
+    cheapest_pool: str = ""
+    currency: str = "USD"
+
+    def as_dict(self) -> dict:
+        def text(value):
+            return None if value is None else str(value.quantize(Decimal("0.000001")))
+
+        return {
+            "so_far": text(self.so_far),
+            "metered_until": self.metered_until,
+            "per_hour": text(self.per_hour),
+            "projected": text(self.projected),
+            "projected_low": text(self.low),
+            "projected_high": text(self.high),
+            "cheapest_pool": self.cheapest_pool,
+            "currency": self.currency,
+        }
+
+
+def job_cost(
+    *,
+    job_id: int,
+    gpus: int,
+    time_limit_s: int,
+    started_at: dt.datetime | None,
+    held: list[tuple[int, int]],
+    candidate_pool_ids=(),
+    spot_allowed: bool = False,
+    now: dt.datetime | None = None,
+) -> JobCost:
+    """Cost so far, and projected: once it holds GPUs, so far plus their rate × the rest of
+    its time limit; before that, its GPUs × time limit at the cheapest eligible pool's rate,
+    with the dearest as the range's top. `held`: (node id, GPUs) it holds now."""
+    now = now or timezone.now()
+    so_far = job_costs_so_far(job_ids=[job_id]).get(job_id, ZERO)
+    node_ids = [node_id for node_id, _ in held]
+    metered_until = (
+        MeterMark.objects.filter(node_id__in=node_ids).aggregate(at=Min("metered_until"))["at"]
+        if node_ids
+        else None
+    )
+    currency = settings.COSTS_CURRENCY
+    if held:
+        nodes = node_rows(node_ids)
+        book = PriceBook.read(list(nodes.values()), since=now, until=now + dt.timedelta(seconds=1))
+        per_hour = ZERO
+        for node_id, node_gpus in held:
+            node = nodes.get(node_id)
+            if node is None or not node.gpus:
+                continue
+            rate = rate_now(book.timeline(node, node.power_w), now)
+            per_hour += rate.per_hour * node_gpus / node.gpus
+        elapsed = (now - started_at).total_seconds() if started_at else 0
+        left = Decimal(max(time_limit_s - elapsed, 0)) / 3600
+        return JobCost(
+            so_far=so_far,
+            metered_until=metered_until,
+            per_hour=per_hour,
+            projected=so_far + per_hour * left,
+            currency=currency,
+        )
+    projection = (
+        projection_for(
+            pool_ids=candidate_pool_ids,
+            gpus=gpus,
+            time_limit_s=time_limit_s,
+            spot_allowed=spot_allowed,
+        )
+        if candidate_pool_ids
+        else None
+    )
+    if projection is None:
+        return JobCost(
+            so_far=so_far, metered_until=None, per_hour=None, projected=None, currency=currency
+        )
+    return JobCost(
+        so_far=so_far,
+        metered_until=None,
+        per_hour=projection.per_gpu_hour * gpus,
+        projected=so_far + projection.low,
+        low=so_far + projection.low,
+        high=so_far + projection.high,
+        cheapest_pool=projection.cheapest_pool,
+        currency=currency,
+    )
+
+
+# --- spend reports --------------------------------------------------------------------------
+
+
+def daily_spend_visible_to(*, user) -> QuerySet[DailySpend]:
+    roles = roles_of(user)
+    rows = DailySpend.objects.all()
+    return rows if roles.sees_every_team else rows.filter(team_id__in=roles.team_ids)
+
+
+def job_spend_visible_to(*, user) -> QuerySet[JobDailySpend]:
+    roles = roles_of(user)
+    rows = JobDailySpend.objects.all()
+    return rows if roles.sees_every_team else rows.filter(team_id__in=roles.team_ids)
+
+
+def usage_visible_to(*, user) -> QuerySet[UsageEntry]:
+    roles = roles_of(user)
+    rows = UsageEntry.objects.all()
+    return rows if roles.sees_every_team else rows.filter(team_id__in=roles.team_ids)
+
+
+GROUPS = {
+    "team": "team_id",
+    "pool": "pool_id",
+    "capacity_type": "capacity_type",
+    "instance_type": "instance_type_id",
+}
+
+
+def _labels(group_by: str, keys) -> dict:
+    keys = set(keys)
+    if group_by == "team":
+        names = dict(Team.objects.filter(pk__in=keys).values_list("id", "slug"))
+        return {k: names.get(k, IDLE_LABEL if k == 0 else f"team {k}") for k in keys}
+    if group_by == "pool":
+        names = dict(NodePool.objects.filter(pk__in=keys).values_list("id", "slug"))
+        return {k: names.get(k, f"pool {k}") for k in keys}
+    if group_by == "instance_type":
+        names = dict(InstanceType.objects.filter(pk__in=keys).values_list("id", "name"))
+        return {k: names.get(k, "owned (none)" if k == 0 else f"type {k}") for k in keys}
+    return {k: CAPACITY_LABELS.get(k, k) for k in keys}
+
+
+@dataclass
+class SpendRow:
+    key: object
+    label: str
+    jobs: Decimal = ZERO  # attributed to jobs
+    idle: Decimal = ZERO  # idle capacity (spread over teams in "spread" mode)
+    savings: Decimal = ZERO
+    gpu_hours: Decimal = ZERO
+
+    @property
+    def total(self) -> Decimal:
+        return self.jobs + self.idle
+
+
+@dataclass
+class SpendReport:
+    since: dt.date
+    until: dt.date
+    group_by: str
+    idle_mode: str
+    rows: list[SpendRow]
+    total: Decimal
+    jobs: Decimal
+    idle: Decimal
+    savings: Decimal
+    series: dict = field(default_factory=dict)  # label -> {day: amount}
+    days: list = field(default_factory=list)
+
+
+def spend_report(
+    qs: QuerySet[DailySpend],
+    *,
+    since: dt.date,
+    until: dt.date,
+    group_by: str = "team",
+    idle_mode: str | None = None,
+    spread_base: QuerySet[DailySpend] | None = None,
+) -> SpendReport:
+    """Spend over [since, until] (days, inclusive) grouped by team, pool, capacity type or
+    instance type, from the roll-ups `qs` (already filtered). With idle spread, each team
+    also carries idle cost in proportion to its use over the period (`spread_base`: the same
+    filters over every team, so a team sees its share of the whole fleet's idle)."""
+    idle_mode = idle_mode or settings.COSTS_IDLE_COST
+    column = GROUPS[group_by]
+    grouped = (
+        qs.values(column, "team_id")
+        .annotate(amount=Sum("amount"), savings=Sum("savings"), gpu_seconds=Sum("gpu_seconds"))
+        .order_by()
+    )
+    cells: dict[object, SpendRow] = {}
+    for row in grouped:
+        key = row[column]
+        if group_by == "team" and key == 0 and idle_mode == "spread":
+            key = None  # spread below
+        cell = cells.setdefault(key, SpendRow(key=key, label=""))
+        if row["team_id"] == 0:
+            cell.idle += row["amount"] or ZERO
+        else:
+            cell.jobs += row["amount"] or ZERO
+        cell.savings += row["savings"] or ZERO
+        cell.gpu_hours += Decimal(row["gpu_seconds"] or 0) / 3600
+    if group_by == "team" and idle_mode == "spread":
+        base = spread_base if spread_base is not None else qs
+        totals = base.aggregate(
+            idle=Sum("amount", filter=Q(team_id=0)), used=Sum("amount", filter=~Q(team_id=0))
+        )
+        idle, used = totals["idle"] or ZERO, totals["used"] or ZERO
+        spread = cells.pop(None, None)
+        if used:
+            for key, cell in cells.items():
+                cell.idle = idle * cell.jobs / used if key else ZERO
+        elif spread is not None:
+            cells[0] = spread  # nobody used anything: idle stays idle
+    labels = _labels(group_by, [k for k in cells if k is not None])
+    rows = []
+    for key, cell in cells.items():
+        cell.label = labels.get(key, str(key))
+        rows.append(cell)
+    rows.sort(key=lambda r: (-r.total, r.label))
+    daily = qs.values("day", column).annotate(amount=Sum("amount")).order_by("day")
+    series: dict[str, dict] = defaultdict(dict)
+    for row in daily:
+        label = labels.get(row[column]) or (IDLE_LABEL if row[column] == 0 else str(row[column]))
+        series[label][row["day"]] = series[label].get(row["day"], ZERO) + (row["amount"] or ZERO)
+    days = []
+    day = since
+    while day <= until:
+        days.append(day)
+        day += dt.timedelta(days=1)
+    jobs = sum((r.jobs for r in rows), ZERO)
+    idle_total = sum((r.idle for r in rows), ZERO)
+    return SpendReport(
+        since=since,
+        until=until,
+        group_by=group_by,
+        idle_mode=idle_mode,
+        rows=rows,
+        total=jobs + idle_total,
+        jobs=jobs,
+        idle=idle_total,
+        savings=sum((r.savings for r in rows), ZERO),
+        series=dict(series),
+        days=days,
+    )
+
+
+@dataclass(frozen=True)
+class TopJob:
+    job_id: int
+    name: str
+    team: str
+    amount: Decimal
+    gpu_hours: Decimal
+
+
+def top_jobs(qs: QuerySet[JobDailySpend], *, limit: int = 20) -> list[TopJob]:
+    rows = (
+        qs.values("job_id", "job__name", "job__team__slug")
+        .annotate(amount=Sum("amount"), gpu_seconds=Sum("gpu_seconds"))
+        .order_by("-amount", "job_id")[:limit]
+    )
+    return [
+        TopJob(
+            job_id=row["job_id"],
+            name=row["job__name"] or f"job {row['job_id']}",
+            team=row["job__team__slug"] or "",
+            amount=row["amount"] or ZERO,
+            gpu_hours=Decimal(row["gpu_seconds"] or 0) / 3600,
+        )
+        for row in rows
+    ]
+
+
+def fleet_cost(*, since: dt.date, until: dt.date) -> Decimal:
+    """The fleet's whole cost over the days (jobs plus idle), from the roll-ups."""
+    total = DailySpend.objects.filter(day__gte=since, day__lte=until).aggregate(t=Sum("amount"))
+    return total["t"] or ZERO
+
+
+# --- budgets --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    team_id: int
+    team: str
+    monthly_limit: Decimal
+    spent: Decimal
+    forecast: Decimal | None
+    stop_submissions: bool
+    webhook: bool
+    month: dt.date
+
+    @property
+    def percent(self) -> Decimal:
+        if not self.monthly_limit:
+            return Decimal(100) if self.spent >= 0 else ZERO
+        return self.spent * 100 / self.monthly_limit
+
+    @property
+    def level(self) -> int:
+        crossed = [t for t in THRESHOLDS if self.spent >= self.monthly_limit * t / 100]
+        return max(crossed, default=0)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.spent >= self.monthly_limit
+
+
+def team_spend(*, since: dt.date, until: dt.date, team_ids=None) -> dict[int, Decimal]:
+    rows = DailySpend.objects.filter(day__gte=since, day__lte=until).exclude(team_id=0)
+    if team_ids is not None:
+        rows = rows.filter(team_id__in=list(team_ids))
+    return {
+        team_id: total
+        for team_id, total in rows.values_list("team_id").annotate(total=Sum("amount")).order_by()
+    }
+
+
+def forecast_month(
+    *, month: dt.date, team_ids=None, now: dt.datetime | None = None
+) -> tuple[dict, Decimal]:
+    """Spend to the month's end: spent so far + the average of the last COSTS_FORECAST_DAYS
+    whole days × the days left (per team, and for the whole fleet)."""
+    now = now or timezone.now()
+    today = local_today(now)
+    following = month_after(month)
+    spent = team_spend(since=month, until=following - dt.timedelta(days=1), team_ids=team_ids)
+    fleet_spent = fleet_cost(since=month, until=following - dt.timedelta(days=1))
+    if not (month <= today < following):
+        return spent, fleet_spent  # a past (or future) month: nothing left to forecast
+    days = settings.COSTS_FORECAST_DAYS
+    window = (today - dt.timedelta(days=days), today - dt.timedelta(days=1))
+    recent = team_spend(since=window[0], until=window[1], team_ids=team_ids)
+    fleet_recent = fleet_cost(since=window[0], until=window[1])
+    left = Decimal((local_midnight(following) - now).total_seconds()) / 86400
+    forecast = {
+        team_id: spent.get(team_id, ZERO) + recent.get(team_id, ZERO) / days * left
+        for team_id in set(spent) | set(recent)
+    }
+    return forecast, fleet_spent + fleet_recent / days * left
+
+
+def budget_states(
+    *, month: dt.date | None = None, team_ids=None, forecast: bool = True
+) -> list[BudgetState]:
+    month = month or month_start()
+    budgets = Budget.objects.select_related("team").order_by("team__slug")
+    if team_ids is not None:
+        budgets = budgets.filter(team_id__in=list(team_ids))
+    budgets = list(budgets)
+    if not budgets:
+        return []
+    ids = [b.team_id for b in budgets]
+    spent = team_spend(since=month, until=month_after(month) - dt.timedelta(days=1), team_ids=ids)
+    projected = forecast_month(month=month, team_ids=ids)[0] if forecast else {}
+    return [
+        BudgetState(
+            team_id=b.team_id,
+            team=b.team.slug,
+            monthly_limit=b.monthly_limit,
+            spent=spent.get(b.team_id, ZERO),
+            forecast=projected.get(b.team_id, spent.get(b.team_id, ZERO)) if forecast else None,
+            stop_submissions=b.stop_submissions,
+            webhook=bool(b.webhook_url),
+            month=month,
+        )
+        for b in budgets
+    ]
+
+
+def budgets_visible_to(*, user) -> QuerySet[Budget]:
+    roles = roles_of(user)
+    budgets = Budget.objects.select_related("team")
+    return budgets if roles.sees_every_team else budgets.filter(team_id__in=roles.team_ids)
+
+
+def budget_alerts_visible_to(*, user) -> QuerySet[BudgetAlert]:
+    roles = roles_of(user)
+    alerts = BudgetAlert.objects.select_related("team")
+    return alerts if roles.sees_every_team else alerts.filter(team_id__in=roles.team_ids)
+
+
+# The budget boundary: read on every scheduling pass for every team with pending jobs,
+# so the teams out of budget are read in one query and kept for COSTS_BUDGET_CACHE_S
+# (and forgotten at once when this process changes a budget, a price or the ledger).
+_out_of_budget: dict = {"read_at": float("-inf"), "month": None, "teams": frozenset()}
+
+
+def forget_budget_state() -> None:
+    _out_of_budget["read_at"] = float("-inf")
+
+
+def teams_out_of_budget() -> frozenset[int]:
+    month = month_start()
+    fresh = time.monotonic() - _out_of_budget["read_at"] < settings.COSTS_BUDGET_CACHE_S
+    if fresh and _out_of_budget["month"] == month:
+        return _out_of_budget["teams"]
+    teams = frozenset(s.team_id for s in budget_states(month=month, forecast=False) if s.exhausted)
+    _out_of_budget.update(read_at=time.monotonic(), month=month, teams=teams)
+    return teams
+
+
+def team_within_budget(*, team_id: int) -> bool:
+    """False once the team's spend this month reached its budget (100%): no cloud bursts."""
+    return team_id not in teams_out_of_budget()
+
+
+def submissions_refused(*, team_id: int) -> BudgetState | None:
+    """The team's budget state when it is spent and set to refuse new jobs, else None."""
+    if team_within_budget(team_id=team_id):
+        return None
+    state = next(iter(budget_states(team_ids=[team_id], forecast=False)), None)
+    return state if state is not None and state.stop_submissions else None
+
+
+def alert_payload(alert: BudgetAlert) -> dict:
+    return {
+        "team": alert.team.slug,
+        "team_id": alert.team_id,
+        "month": f"{alert.month:%Y-%m}",
+        "threshold_percent": alert.threshold,
+        "spent": str(alert.spent.quantize(Decimal("0.01"))),
+        "monthly_limit": str(alert.monthly_limit),
+        "currency": settings.COSTS_CURRENCY,
+        "at": alert.at.isoformat(),
+    }
+
+
+def banners_for(*, user) -> list[dict]:
+    """This month's highest alert of each of the user's teams (members see their teams')."""
+    roles = roles_of(user)
+    if not roles.team_ids:
+        return []
+    month = month_start()
+    latest: dict[int, BudgetAlert] = {}
+    for alert in BudgetAlert.objects.filter(month=month, team_id__in=roles.team_ids).select_related(
+        "team"
+    ):
+        if alert.team_id not in latest or alert.threshold > latest[alert.team_id].threshold:
+            latest[alert.team_id] = alert
+    return [
+        {
+            "team": alert.team.slug,
+            "team_id": alert.team_id,
+            "threshold": alert.threshold,
+            "level": "danger" if alert.threshold >= 100 else "warning",
+            "text": (
+                f"Team {alert.team.slug} has spent {alert.threshold}% or more of its "
+                f"{money(alert.monthly_limit)} budget for {alert.month:%B %Y}"
+                + (": its jobs no longer burst to the cloud." if alert.threshold >= 100 else ".")
+            ),
+        }
+        for alert in sorted(latest.values(), key=lambda a: a.team.slug)
+    ]
+
+
+# --- the price book, for pages and the API --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OwnedPriceView:
+    price: OwnedPrice
+    rate: pricing.OwnedRate
+    per_gpu_hour: Decimal
+    gpus: int
+
+
+def owned_prices() -> list[OwnedPriceView]:
+    """Each owned price with its rate worked out for a typical node of the pool."""
+    prices = list(
+        OwnedPrice.objects.select_related("pool").order_by("pool__slug", "-effective_from")
+    )
+    power: dict[int, list[int]] = defaultdict(list)
+    gpus: dict[int, int] = {}
+    for pool_id, count, measured, nameplate in Node.objects.filter(
+        pool_id__in={p.pool_id for p in prices}
+    ).values_list("pool_id", "gpu_count", "power_w", "nameplate_power_w"):
+        gpus[pool_id] = max(gpus.get(pool_id, 0), count)
+        if measured or nameplate:
+            power[pool_id].append(measured or nameplate)
+    views = []
+    for price in prices:
+        watts = power.get(price.pool_id)
+        terms = pricing.OwnedTerms(
+            purchase_price=price.purchase_price,
+            depreciation_months=price.depreciation_months,
+            electricity_per_kwh=price.electricity_per_kwh,
+            pue=price.pue,
+            overhead_per_month=price.overhead_per_month,
+            default_power_w=price.default_power_w,
+        )
+        rate = pricing.owned_rate(terms, round(sum(watts) / len(watts)) if watts else None)
+        count = gpus.get(price.pool_id) or 8
+        views.append(
+            OwnedPriceView(price=price, rate=rate, per_gpu_hour=rate.per_hour / count, gpus=count)
+        )
+    return views
+
+
+def spot_prices_latest(*, limit: int = 50) -> list[SpotPrice]:
+    """Each zone's newest spot price per instance type."""
+    newest = (
+        SpotPrice.objects.values("instance_type_id", "availability_zone")
+        .annotate(at=Max("effective_at"))
+        .order_by()
+    )
+    wanted = [
+        Q(
+            instance_type_id=n["instance_type_id"],
+            availability_zone=n["availability_zone"],
+            effective_at=n["at"],
+        )
+        for n in newest[:limit]
+    ]
+    if not wanted:
+        return []
+    return list(
+        SpotPrice.objects.filter(reduce(lambda a, b: a | b, wanted))
+        .select_related("instance_type")
+        .order_by("instance_type__name", "availability_zone")
+    )
+
+
+def cloud_prices() -> QuerySet[CloudPrice]:
+    return CloudPrice.objects.select_related("instance_type").order_by(
+        "instance_type__name", "region", "-effective_from"
+    )
+
+
+def pool_discounts() -> QuerySet[PoolDiscount]:
+    return PoolDiscount.objects.select_related("pool").order_by("pool__slug", "-effective_from")
+
+
+def unpriced_pools() -> list[str]:
+    """Pools some of whose nodes have no price in the book (they are metered at zero)."""
+    missing = []
+    owned = set(OwnedPrice.objects.values_list("pool_id", flat=True))
+    listed = set(CloudPrice.objects.values_list("instance_type_id", "region"))
+    for pool in NodePool.objects.prefetch_related("instance_types").order_by("slug"):
+        if pool.kind == PoolKind.OWNED:
+            if pool.pk not in owned and pool.nodes.exists():
+                missing.append(pool.slug)
+        elif any((t.pk, pool.region) not in listed for t in pool.instance_types.all()):
+            missing.append(pool.slug)
+    return missing
+
+
+def metered_until() -> dt.datetime | None:
+    """How far metering has got over the nodes still costing."""
+    return MeterMark.objects.filter(closed=False).aggregate(at=Min("metered_until"))["at"]
+
+
+def spot_price_targets() -> list[tuple[str, str, dt.datetime | None]]:
+    """(region, instance type, newest spot price stored) for every enabled cloud pool that
+    may launch spot: what the spot price task asks EC2 about."""
+    pools = NodePool.objects.filter(
+        kind=PoolKind.CLOUD, enabled=True, capacity_preference="spot_then_on_demand"
+    ).prefetch_related("instance_types")
+    pairs = {(p.region, t.name, t.pk) for p in pools for t in p.instance_types.all()}
+    newest = {
+        (type_id, region): at
+        for type_id, region, at in SpotPrice.objects.values_list("instance_type_id", "region")
+        .annotate(at=Max("effective_at"))
+        .order_by()
+    }
+    return sorted((region, name, newest.get((type_id, region))) for region, name, type_id in pairs)
