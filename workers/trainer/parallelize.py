@@ -201,7 +201,16 @@ def pipeline_schedule(stages: list[tuple[int, nn.Module]], world: World, loss_fn
     count = config.layout.pp * (len(stages))
     group = world.mesh["pp"].get_group()
     built = [
-        PipelineStage(module, index, count, world.device, group=group) for index, module in stages
+        PipelineStage(
+            module,
+            index,
+            count,
+            world.device,
+            input_args=_stage_tensor(index == 0, False, world),
+            output_args=_stage_tensor(False, index == count - 1, world),
+            group=group,
+        )
+        for index, module in stages
     ]
     n = microbatches(config)
     # Each microbatch's loss is a mean over its tokens; the schedule divides the
@@ -210,6 +219,29 @@ def pipeline_schedule(stages: list[tuple[int, nn.Module]], world: World, loss_fn
     if config.pipeline.schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B(built, n_microbatches=n, loss_fn=loss_fn)
     return Schedule1F1B(built[0], n_microbatches=n, loss_fn=loss_fn)
+
+
+def _stage_tensor(tokens: bool, logits: bool, world: World) -> torch.Tensor:
+    """What passes into or out of a stage for one microbatch, as a meta tensor.
+
+    Stating it spares the pipeline from inferring shapes by running the stage
+    on meta tensors, which torch 2.11 does and our real parameters refuse.
+    Between stages flows the residual stream: its local sequence shard under
+    tensor parallelism, in bf16 where FSDP gathers bf16 parameters and in fp32
+    under autocast or on CPUs. The last stage returns whole logits.
+    """
+    config = world.config
+    micro = config.local_batch // microbatches(config)
+    seq = config.data.seq_len
+    if tokens:
+        return torch.empty((micro, seq), dtype=torch.int64, device="meta")
+    if logits:
+        shape, dtype = (micro, seq, config.model.vocab_size), world.compute_dtype
+    else:
+        hidden = world.compute_dtype if world.data_parallel == "fsdp" else torch.float32
+        shape, dtype = (micro, seq // config.layout.tp, config.model.dim), hidden
+    # requires_grad: gradients flow back through it (the stage before gets them).
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
 
 
 # --- the transforms, in order ---------------------------------------------------------------
