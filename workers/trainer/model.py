@@ -53,10 +53,8 @@ class Attention(nn.Module):
         k = k.view(batch, seq, -1, self.head_dim)
         v = v.view(batch, seq, -1, self.head_dim)
         # The tables cover max_seq_len; the sequence is whatever arrived (under sequence
-        # parallelism only q, after the gather, has the whole of it). Moving them to the
-        # input's device is a no-op, except when a pipeline stage infers its shapes by
-        # running on meta tensors (torch before 2.12 does).
-        cos, sin = cos[:seq].to(x.device), sin[:seq].to(x.device)
+        # parallelism only q, after the gather, has the whole of it).
+        cos, sin = cos[:seq], sin[:seq]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # Grouped-query attention: each KV head serves heads/kv_heads query heads. SDPA

@@ -224,8 +224,8 @@ def pipeline_schedule(stages: list[tuple[int, nn.Module]], world: World, loss_fn
 def _stage_tensor(tokens: bool, logits: bool, world: World) -> torch.Tensor:
     """What passes into or out of a stage for one microbatch, as a meta tensor.
 
-    Stating it spares the pipeline from inferring shapes by running the stage
-    on meta tensors, which torch 2.11 does and our real parameters refuse.
+    Stating it spares the pipeline from inferring shapes at the first step
+    (under torch 2.11 on the CPU, pipelines left to infer them failed there).
     Between stages flows the residual stream: its local sequence shard under
     tensor parallelism, in bf16 where FSDP gathers bf16 parameters and in fp32
     under autocast or on CPUs. The last stage returns whole logits.
