@@ -1,8 +1,9 @@
-"""Line charts drawn as SVG on the server: a picture where people would rather look than read.
+"""Line and stacked bar charts drawn as SVG on the server: pictures where people would rather
+look than read.
 
 No JavaScript and no chart library: the page gets finished markup (like the rack
 elevations), which also prints, and reads without scripts. Used for training
-curves now and for spend later.
+curves, and spend by day on the Costs page.
 """
 
 import math
@@ -100,5 +101,84 @@ def line_chart(
                 f'<text class="legend" x="{x}" y="14" text-anchor="end" fill="{colour}">'
                 f"{escape(name)}</text>"
             )
+    parts.append("</svg>")
+    return mark_safe("".join(parts))  # noqa: S308 (every text above is escaped)
+
+
+# Colours for stacked bars, one per group (a group keeps its colour across days).
+STACK_PALETTE = ("#2563eb", "#0ea5e9", "#7c3aed", "#db2777", "#f59e0b", "#10b981", "#94a3b8")
+
+
+def stacked_bar_chart(
+    columns: Sequence,
+    series: Mapping[str, Mapping],
+    *,
+    title: str,
+    y_format: Callable[[float], str] = compact_number,
+    x_label: Callable[[object], str] = str,
+    width: int = 720,
+    height: int = 240,
+) -> SafeString:
+    """One bar per column (a day), stacked by series (a team, a pool...), in the order given.
+
+    `series` maps a name to {column: value}; missing values are zero. Each segment has a
+    <title> (name, column and value) for a reader hovering over it.
+    """
+    totals = [sum(float(values.get(c, 0) or 0) for values in series.values()) for c in columns]
+    if not columns or not any(totals):
+        return format_html('<p class="empty chart-empty">{}: no data yet.</p>', title)
+    left, right, top, bottom = 64, 12, 24, 44
+    plot_w, plot_h = width - left - right, height - top - bottom
+    y_ticks = nice_ticks(0.0, max(totals))
+    y_high = y_ticks[-1] or 1.0
+    slot = plot_w / len(columns)
+    bar = max(slot * 0.72, 1.0)
+
+    def py(y: float) -> float:
+        return top + plot_h - y / y_high * plot_h
+
+    parts = [
+        f'<svg class="chart stacked" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="{escape(title)}" xmlns="http://www.w3.org/2000/svg">',
+        f'<text class="chart-title" x="{left}" y="14">{escape(title)}</text>',
+    ]
+    for tick in y_ticks:
+        y = py(tick)
+        parts.append(
+            f'<line class="grid" x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
+            f"{escape(y_format(tick))}</text>"
+        )
+    names = list(series)
+    colours = {name: STACK_PALETTE[i % len(STACK_PALETTE)] for i, name in enumerate(names)}
+    every = max(1, -(-len(columns) // 12))  # at most a dozen labels along the bottom
+    for i, column in enumerate(columns):
+        x = left + i * slot + (slot - bar) / 2
+        base = 0.0
+        for name in names:
+            value = float(series[name].get(column, 0) or 0)
+            if value <= 0:
+                continue
+            y_top, y_bottom = py(base + value), py(base)
+            parts.append(
+                f'<rect class="segment" x="{x:.1f}" y="{y_top:.1f}" width="{bar:.1f}" '
+                f'height="{max(y_bottom - y_top, 0.5):.1f}" fill="{colours[name]}">'
+                f"<title>{escape(name)} · {escape(x_label(column))}: "
+                f"{escape(y_format(value))}</title></rect>"
+            )
+            base += value
+        if i % every == 0:
+            parts.append(
+                f'<text class="tick" x="{x + bar / 2:.1f}" y="{top + plot_h + 14}" '
+                f'text-anchor="middle">{escape(x_label(column))}</text>'
+            )
+    for i, name in enumerate(names):  # the legend, along the bottom
+        x = left + i * 110
+        if x + 100 > width:
+            break
+        parts.append(
+            f'<rect x="{x}" y="{height - 14}" width="10" height="10" fill="{colours[name]}"/>'
+            f'<text class="legend" x="{x + 14}" y="{height - 5}">{escape(name)}</text>'
+        )
     parts.append("</svg>")
     return mark_safe("".join(parts))  # noqa: S308 (every text above is escaped)

@@ -102,6 +102,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "controlplane.navigation.navigation",
+                "apps.costs.context.budget_banners",
             ],
         },
     },
@@ -370,7 +371,10 @@ COSTS_METER_LAG_S = env_int("COSTS_METER_LAG_S", 60)
 COSTS_SPOT_PRICES_EVERY_S = env_int("COSTS_SPOT_PRICES_EVERY_S", 3600)
 COSTS_FORECAST_DAYS = env_int("COSTS_FORECAST_DAYS", 7)
 COSTS_BUDGET_CACHE_S = env_int("COSTS_BUDGET_CACHE_S", 5)
-CELERY_BEAT_SCHEDULE["costs-meter"] = {"task": "costs.meter", "schedule": float(COSTS_METER_EVERY_S)}
+CELERY_BEAT_SCHEDULE["costs-meter"] = {
+    "task": "costs.meter",
+    "schedule": float(COSTS_METER_EVERY_S),
+}
 CELERY_BEAT_SCHEDULE["costs-spot-prices"] = {
     "task": "costs.spot_prices",
     "schedule": float(COSTS_SPOT_PRICES_EVERY_S),

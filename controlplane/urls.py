@@ -12,6 +12,7 @@ api_v1 = [
     path("", include("apps.accounts.api.urls")),
     path("", include("apps.fleet.api.urls")),
     path("", include("apps.tuning.api.urls")),
+    path("", include("apps.costs.api.urls")),
     path("", include("apps.jobs.api.urls")),
 ]
 
@@ -22,6 +23,7 @@ urlpatterns = [
     path("fleet/", include("apps.fleet.urls")),
     path("jobs/", include("apps.jobs.urls")),
     path("nccl/", include("apps.tuning.urls")),
+    path("costs/", include("apps.costs.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

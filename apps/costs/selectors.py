@@ -786,7 +786,7 @@ def banners_for(*, user) -> list[dict]:
             "team": alert.team.slug,
             "team_id": alert.team_id,
             "threshold": alert.threshold,
-            "level": "danger" if alert.threshold >= 100 else "warning",
+            "level": "error" if alert.threshold >= 100 else "warning",
             "text": (
                 f"Team {alert.team.slug} has spent {alert.threshold}% or more of its "
                 f"{money(alert.monthly_limit)} budget for {alert.month:%B %Y}"
@@ -864,6 +864,10 @@ def spot_prices_latest(*, limit: int = 50) -> list[SpotPrice]:
     )
 
 
+def owned_price_rows() -> QuerySet[OwnedPrice]:
+    return OwnedPrice.objects.select_related("pool").order_by("pool__slug", "-effective_from")
+
+
 def cloud_prices() -> QuerySet[CloudPrice]:
     return CloudPrice.objects.select_related("instance_type").order_by(
         "instance_type__name", "region", "-effective_from"
@@ -907,3 +911,89 @@ def spot_price_targets() -> list[tuple[str, str, dt.datetime | None]]:
         .order_by()
     }
     return sorted((region, name, newest.get((type_id, region))) for region, name, type_id in pairs)
+
+
+# --- the ledger as CSV ------------------------------------------------------------------------
+
+USAGE_CSV_COLUMNS = [
+    "id",
+    "day",
+    "start",
+    "end",
+    "node_id",
+    "pool_id",
+    "instance_type_id",
+    "team_id",
+    "job_id",
+    "kind",
+    "capacity_type",
+    "gpus",
+    "node_gpus",
+    "rate_per_hour",
+    "amount",
+    "savings",
+    "power_w",
+    "price_ref",
+    "corrects_id",
+    "note",
+]
+_MONEY_COLUMNS = {"rate_per_hour", "amount", "savings"}
+_TIME_COLUMNS = {"start", "end"}
+_TEXT_COLUMNS = {"price_ref", "note"}
+
+
+def usage_csv_chunks(rows: QuerySet[UsageEntry]):
+    """The ledger rows as CSV text, by day then id, streamed: on PostgreSQL the database
+    formats them itself (COPY … TO STDOUT), which keeps up with millions of rows."""
+    from django.db import connection
+
+    from controlplane.exports import spreadsheet_safe
+
+    raw = rows.order_by().values_list(*USAGE_CSV_COLUMNS)
+    if connection.vendor == "postgresql":
+        inner, params = raw.query.sql_with_params()
+        bound = connection.ops.compose_sql(inner, params)
+
+        def shown(column: str) -> str:
+            value = f'e."{column}"'
+            if column in _MONEY_COLUMNS:
+                return f"round({value}::numeric / 1000000000, 9)"
+            if column in _TIME_COLUMNS:
+                return f"to_char({value} AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+            if column in _TEXT_COLUMNS:  # what a spreadsheet would run as a formula
+                return f"CASE WHEN {value} ~ '^[=+@\\t\\r-]' THEN '''' || {value} ELSE {value} END"
+            return value
+
+        select = ", ".join(shown(c) for c in USAGE_CSV_COLUMNS)
+        copy_sql = (
+            f"COPY (SELECT {select} FROM ({bound}) AS e ORDER BY e.day, e.id) "  # noqa: S608
+            "TO STDOUT WITH (FORMAT csv)"
+        )
+        with connection.cursor() as cursor, cursor.cursor.copy(copy_sql) as copy:
+            for data in copy:
+                yield bytes(data)
+        return
+    import csv
+    import io
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    for count, row in enumerate(raw.order_by("day", "id").iterator(chunk_size=5000), 1):
+        writer.writerow(
+            [
+                f"{value:f}"
+                if column in _MONEY_COLUMNS
+                else value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+                if column in _TIME_COLUMNS
+                else spreadsheet_safe(value)
+                if column in _TEXT_COLUMNS
+                else ("" if value is None else value)
+                for column, value in zip(USAGE_CSV_COLUMNS, row, strict=True)
+            ]
+        )
+        if count % 2000 == 0:
+            yield buffer.getvalue()
+            buffer.seek(0)
+            buffer.truncate()
+    if buffer.tell():
+        yield buffer.getvalue()

@@ -38,6 +38,7 @@ from apps.costs.models import (
     THRESHOLDS,
     Budget,
     BudgetAlert,
+    CloudPrice,
     DailySpend,
     JobDailySpend,
     MeterMark,
@@ -150,6 +151,18 @@ def price_delete(*, price, by) -> None:
     _require_finance(by)
     _reprice_after(_nodes_priced_by(price), price.effective_from)
     audited_delete(instance=price, by=by, action=f"{price._meta.model_name}.delete")
+
+
+def owned_price_create(*, by, **fields) -> OwnedPrice:
+    return price_create(model=OwnedPrice, by=by, **fields)
+
+
+def cloud_price_create(*, by, **fields) -> CloudPrice:
+    return price_create(model=CloudPrice, by=by, **fields)
+
+
+def pool_discount_create(*, by, **fields) -> PoolDiscount:
+    return price_create(model=PoolDiscount, by=by, **fields)
 
 
 @dataclass(frozen=True)
@@ -688,6 +701,13 @@ def _check_emails(text: str) -> str:
     return ", ".join(addresses)
 
 
+def _budget_snapshot(budget: Budget) -> dict:
+    """For the audit log: never the webhook's signing key."""
+    data = snapshot(budget)
+    data.pop("webhook_signing_key", None)
+    return data
+
+
 @transaction.atomic
 def budget_set(
     *,
@@ -709,7 +729,7 @@ def budget_set(
         _check_webhook_url(webhook_url)
     notify_emails = _check_emails(notify_emails or "")
     budget = Budget.objects.select_for_update().filter(team=team).first()
-    before = snapshot(budget) if budget is not None else None
+    before = _budget_snapshot(budget) if budget is not None else None
     new_key = None
     if budget is None:
         budget = Budget(team=team)
@@ -730,7 +750,7 @@ def budget_set(
         action="budget.set",
         obj=budget,
         before=before,
-        after=snapshot(budget),
+        after=_budget_snapshot(budget),
         team=team,
     )
     selectors.forget_budget_state()
@@ -741,7 +761,11 @@ def budget_set(
 def budget_delete(*, budget: Budget, by) -> None:
     _require_budget_setter(by, budget.team)
     audit_record(
-        actor=by, action="budget.delete", obj=budget, before=snapshot(budget), team=budget.team
+        actor=by,
+        action="budget.delete",
+        obj=budget,
+        before=_budget_snapshot(budget),
+        team=budget.team,
     )
     budget.delete()
     selectors.forget_budget_state()

@@ -14,7 +14,7 @@ from apps.accounts.selectors import teams_visible_to
 from apps.fleet.models import Node
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
 from apps.jobs.models.jobs import ANY_GPU
-from apps.jobs.selectors import job_nccl_environments, jobs_visible_to
+from apps.jobs.selectors import job_cost, job_nccl_environments, jobs_visible_to
 from controlplane.api import (
     ScopedPrimaryKeyField,
     SharedFieldsMixin,
@@ -23,6 +23,11 @@ from controlplane.api import (
     Text,
 )
 from workers.trainer.presets import PRESETS
+
+# The trainer's own choices (workers/trainer/config.py; apps import only its presets, so a
+# test keeps these two lists equal to the trainer's).
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b")
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
@@ -66,6 +71,12 @@ class ModelSizesSerializer(SpecSerializer):
     max_seq_len = _count(1048576, required=False)
 
 
+class PipelineSerializer(SpecSerializer):
+    schedule = serializers.ChoiceField(choices=PIPELINE_SCHEDULES, default="1f1b")
+    microbatches = _count(100_000, required=False)
+    stages_per_rank = _count(64, required=False)
+
+
 class TrainerSerializer(SpecSerializer):
     preset = serializers.ChoiceField(choices=sorted(PRESETS), required=False)
     model = ModelSizesSerializer(required=False)
@@ -81,7 +92,19 @@ class TrainerSerializer(SpecSerializer):
     )
     checkpoint_every_steps = _count(10_000_000, required=False)
     checkpoint_every_minutes = _count(10_080, required=False)
+    checkpoint_keep = _count(1000, required=False, help_text="Checkpoints the trainer keeps.")
     compile = serializers.BooleanField(default=False)
+    # Tuning the trainer's defaults (workers/trainer/config.py says what each does).
+    micro_batch = _count(1_000_000, required=False)
+    lr = serializers.FloatField(min_value=0, max_value=10, required=False)
+    warmup_steps = serializers.IntegerField(min_value=0, max_value=10_000_000, required=False)
+    min_lr_ratio = serializers.FloatField(min_value=0, max_value=1, required=False)
+    grad_clip = serializers.FloatField(min_value=0, max_value=1e6, required=False)
+    seed = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
+    collective_timeout_s = serializers.IntegerField(min_value=10, max_value=86400, required=False)
+    log_every = _count(100_000, required=False)
+    attention_backend = serializers.ChoiceField(choices=ATTENTION_BACKENDS, required=False)
+    pipeline = PipelineSerializer(required=False)
 
 
 class GitSourceSerializer(SpecSerializer):
@@ -258,19 +281,39 @@ class NcclEnvironmentSerializer(StrictSerializer):
     variables = NcclVariableSerializer(many=True)
 
 
+class JobCostSerializer(serializers.Serializer):
+    so_far = serializers.CharField(help_text="As metered; a decimal string in `currency`.")
+    metered_until = serializers.DateTimeField(allow_null=True)
+    per_hour = serializers.CharField(allow_null=True, help_text="The rate of the GPUs it holds.")
+    projected = serializers.CharField(
+        allow_null=True, help_text="So far + rate × what is left of its time limit."
+    )
+    projected_low = serializers.CharField(
+        allow_null=True, help_text="Before placement: at the cheapest pool it may run in."
+    )
+    projected_high = serializers.CharField(allow_null=True, help_text="...and at the dearest.")
+    cheapest_pool = serializers.CharField()
+    currency = serializers.CharField()
+
+
 class JobDetailSerializer(JobSerializer):
     events = JobEventSerializer(many=True, read_only=True)
     nccl_environments = serializers.SerializerMethodField(
         help_text="The NCCL environment the job gets on each pool it runs in (or may run in)."
     )
+    cost = serializers.SerializerMethodField(help_text="Cost so far and projected.")
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "events", "nccl_environments"]
+        fields = [*JobSerializer.Meta.fields, "events", "nccl_environments", "cost"]
         read_only_fields = fields
 
     @extend_schema_field(NcclEnvironmentSerializer(many=True))
     def get_nccl_environments(self, job) -> list[dict]:
         return [env.as_dict() for env in job_nccl_environments(job=job)]
+
+    @extend_schema_field(JobCostSerializer)
+    def get_cost(self, job) -> dict:
+        return job_cost(job=job).as_dict()
 
 
 class ReasonSerializer(StrictSerializer):

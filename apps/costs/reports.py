@@ -1,0 +1,124 @@
+"""The Costs report as one request asks for it: the page, the API and the CSV exports all
+build it here from the same query parameters, through the same FilterSets."""
+
+import datetime as dt
+from dataclasses import dataclass
+
+from django import forms
+from django.conf import settings
+from django.http import Http404, QueryDict
+
+from apps.accounts.selectors import roles_of
+from apps.costs import selectors
+from apps.costs.filtersets import DailySpendFilterSet, JobDailySpendFilterSet
+from apps.costs.models import DailySpend
+from controlplane.errors import ApplicationError
+
+GROUP_CHOICES = [
+    ("team", "Team"),
+    ("pool", "Pool"),
+    ("capacity_type", "Capacity type"),
+    ("instance_type", "Instance type"),
+]
+IDLE_CHOICES = [("separate", "Idle as its own line"), ("spread", "Idle spread over teams by use")]
+MAX_DAYS = 400
+
+
+class ReportOptions(forms.Form):
+    group_by = forms.ChoiceField(choices=GROUP_CHOICES, required=False)
+    idle = forms.ChoiceField(choices=IDLE_CHOICES, required=False)
+    top = forms.IntegerField(min_value=1, max_value=500, required=False)
+
+
+@dataclass
+class Report:
+    since: dt.date
+    until: dt.date
+    group_by: str
+    idle_mode: str
+    spend: selectors.SpendReport
+    top_jobs: list
+    budgets: list
+    forecast_total: object  # the fleet's (or the user's teams') spend by the month's end
+    month: dt.date
+    filters: DailySpendFilterSet
+    query: QueryDict
+
+
+def _with_defaults(query: QueryDict) -> QueryDict:
+    """The month so far when no range is given."""
+    data = query.copy()
+    today = selectors.local_today()
+    if not data.get("since"):
+        data["since"] = (today.replace(day=1)).isoformat()
+    if not data.get("until"):
+        data["until"] = today.isoformat()
+    return data
+
+
+def _invalid(errors) -> ApplicationError:
+    details = {key: [str(m) for m in messages] for key, messages in errors.items()}
+    return ApplicationError(f"Invalid input: {', '.join(details)}.", details=details)
+
+
+def filtered_spend(*, user, query: QueryDict):
+    """(FilterSet, since, until, data) for the roll-ups this user may see; a team of
+    someone else's is answered as if it did not exist."""
+    data = _with_defaults(query)
+    spend = DailySpendFilterSet(data, queryset=selectors.daily_spend_visible_to(user=user))
+    if not spend.is_valid():
+        raise _invalid(spend.errors)
+    since, until = spend.form.cleaned_data["since"], spend.form.cleaned_data["until"]
+    if until < since:
+        raise _invalid({"until": ["Must be on or after since."]})
+    if (until - since).days > MAX_DAYS:
+        raise _invalid({"since": [f"At most {MAX_DAYS} days at a time."]})
+    team_id = spend.form.cleaned_data.get("team_id")
+    roles = roles_of(user)
+    if team_id and not roles.sees_every_team and team_id not in roles.team_ids:
+        raise Http404("No such team.")
+    return spend, since, until, data
+
+
+def build(*, user, query: QueryDict, top: int = 20) -> Report:
+    spend, since, until, data = filtered_spend(user=user, query=query)
+    options = ReportOptions(data)
+    if not options.is_valid():
+        raise _invalid(options.errors)
+    group_by = options.cleaned_data.get("group_by") or "team"
+    idle_mode = options.cleaned_data.get("idle") or settings.COSTS_IDLE_COST
+    # Idle spreads over every team's use under the same filters, whoever is looking.
+    everyone = data.copy()
+    everyone.pop("team_id", None)
+    spread_base = DailySpendFilterSet(everyone, queryset=DailySpend.objects.all()).qs
+    report = selectors.spend_report(
+        spend.qs,
+        since=since,
+        until=until,
+        group_by=group_by,
+        idle_mode=idle_mode,
+        spread_base=spread_base,
+    )
+    jobs = JobDailySpendFilterSet(
+        {k: data[k] for k in ("since", "until", "team_id") if data.get(k)},
+        queryset=selectors.job_spend_visible_to(user=user),
+    )
+    roles = roles_of(user)
+    team_ids = None if roles.sees_every_team else roles.team_ids
+    if spend.form.cleaned_data.get("team_id"):
+        team_ids = {spend.form.cleaned_data["team_id"]}
+    month = selectors.month_start()
+    forecasts, fleet_forecast = selectors.forecast_month(month=month, team_ids=team_ids)
+    return Report(
+        since=since,
+        until=until,
+        group_by=group_by,
+        idle_mode=idle_mode,
+        spend=report,
+        top_jobs=selectors.top_jobs(jobs.qs, limit=options.cleaned_data.get("top") or top),
+        budgets=selectors.budget_states(month=month, team_ids=team_ids),
+        forecast_total=fleet_forecast if team_ids is None else sum(forecasts.values()),
+        month=month,
+        filters=spend,
+        query=data,
+    )

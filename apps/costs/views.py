@@ -1,0 +1,325 @@
+"""The Costs page: spend by day and group, top jobs, budgets, the price book, and a CSV
+export of every table with the page's filters."""
+
+from decimal import Decimal
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import Http404
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from apps.accounts.models import Team
+from apps.accounts.selectors import roles_of, teams_visible_to
+from apps.costs import reports, selectors, services
+from apps.costs.filtersets import UsageEntryFilterSet
+from apps.costs.forms import BudgetForm, CloudPriceForm, OwnedPriceForm, PoolDiscountForm
+from apps.costs.money import apportion_cents, cents, money_text, nanos_text, to_nanos
+from apps.fleet.models import InstanceType, NodePool
+from apps.fleet.models.nodes import CapacityType
+from controlplane import charts
+from controlplane.errors import ApplicationError
+from controlplane.exports import csv_stream, csv_stream_text, spreadsheet_safe
+
+CHART_GROUPS = 6  # more groups than this are drawn as one "other"
+
+
+def _budget_teams(user):
+    roles = roles_of(user)
+    if roles.superuser or roles.finance:
+        return Team.objects.all()
+    return Team.objects.filter(pk__in=roles.admin_team_ids)
+
+
+def _chart(report: reports.Report):
+    spend = report.spend
+    totals = sorted(
+        ((sum(days.values(), Decimal(0)), label) for label, days in spend.series.items()),
+        reverse=True,
+    )
+    shown = [label for _, label in totals[:CHART_GROUPS]]
+    series = {label: spend.series[label] for label in shown}
+    rest = [label for _, label in totals[CHART_GROUPS:]]
+    if rest:
+        other: dict = {}
+        for label in rest:
+            for day, amount in spend.series[label].items():
+                other[day] = other.get(day, Decimal(0)) + amount
+        series["other"] = other
+    group = dict(reports.GROUP_CHOICES)[report.group_by].lower()
+    return charts.stacked_bar_chart(
+        spend.days,
+        series,
+        title=f"Spend by day and {group}",
+        y_format=lambda v: "$" + charts.compact_number(v),
+        x_label=lambda day: f"{day:%b %-d}",
+    )
+
+
+@login_required
+def overview(request):
+    try:
+        report = reports.build(user=request.user, query=request.GET)
+    except ApplicationError as exc:
+        for field, problems in exc.details.items():
+            for problem in problems:
+                messages.error(request, f"{field}: {problem}")
+        return redirect("costs:overview")
+    spend = report.spend
+    row_cents = apportion_cents([row.total for row in spend.rows])
+    jobs_cents, idle_cents = apportion_cents([spend.jobs, spend.idle])
+    roles = roles_of(request.user)
+    budget_teams = _budget_teams(request.user)
+    finance = roles.superuser or roles.finance
+    return render(
+        request,
+        "costs/overview.html",
+        {
+            "report": report,
+            "rows": list(zip(spend.rows, row_cents, strict=True)),
+            "total_cents": cents(spend.total),
+            "jobs_cents": jobs_cents,
+            "idle_cents": idle_cents,
+            "idle_share": (spend.idle * 100 / spend.total) if spend.total else Decimal(0),
+            "chart": _chart(report),
+            "filters": report.query,
+            "group_choices": reports.GROUP_CHOICES,
+            "idle_choices": reports.IDLE_CHOICES,
+            "teams": teams_visible_to(user=request.user).order_by("slug"),
+            "pools": NodePool.objects.order_by("slug"),
+            "instance_types": InstanceType.objects.order_by("name"),
+            "capacity_types": CapacityType.choices,
+            "sees_idle": roles.sees_every_team,
+            "owned_prices": selectors.owned_prices(),
+            "cloud_prices": [
+                (price, price.per_hour / price.instance_type.gpu_count)
+                for price in selectors.cloud_prices()
+            ],
+            "time_zone": settings.COSTS_TIME_ZONE,
+            "discounts": selectors.pool_discounts(),
+            "spot_prices": selectors.spot_prices_latest(),
+            "unpriced": selectors.unpriced_pools() if roles.sees_every_team else [],
+            "metered_until": selectors.metered_until(),
+            "can_edit_prices": finance,
+            "budget_form": BudgetForm(teams=budget_teams) if budget_teams.exists() else None,
+            "owned_form": OwnedPriceForm() if finance else None,
+            "cloud_form": CloudPriceForm() if finance else None,
+            "discount_form": PoolDiscountForm() if finance else None,
+            "querystring": report.query.urlencode(),
+        },
+    )
+
+
+@login_required
+@require_POST
+def budget_set(request):
+    form = BudgetForm(request.POST, teams=_budget_teams(request.user))
+    if not form.is_valid():
+        for field, problems in form.errors.items():
+            messages.error(request, f"{field}: {' '.join(problems)}")
+        return redirect("costs:overview")
+    try:
+        budget, key = services.budget_set(by=request.user, **form.cleaned_data)
+    except ApplicationError as exc:
+        messages.error(request, exc.message)
+        return redirect("costs:overview")
+    text = f"Budget of {budget.team.slug} set to {money_text(budget.monthly_limit)} a month."
+    if key:
+        text += f" Webhook signing key (shown once): {key}"
+    messages.success(request, text)
+    return redirect("costs:overview")
+
+
+PRICE_FORMS = {
+    "owned": (OwnedPriceForm, services.owned_price_create),
+    "cloud": (CloudPriceForm, services.cloud_price_create),
+    "discount": (PoolDiscountForm, services.pool_discount_create),
+}
+
+
+@login_required
+@require_POST
+def price_add(request, kind: str):
+    if kind not in PRICE_FORMS:
+        raise Http404("No such price.")
+    form_class, create = PRICE_FORMS[kind]
+    form = form_class(request.POST)
+    if not form.is_valid():
+        for field, problems in form.errors.items():
+            messages.error(request, f"{field}: {' '.join(problems)}")
+        return redirect("costs:overview")
+    try:
+        create(by=request.user, **form.cleaned_data)
+    except ApplicationError as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.success(request, "Added to the price book; what was metered since is corrected.")
+    return redirect("costs:overview")
+
+
+# --- CSV: every table of the page, with its filters -----------------------------------------
+
+
+def _money(value) -> str:
+    return nanos_text(to_nanos(value))
+
+
+@login_required
+def spend_csv(request):
+    report = reports.build(user=request.user, query=request.GET)
+    header = [report.group_by, "jobs", "idle", "total", "gpu_hours", "spot_savings"]
+    rows = (
+        [
+            spreadsheet_safe(row.label),
+            _money(row.jobs),
+            _money(row.idle),
+            _money(row.total),
+            f"{row.gpu_hours:.3f}",
+            _money(row.savings),
+        ]
+        for row in report.spend.rows
+    )
+    return csv_stream("spend.csv", header, rows)
+
+
+@login_required
+def daily_csv(request):
+    report = reports.build(user=request.user, query=request.GET)
+    rows = (
+        [day.isoformat(), spreadsheet_safe(label), _money(amounts[day])]
+        for label, amounts in sorted(report.spend.series.items())
+        for day in sorted(amounts)
+    )
+    return csv_stream("spend-by-day.csv", ["day", report.group_by, "amount"], rows)
+
+
+@login_required
+def top_jobs_csv(request):
+    report = reports.build(user=request.user, query=request.GET, top=500)
+    rows = (
+        [j.job_id, spreadsheet_safe(j.name), j.team, _money(j.amount), f"{j.gpu_hours:.3f}"]
+        for j in report.top_jobs
+    )
+    return csv_stream("top-jobs.csv", ["job", "name", "team", "amount", "gpu_hours"], rows)
+
+
+@login_required
+def budgets_csv(request):
+    report = reports.build(user=request.user, query=request.GET)
+    rows = (
+        [
+            state.team,
+            state.month.isoformat(),
+            f"{state.monthly_limit:f}",
+            _money(state.spent),
+            f"{state.percent:.1f}",
+            "" if state.forecast is None else _money(state.forecast),
+            state.level,
+            "yes" if state.exhausted else "no",
+        ]
+        for state in report.budgets
+    )
+    header = [
+        "team",
+        "month",
+        "monthly_limit",
+        "spent",
+        "percent",
+        "forecast",
+        "level",
+        "bursting_stopped",
+    ]
+    return csv_stream("budgets.csv", header, rows)
+
+
+@login_required
+def usage_csv(request):
+    """The ledger itself, row by row, streamed (same filters as the page)."""
+    _, since, until, data = reports.filtered_spend(user=request.user, query=request.GET)
+    entries = UsageEntryFilterSet(data, queryset=selectors.usage_visible_to(user=request.user))
+    header = ",".join(selectors.USAGE_CSV_COLUMNS) + "\r\n"
+
+    def chunks():
+        yield header
+        yield from selectors.usage_csv_chunks(entries.qs)
+
+    return csv_stream_text(f"usage-{since}-{until}.csv", chunks())
+
+
+@login_required
+def prices_csv(request):
+    rows = []
+    for view in selectors.owned_prices():
+        price = view.price
+        rows.append(
+            [
+                "owned",
+                price.pool.slug,
+                "",
+                "",
+                price.effective_from.isoformat(),
+                f"{view.rate.per_hour:f}",
+                f"{view.per_gpu_hour:.6f}",
+                spreadsheet_safe(
+                    f"{price.purchase_price} over {price.depreciation_months} months + "
+                    f"{view.rate.power_w} W × PUE {price.pue} × {price.electricity_per_kwh}/kWh + "
+                    f"{price.overhead_per_month}/month"
+                ),
+                spreadsheet_safe(price.source),
+            ]
+        )
+    for price in selectors.cloud_prices():
+        rows.append(
+            [
+                "on_demand",
+                "",
+                price.instance_type.name,
+                price.region,
+                price.effective_from.isoformat(),
+                f"{price.per_hour:f}",
+                f"{price.per_hour / price.instance_type.gpu_count:.6f}",
+                "list price",
+                spreadsheet_safe(price.source),
+            ]
+        )
+    for discount in selectors.pool_discounts():
+        rows.append(
+            [
+                "discount",
+                discount.pool.slug,
+                "",
+                discount.pool.region,
+                discount.effective_from.isoformat(),
+                "",
+                "",
+                f"{discount.percent}% off on-demand",
+                spreadsheet_safe(discount.source),
+            ]
+        )
+    for spot in selectors.spot_prices_latest():
+        rows.append(
+            [
+                "spot",
+                "",
+                spot.instance_type.name,
+                spot.availability_zone,
+                spot.effective_at.isoformat(),
+                f"{spot.per_hour:f}",
+                f"{spot.per_hour / spot.instance_type.gpu_count:.6f}",
+                "describe_spot_price_history",
+                "",
+            ]
+        )
+    header = [
+        "kind",
+        "pool",
+        "instance_type",
+        "region_or_zone",
+        "effective_from",
+        "per_node_hour",
+        "per_gpu_hour",
+        "formula",
+        "source",
+    ]
+    return csv_stream("prices.csv", header, rows)

@@ -1,0 +1,173 @@
+"""The Costs page: charts, tables, budgets and the price book, and its CSV exports with the
+page's filters; the banner members see; the Job page's cost."""
+
+import csv
+import datetime as dt
+import io
+from decimal import Decimal
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from apps.costs import selectors, services
+from apps.costs.models import Budget
+from tests import factories
+from tests.apps.costs.conftest import (
+    Allocations,
+    at,
+    cloud_node,
+    cloud_pool,
+    cloud_price,
+    meter,
+    owned_node,
+    owned_pool,
+    owned_price,
+)
+
+pytestmark = pytest.mark.django_db
+
+
+def browser(user) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def metered(team, other_team):
+    """Two teams' jobs on an owned node and a cloud node over Nov 2–3, 2026, the rest idle."""
+    owned, cloud = owned_pool("fra-h100"), cloud_pool("aws-p5")
+    owned_price(owned, since=at(-48))
+    cloud_price("55.04", since=at(-48))
+    a, b = owned_node(owned), cloud_node(cloud)
+    allocations = Allocations(
+        [
+            (a.pk, 1, team.pk, 8, at(0), at(24)),
+            (b.pk, 2, other_team.pk, 4, at(12), at(36)),
+        ]
+    )
+    meter(allocations, until=at(48))
+    return {"owned": owned, "cloud": cloud}
+
+
+def csv_rows(response) -> list[list[str]]:
+    body = b"".join(
+        chunk if isinstance(chunk, bytes) else chunk.encode()
+        for chunk in response.streaming_content
+    )
+    return list(csv.reader(io.StringIO(body.decode())))
+
+
+RANGE = "since=2026-11-01&until=2026-11-30"
+
+
+def test_finance_sees_spend_by_team_with_idle_charts_and_the_price_book(finance_user, metered):
+    page = browser(finance_user).get(f"/costs/?{RANGE}")
+
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert '<svg class="chart stacked"' in text
+    assert 'id="spend-table"' in text and 'data-group="idle"' in text
+    assert 'data-group="alpha"' in text and 'data-group="beta"' in text
+    assert "p5.48xlarge" in text and "55.04" in text
+    assert 'id="owned-price-form"' in text  # finance edits the price book
+
+
+def test_the_spend_csv_has_the_pages_filters_and_adds_up(finance_user, metered, team):
+    client = browser(finance_user)
+    every = csv_rows(client.get(f"/costs/spend.csv?{RANGE}"))
+    only_alpha = csv_rows(client.get(f"/costs/spend.csv?{RANGE}&team_id={team.pk}"))
+    by_pool = csv_rows(client.get(f"/costs/spend.csv?{RANGE}&group_by=pool"))
+
+    assert every[0] == ["team", "jobs", "idle", "total", "gpu_hours", "spot_savings"]
+    assert {r[0] for r in every[1:]} == {"alpha", "beta", "idle"}
+    assert [r[0] for r in only_alpha[1:]] == ["alpha"]
+    assert {r[0] for r in by_pool[1:]} == {"fra-h100", "aws-p5"}
+    total = sum(Decimal(r[3]) for r in every[1:])
+    assert total == sum(Decimal(r[3]) for r in by_pool[1:])
+    owned_rate, cloud_rate = Decimal("12.121644"), Decimal("55.04")
+    assert total == owned_rate * 48 + cloud_rate * 48
+
+
+def test_every_table_exports_as_csv(finance_user, metered):
+    client = browser(finance_user)
+    for path, first in [
+        ("spend-by-day.csv", ["day", "team", "amount"]),
+        ("top-jobs.csv", ["job", "name", "team", "amount", "gpu_hours"]),
+        ("budgets.csv", ["team", "month", "monthly_limit", "spent", "percent", "forecast"]),
+        ("prices.csv", ["kind", "pool", "instance_type", "region_or_zone"]),
+    ]:
+        rows = csv_rows(client.get(f"/costs/{path}?{RANGE}"))
+        assert rows[0][: len(first)] == first, path
+
+
+def test_the_ledger_csv_is_streamed_with_the_pages_filters(finance_user, metered, team):
+    client = browser(finance_user)
+    response = client.get(f"/costs/usage.csv?{RANGE}&team_id={team.pk}")
+
+    assert response.streaming
+    rows = csv_rows(response)
+    header, body = rows[0], rows[1:]
+    assert header[:4] == ["id", "day", "start", "end"]
+    assert body and {r[header.index("team_id")] for r in body} == {str(team.pk)}
+    amount = header.index("amount")
+    assert sum(Decimal(r[amount]) for r in body) == Decimal("12.121644") * 24
+    assert body[0][header.index("start")] == "2026-11-02T00:00:00.000000Z"
+
+
+def test_a_researcher_sees_only_their_teams_spend_and_no_idle(researcher, metered, other_team):
+    client = browser(researcher)
+    page = client.get(f"/costs/?{RANGE}")
+    text = page.content.decode()
+
+    assert page.status_code == 200
+    assert 'data-group="alpha"' in text
+    assert 'data-group="beta"' not in text and 'data-group="idle"' not in text
+    assert client.get(f"/costs/?{RANGE}&team_id={other_team.pk}").status_code == 404
+    assert client.get(f"/costs/spend.csv?{RANGE}&team_id={other_team.pk}").status_code == 404
+    assert 'id="owned-price-form"' not in text
+
+
+def test_idle_spread_over_teams_in_proportion_to_use(finance_user, metered):
+    rows = csv_rows(browser(finance_user).get(f"/costs/spend.csv?{RANGE}&idle=spread"))
+    by_team = {r[0]: r for r in rows[1:]}
+
+    assert set(by_team) == {"alpha", "beta"}
+    jobs = {t: Decimal(r[1]) for t, r in by_team.items()}
+    idle = {t: Decimal(r[2]) for t, r in by_team.items()}
+    assert idle["alpha"] / idle["beta"] == pytest.approx(jobs["alpha"] / jobs["beta"])
+    whole = Decimal("12.121644") * 48 + Decimal("55.04") * 48
+    assert sum(Decimal(r[3]) for r in by_team.values()) == pytest.approx(whole, abs=Decimal("1e-6"))
+
+
+def test_a_team_admin_sets_their_teams_budget_on_the_page(team_admin, team, other_team):
+    client = browser(team_admin)
+    done = client.post(
+        "/costs/budgets/", {"team": team.pk, "monthly_limit": "1000", "notify_emails": ""}
+    )
+    refused = client.post("/costs/budgets/", {"team": other_team.pk, "monthly_limit": "1"})
+
+    assert done.status_code == 302
+    assert Budget.objects.get(team=team).monthly_limit == Decimal(1000)
+    assert refused.status_code == 302 and not Budget.objects.filter(team=other_team).exists()
+
+
+def test_members_see_a_banner_once_their_budget_passes_a_threshold(researcher, team):
+    now = timezone.now()
+    pool = cloud_pool("aws-now")
+    cloud_price("100", since=now - dt.timedelta(days=40))
+    node = cloud_node(pool, launched=now - dt.timedelta(hours=1))
+    meter(Allocations([(node.pk, 1, team.pk, 8, node.launched_at, None)]), until=now)
+    month = selectors.month_start()
+    spent = selectors.team_spend(since=month, until=month + dt.timedelta(days=31))[team.pk]
+    services.budget_set(
+        team=team, monthly_limit=(spent / Decimal("0.9")).quantize(Decimal("0.01")), by=None
+    )
+    services.budgets_check()
+    page = browser(researcher).get("/jobs/")
+
+    assert b"budget-banner" in page.content
+    assert b"has spent 80% or more" in page.content
+    outsider = factories.make_member(team=factories.make_team(slug="gamma"))
+    assert b"budget-banner" not in browser(outsider).get("/jobs/").content
