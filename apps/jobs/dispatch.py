@@ -280,12 +280,14 @@ def _job_follows(job_id: int, *, changed: Run | None = None) -> None:
             _finish_stopping(job)
         return
     if failed:
-        first = failed[0]
-        if _infrastructure(first):
-            _requeue(job, f"{_describe_exit(first)} (infrastructure)")
-        else:
+        # The job's own error on any node wins over what other nodes saw of it (a peer's
+        # crash looks like a collective timeout from elsewhere).
+        own = [r for r in failed if not _infrastructure(r)]
+        if own:
             _runs_stop(job, reason="another rank failed")
-            _transition(job, J.FAILED, _describe_exit(first))
+            _transition(job, J.FAILED, _describe_exit(own[0]))
+        else:
+            _requeue(job, f"{_describe_exit(failed[0])} (infrastructure)")
         return
     if runs and not open_runs:
         _transition(job, J.SUCCEEDED, f"all {len(runs)} rank(s) exited 0")

@@ -335,3 +335,11 @@ def test_ops_and_finance_see_every_teams_jobs(
     detail = api_for(user_for_role(role)).get(f"/api/v1/jobs/{job_id}/")
     assert detail.status_code == 200
     assert [e["to_state"] for e in detail.json()["events"]] == ["pending"]
+
+
+def test_the_specs_trainer_choices_are_the_trainers_own():
+    from apps.jobs.api import serializers
+    from workers.trainer import config
+
+    assert serializers.ATTENTION_BACKENDS == config.ATTENTION_BACKENDS
+    assert serializers.PIPELINE_SCHEDULES == config.PIPELINE_SCHEDULES
