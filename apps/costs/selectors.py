@@ -596,16 +596,24 @@ class TopJob:
 
 
 def top_jobs(qs: QuerySet[JobDailySpend], *, limit: int = 20) -> list[TopJob]:
-    rows = (
-        qs.values("job_id", "job__name", "job__team__slug")
+    rows = list(
+        qs.values("job_id")
         .annotate(amount=Sum("amount"), gpu_seconds=Sum("gpu_seconds"))
         .order_by("-amount", "job_id")[:limit]
     )
+    # Names through the roll-up's reference to "jobs.Job" (costs never imports jobs).
+    jobs = JobDailySpend._meta.get_field("job").related_model
+    names = {
+        job_id: (name, team)
+        for job_id, name, team in jobs.objects.filter(
+            pk__in=[r["job_id"] for r in rows]
+        ).values_list("id", "name", "team__slug")
+    }
     return [
         TopJob(
             job_id=row["job_id"],
-            name=row["job__name"] or f"job {row['job_id']}",
-            team=row["job__team__slug"] or "",
+            name=names.get(row["job_id"], (f"job {row['job_id']}", ""))[0],
+            team=names.get(row["job_id"], ("", ""))[1],
             amount=row["amount"] or ZERO,
             gpu_hours=Decimal(row["gpu_seconds"] or 0) / 3600,
         )

@@ -11,6 +11,11 @@ from apps.costs.services import Held
 from apps.fleet import services as fleet
 from apps.fleet.models import InstanceType, Node, NodeEvent, NodeState
 from tests import factories
+from tests.apps.jobs import conftest as jobs_fixtures
+
+# The jobs tests' small owned fleet (four ready 8-GPU nodes) and quota, for jobs that cost.
+fleet_pool = jobs_fixtures.fleet_pool
+quota = jobs_fixtures.quota
 
 T0 = dt.datetime(2026, 11, 2, 0, 0, tzinfo=dt.UTC)
 
@@ -140,3 +145,20 @@ class Allocations:
 
 def meter(allocations=None, *, until: dt.datetime, **extra):
     return services.usage_meter(allocations_for=allocations or Allocations(), until=until, **extra)
+
+
+@pytest.fixture
+def metered(team, other_team):
+    """Two teams' jobs on an owned node and a cloud node over Nov 2–3, 2026, the rest idle."""
+    owned, cloud = owned_pool("fra-h100"), cloud_pool("aws-p5")
+    owned_price(owned, since=at(-48))
+    cloud_price("55.04", since=at(-48))
+    a, b = owned_node(owned), cloud_node(cloud)
+    allocations = Allocations(
+        [
+            (a.pk, 1, team.pk, 8, at(0), at(24)),
+            (b.pk, 2, other_team.pk, 4, at(12), at(36)),
+        ]
+    )
+    meter(allocations, until=at(48))
+    return {"owned": owned, "cloud": cloud}

@@ -15,14 +15,10 @@ from apps.costs.models import Budget
 from tests import factories
 from tests.apps.costs.conftest import (
     Allocations,
-    at,
     cloud_node,
     cloud_pool,
     cloud_price,
     meter,
-    owned_node,
-    owned_pool,
-    owned_price,
 )
 
 pytestmark = pytest.mark.django_db
@@ -32,23 +28,6 @@ def browser(user) -> Client:
     client = Client()
     client.force_login(user)
     return client
-
-
-@pytest.fixture
-def metered(team, other_team):
-    """Two teams' jobs on an owned node and a cloud node over Nov 2–3, 2026, the rest idle."""
-    owned, cloud = owned_pool("fra-h100"), cloud_pool("aws-p5")
-    owned_price(owned, since=at(-48))
-    cloud_price("55.04", since=at(-48))
-    a, b = owned_node(owned), cloud_node(cloud)
-    allocations = Allocations(
-        [
-            (a.pk, 1, team.pk, 8, at(0), at(24)),
-            (b.pk, 2, other_team.pk, 4, at(12), at(36)),
-        ]
-    )
-    meter(allocations, until=at(48))
-    return {"owned": owned, "cloud": cloud}
 
 
 def csv_rows(response) -> list[list[str]]:

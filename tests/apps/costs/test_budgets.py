@@ -1,0 +1,187 @@
+"""Budgets: alerts at 50, 80 and 100% once each; at 100% the scheduler's burst path stops
+(through budget_allows), optionally submissions too; a job's max_cost_usd refuses it at
+submission and stops it, with a checkpoint, when its metered cost reaches it."""
+
+import datetime as dt
+from decimal import Decimal
+
+import pytest
+from django.core import mail
+from django.utils import timezone
+
+from apps.accounts.models import TeamRole
+from apps.costs import selectors, services
+from apps.costs.models import BudgetAlert
+from apps.fleet.models import Node
+from apps.jobs import dispatch
+from apps.jobs import services as jobs
+from apps.jobs.models import Job, JobState
+from apps.jobs.scheduler.run import scheduling_pass
+from tests import factories
+from tests.apps.costs.conftest import (
+    Allocations,
+    cloud_node,
+    cloud_pool,
+    cloud_price,
+    meter,
+    owned_price,
+)
+from tests.apps.jobs.conftest import command_spec
+from tests.workers import test_cloud
+
+pytestmark = pytest.mark.django_db
+
+
+def spend(team, amount: Decimal, *, pool_slug: str = "spend-pool") -> None:
+    """Meter `amount` of a team's spend into this month, through the ledger."""
+    now = timezone.now()
+    start = max(now - dt.timedelta(hours=1), selectors.local_midnight(selectors.month_start()))
+    hours = Decimal((now - start).total_seconds()) / 3600
+    pool = cloud_pool(f"{pool_slug}-{Node.objects.count()}", region="eu-north-1")
+    cloud_price((amount / hours).quantize(Decimal("0.000001")), since=start, region="eu-north-1")
+    node = cloud_node(pool, launched=start)
+    meter(Allocations([(node.pk, 999, team.pk, 8, start, None)]), until=now)
+
+
+def test_each_threshold_notifies_once_by_email(team, team_admin):
+    team_admin.email = "alice@example.com"
+    team_admin.save()
+    services.budget_set(
+        team=team, monthly_limit=Decimal(100), by=None, notify_emails="finance@example.com"
+    )
+
+    spend(team, Decimal(55))
+    first = services.budgets_check()
+    again = services.budgets_check()
+    spend(team, Decimal(50))
+    second = services.budgets_check()
+
+    assert [a.threshold for a in first] == [50] and again == []
+    assert sorted(a.threshold for a in second) == [80, 100]
+    assert BudgetAlert.objects.count() == 3
+    assert len(mail.outbox) == 2  # one per check that crossed something
+    assert mail.outbox[0].to == ["alice@example.com", "finance@example.com"]
+    assert "50%" in mail.outbox[0].subject and "100%" in mail.outbox[1].subject
+    assert "no longer burst" in mail.outbox[1].body
+    assert BudgetAlert.objects.filter(threshold=100).get().emailed_to
+
+
+def test_bursting_to_the_cloud_stops_at_100_percent_through_budget_allows(team):
+    pool = test_cloud.cloud_pool()
+    spend(team, Decimal(30))
+    services.budget_set(team=team, monthly_limit=Decimal(25), by=None)
+    job = test_cloud.waiting_job(team, nodes=1)
+
+    assert jobs.budget_allows(team=team.pk, gpus=8, time_limit_s=3600, max_cost_usd=None) is False
+    scheduling_pass()
+
+    assert not Node.objects.filter(burst_job=job).exists()
+    job.refresh_from_db()
+    assert "budget" in job.pending_reason
+
+    services.budget_set(team=team, monthly_limit=Decimal(1000), by=None)
+    scheduling_pass()
+    assert Node.objects.filter(burst_job=job, pool=pool).count() == 1
+
+
+def test_a_spent_budget_refuses_new_jobs_only_when_it_says_so(
+    fleet_pool, quota, team, researcher, api_for
+):
+    spend(team, Decimal(30))
+    services.budget_set(team=team, monthly_limit=Decimal(10), by=None)
+    client = api_for(researcher, scopes=("submit",))
+    spec = command_spec(team, placement={"where": "owned"})
+
+    allowed = client.post("/api/v1/jobs/", spec, format="json")
+    services.budget_set(team=team, monthly_limit=Decimal(10), stop_submissions=True, by=None)
+    refused = client.post("/api/v1/jobs/", {**spec, "name": "second"}, format="json")
+
+    assert allowed.status_code == 201, allowed.content  # spent, but not set to refuse jobs
+    assert refused.status_code == 400
+    assert "budget" in refused.json()["error"]["details"]["team"][0]
+
+
+def test_a_job_projected_above_its_max_cost_is_refused_with_the_projection(
+    fleet_pool, quota, team, researcher, api_for
+):
+    owned_price(fleet_pool, since=timezone.now() - dt.timedelta(days=1))
+    client = api_for(researcher, scopes=("submit",))
+
+    refused = client.post(
+        "/api/v1/jobs/", command_spec(team, max_cost_usd="5.00", time_limit_s=3600), format="json"
+    )
+    accepted = client.post(
+        "/api/v1/jobs/", command_spec(team, max_cost_usd="20.00", time_limit_s=3600), format="json"
+    )
+
+    assert refused.status_code == 400
+    problem = refused.json()["error"]["details"]["max_cost_usd"][0]
+    # 8 GPUs × 1 h at 12.121644 a node-hour of 8 GPUs: $12.12.
+    assert "$12.12" in problem and "h100-owned" in problem and "$5.00" in problem
+    assert accepted.status_code == 201, accepted.content
+    assert Job.objects.count() == 1
+
+
+def test_a_running_job_that_reaches_its_max_cost_stops_with_a_checkpoint(
+    fleet_pool, quota, team, researcher
+):
+    from workers.tasks.costs import meter_run
+
+    owned_price(fleet_pool, since=timezone.now() - dt.timedelta(days=1))
+    job, _ = jobs.job_submit(
+        team=team,
+        spec=command_spec(team, max_cost_usd="20.00", time_limit_s=3600),
+        submitted_by=researcher,
+    )
+    scheduling_pass()
+    for state in (JobState.PROVISIONING, JobState.STARTING, JobState.RUNNING):
+        job = jobs.job_transition(job=job, to=state, reason="test", by=None)
+
+    under = meter_run(until=timezone.now() + dt.timedelta(minutes=30))
+    over = meter_run(until=timezone.now() + dt.timedelta(hours=2))
+
+    assert under["stopped"] == [] and over["stopped"] == [job.pk]
+    job.refresh_from_db()
+    assert job.state == JobState.STOPPING
+    assert job.state_reason.startswith("cost limit of $20.00 reached")
+    dispatch._finish_stopping(job)  # what the last run's stop report does
+    job.refresh_from_db()
+    assert job.state == JobState.FAILED and job.state_reason.startswith("cost limit")
+
+
+def test_the_job_page_and_api_show_cost_so_far_and_the_projection(
+    fleet_pool, quota, team, researcher, api_for, client
+):
+    owned_price(fleet_pool, since=timezone.now() - dt.timedelta(days=1))
+    job, _ = jobs.job_submit(
+        team=team, spec=command_spec(team, time_limit_s=7200), submitted_by=researcher
+    )
+
+    before = api_for(researcher).get(f"/api/v1/jobs/{job.pk}/").json()["cost"]
+    scheduling_pass()
+    meter(Allocations(), until=timezone.now())  # nothing held yet: idle only
+    from workers.tasks.costs import meter_run
+
+    meter_run(until=timezone.now() + dt.timedelta(hours=1))
+    after = api_for(researcher).get(f"/api/v1/jobs/{job.pk}/").json()["cost"]
+    client.force_login(researcher)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+
+    per_node_hour = Decimal("12.121644")
+    assert Decimal(before["projected_low"]) == per_node_hour * 2  # 8 GPUs × 2 h
+    assert before["cheapest_pool"] == "h100-owned" and Decimal(before["so_far"]) == 0
+    assert Decimal(after["so_far"]) == pytest.approx(per_node_hour, rel=Decimal("0.01"))
+    assert Decimal(after["per_hour"]) == per_node_hour
+    # So far, plus the rate over what is left of its 2 h limit (the clock has not moved).
+    expected = Decimal(after["so_far"]) + per_node_hour * 2
+    assert Decimal(after["projected"]) == pytest.approx(expected, rel=Decimal("0.01"))
+    assert 'id="job-cost"' in page and "Cost so far" in page
+
+
+def test_only_finance_and_the_teams_admins_set_its_budget(team, other_team, user_for_role):
+    admin = factories.make_member(team=team, role=TeamRole.ADMIN)
+    services.budget_set(team=team, monthly_limit=Decimal(5), by=admin)
+    with pytest.raises(Exception, match="Only finance and admins"):
+        services.budget_set(team=other_team, monthly_limit=Decimal(5), by=admin)
+    with pytest.raises(Exception, match="Only finance and admins"):
+        services.budget_set(team=team, monthly_limit=Decimal(5), by=user_for_role("ops"))
