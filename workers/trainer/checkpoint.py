@@ -10,11 +10,17 @@ ranks hash the files between them; rank 0 writes the manifest last, fsyncs it
 and renames the directory to its final name, which is the commit. A directory
 without a manifest, or under a temporary name, is not a checkpoint.
 
-Resuming: from the checkpoint run.json names, or else the newest in the
-directory, the first whose files all match their manifest (the ranks check the
-files between them); a corrupted or incomplete one is reported and the next
-older tried. DCP reshards on load, so a checkpoint written by one layout
-resumes on another: model and optimizer state are keyed by parameter name.
+Resuming: from the checkpoint run.json names (a directory, or an s3:// copy
+that rank 0 first fetches into the directory), or else, unless run.json says
+not to, the newest in the directory: the first whose files all match their
+manifest (the ranks check the files between them); a corrupted or incomplete
+one is reported and the next older tried. DCP reshards on load, so a
+checkpoint written by one layout resumes on another: model and optimizer
+state are keyed by parameter name.
+
+A step saved again (a run that resumed from before it) moves the old
+directory aside as `.replaced-step-…-<ns>` and says so in its record
+("replaced"), so whoever keeps the registry knows where those files went.
 
 Multi-node jobs must checkpoint to a path every node sees: a probe file from
 rank 0 checks that before training starts. Optionally rank 0 copies each
@@ -130,7 +136,7 @@ class Checkpointer:
             return
         if self.world.is_logger:
             self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob(".tmp-step-*"):
+            for stale in self.directory.glob(".tmp-*"):  # steps and fetches never finished
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world.size))
@@ -217,12 +223,14 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(temporary)
+        replaced = None
         if final.exists():
             # A step saved again (an attempt that resumed before it): keep the old one aside.
-            final.rename(self.directory / f".replaced-{final.name}-{time.time_ns()}")
+            replaced = self.directory / f".replaced-{final.name}-{time.time_ns()}"
+            final.rename(replaced)
         temporary.rename(final)
         _fsync_dir(self.directory)
-        return {
+        record = {
             "event": "checkpoint",
             "step": step,
             "path": str(final.resolve()),
@@ -234,6 +242,9 @@ class Checkpointer:
             "time": manifest["time"],
             "files": len(files) + 1,
         }
+        if replaced is not None:
+            record["replaced"] = str(replaced.resolve())
+        return record
 
     def _keep_newest(self) -> None:
         keep = self.settings.keep
@@ -261,16 +272,46 @@ class Checkpointer:
         paths = []
         if self.world.is_logger:
             named = self.settings.resume_from
-            if named:
+            if named and named.startswith("s3://"):
+                fetched = self._fetch(named)
+                paths = [str(fetched)] if fetched else []
+                older = committed(self.directory) if self.enabled else []
+                paths += [str(p) for p in older if _step_of(p) < _step_of(Path(named))]
+            elif named:
                 named_path = Path(named)
                 paths.append(str(named_path))
                 older = committed(named_path.parent)
                 paths += [str(p) for p in older if _step_of(p) < _step_of(named_path)]
-            elif self.enabled:
+            elif self.enabled and self.settings.resume_newest:
                 paths = [str(p) for p in committed(self.directory)]
         box = [paths]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def _fetch(self, uri: str) -> Path | None:
+        """Rank 0: download an S3 copy into the directory; None (reported) if it cannot."""
+        if not self.enabled:
+            metrics.emit(
+                {"event": "checkpoint_rejected", "path": uri, "reason": "no checkpoint.dir"}
+            )
+            return None
+        try:
+            path = fetch_from_s3(uri, self.directory, self.settings.s3)
+        except Exception as e:  # reported; older local checkpoints are tried next
+            metrics.emit({"event": "checkpoint_rejected", "path": uri, "reason": f"fetch: {e}"})
+            return None
+        manifest = path / MANIFEST
+        metrics.emit(
+            {
+                "event": "checkpoint_fetched",
+                "step": _step_of(Path(uri)),
+                "uri": uri,
+                "path": str(path.resolve()),
+                "manifest_sha256": sha256_of(manifest) if manifest.is_file() else None,
+                "time": time.time(),
+            }
+        )
+        return path
 
     def verify(self, path: Path) -> str | None:
         """None if every file matches its manifest, else what is wrong (ranks share the work)."""
@@ -370,6 +411,50 @@ def _restore_rng(state: dict) -> None:
         torch.set_rng_state(_decode(state["torch_cpu"]))
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(_decode(state["torch_cuda"]))
+
+
+def _split_uri(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    return bucket, key.strip("/")
+
+
+def fetch_from_s3(uri: str, directory: Path, s3=None) -> Path:
+    """Download the checkpoint at `uri` (a prefix holding its files) into `directory`.
+
+    Under its own name (`step-…`) when that is free, else beside it as
+    `.fetched-step-…-<ns>`; through a temporary directory, renamed when complete, so a
+    fetch cut short leaves nothing that looks like a checkpoint.
+    """
+    import boto3
+
+    bucket, key = _split_uri(uri)
+    name = key.rsplit("/", 1)[-1]
+    if not name.startswith("step-"):
+        raise ValueError(f"{uri} does not name a checkpoint (step-…)")
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint_url if s3 else None,
+        region_name=s3.region if s3 else None,
+    )
+    temporary = directory / f".tmp-fetch-{name}-{time.time_ns()}"
+    temporary.mkdir(parents=True)
+    count = 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key + "/"):
+        for item in page.get("Contents", []):
+            relative = item["Key"][len(key) + 1 :]
+            if not relative or "/" in relative or relative in (".", ".."):
+                continue
+            client.download_file(bucket, item["Key"], str(temporary / relative))
+            count += 1
+    if not count:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise FileNotFoundError(f"nothing under {uri}")
+    final = directory / name
+    if final.exists():
+        final = directory / f".fetched-{name}-{time.time_ns()}"
+    temporary.rename(final)
+    _fsync_dir(directory)
+    return final
 
 
 def copy_to_s3(path: Path, s3, step: int) -> None:

@@ -20,7 +20,7 @@ at once instead of being ignored for a day of training.
       "layout": {"dp_replicate": 1, "dp_shard": 8, "tp": 1, "pp": 1},
       "pipeline": {"schedule": "1f1b", "microbatches": null, "stages_per_rank": 2},
       "checkpoint": {"dir": "/shared/ckpt/job-7", "every_steps": 500, "every_minutes": null,
-                     "keep": 3, "resume_from": null, "s3": null},
+                     "keep": 3, "resume_from": null, "resume_newest": true, "s3": null},
       "seed": 0,
       "collective_timeout_s": 600,
       "log_every": 1
@@ -96,8 +96,12 @@ class Checkpointing:
     dir: str | None = None
     every_steps: int | None = None
     every_minutes: float | None = None
-    keep: int = 3
+    keep: int = 3  # 0: the trainer deletes none (the control plane's retention does)
+    # A checkpoint directory, or the s3:// URI of one (fetched into dir first).
     resume_from: str | None = None
+    # Without resume_from: resume from the newest checkpoint in dir that verifies. The
+    # control plane turns this off: it names the checkpoint itself, or none.
+    resume_newest: bool = True
     s3: S3Copy | None = None
 
 

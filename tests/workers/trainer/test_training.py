@@ -322,3 +322,74 @@ def test_a_corrupted_checkpoint_is_detected_and_the_previous_one_used(
     (resume,) = run.of("resume")
     assert resume["step"] == 2
     assert_same_losses(run, reference, range(3, STEPS + 1))
+
+
+# --- the control plane's choices: a named S3 copy, no picking of its own ------------------------
+
+
+def test_a_named_s3_copy_is_fetched_then_resumed(
+    scratch, dataset, reference, preempted, aws_endpoint
+):
+    import boto3
+
+    from workers.trainer.checkpoint import copy_to_s3, sha256_of
+    from workers.trainer.config import S3Copy
+
+    stopped, checkpoints = preempted
+    stopped_at = stopped.status["step"]
+    newest = checkpoints / f"step-{stopped_at:08d}"
+    boto3.client("s3", endpoint_url=aws_endpoint, region_name="us-east-1").create_bucket(
+        Bucket="resume"
+    )
+    s3 = {
+        "bucket": "resume",
+        "prefix": "t/job-1",
+        "endpoint_url": aws_endpoint,
+        "region": "us-east-1",
+    }
+    copy_to_s3(newest, S3Copy(**s3), stopped_at)
+    workdir = scratch / "from-s3"
+    config = run_config(  # one process: another layout than the two that wrote it
+        dataset,
+        checkpoint={
+            "dir": str(workdir / "checkpoints"),  # empty: another node's disk
+            "resume_from": f"s3://resume/t/job-1/{newest.name}",
+            "resume_newest": False,
+            "s3": s3,
+        },
+    )
+
+    run = train(config, workdir)
+
+    (fetched,) = run.of("checkpoint_fetched")
+    assert fetched["manifest_sha256"] == sha256_of(newest / "manifest.json")
+    assert fetched["path"] == str((workdir / "checkpoints" / newest.name).resolve())
+    (resume,) = run.of("resume")
+    assert resume["step"] == stopped_at and resume["path"] == fetched["path"]
+    assert_same_losses(run, reference, range(stopped_at + 1, STEPS + 1))
+
+
+def test_without_a_named_checkpoint_it_starts_over_and_says_which_step_it_moved_aside(
+    scratch, dataset, reference, preempted
+):
+    _, checkpoints = preempted
+    workdir = scratch / "told-none"
+    config = run_config(
+        dataset,
+        checkpoint={
+            "dir": str(copy_of(checkpoints, workdir / "checkpoints")),
+            "every_steps": 2,
+            "resume_newest": False,
+            "keep": 0,
+        },
+    )
+
+    run = train(config, workdir)
+
+    assert not run.of("resume")  # checkpoints were there, but none was named
+    assert_same_losses(run, reference, range(1, STEPS + 1))
+    saved_again = run.of("checkpoint")[0]
+    assert saved_again["step"] == 2
+    aside = saved_again["replaced"]
+    assert ".replaced-step-00000002-" in aside
+    assert json.loads((Path(aside) / "manifest.json").read_text())["step"] == 2
