@@ -14,8 +14,12 @@ The protocol (paths under /api/v1/agent/, JSON, `Authorization: Bearer <node tok
                               reason, status}
     POST runs/{id}/logs      {lines: [{seq, stream, at, text}], dropped}
     POST events              {kind: "spot_interruption", notice, runs}
+
+and checkpoints/... (workers/agent/checkpoints.py): the trainer's checkpoint lines as
+reports, and the checks, listings and deletions the control plane asks for.
 """
 
+import functools
 import logging
 import os
 import signal
@@ -25,6 +29,7 @@ import threading
 import time
 
 from workers.agent import VERSION, metrics
+from workers.agent.checkpoints import CheckpointKeeper
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
 from workers.agent.config import AgentConfig
 from workers.agent.runs import LogBuffer, Plan, PlanRefused, Run
@@ -42,6 +47,7 @@ class Agent:
         )
         self.outbox = Outbox(self.control)
         self.logs = LogBuffer(config.max_buffered_lines)
+        self.checkpoints = CheckpointKeeper(self.control, self.outbox, every_s=config.plans_every_s)
         self.runs: dict[int, Run] = {}
         self.seen: set[int] = set()  # every run id ever started here: plans are re-sent until acked
         self.stopping = threading.Event()
@@ -82,6 +88,9 @@ class Agent:
         threads = [
             threading.Thread(target=self.outbox.run, args=(self.stopping,), name="outbox"),
             threading.Thread(target=self._ship_logs, name="logs"),
+            threading.Thread(
+                target=self.checkpoints.run, args=(self.stopping,), name="checkpoints"
+            ),
         ]
         if self.config.imds_url:
             threads.append(threading.Thread(target=self._watch_spot, name="spot"))
@@ -163,6 +172,7 @@ class Agent:
                 runs_dir=self.config.work_dir / "runs",
                 logs=self.logs,
                 base_env=run_base_env(),
+                on_stdout=functools.partial(self.checkpoints.relay, run_id),
             )
             run.start()
         except (PlanRefused, KeyError, TypeError, ValueError, OSError) as exc:

@@ -120,8 +120,19 @@ class LogBuffer:
 
 
 class Run:
-    def __init__(self, plan: Plan, *, runs_dir: Path, logs: LogBuffer, base_env: dict[str, str]):
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        runs_dir: Path,
+        logs: LogBuffer,
+        base_env: dict[str, str],
+        on_stdout=None,
+    ):
         self.plan = plan
+        # Called with each stdout line (masked) by the reader thread: the agent picks out
+        # the lines that must reach the control plane even if output is dropped.
+        self._on_stdout = on_stdout
         self.dir = runs_dir / f"run-{plan.id}"
         self.status_file = self.dir / "status.json"
         self._logs = logs
@@ -144,7 +155,10 @@ class Run:
 
     def _read(self, pipe, stream: str) -> None:
         for raw in iter(pipe.readline, b""):
-            self.note(raw.decode("utf-8", "replace").rstrip("\r\n"), stream)
+            text = raw.decode("utf-8", "replace").rstrip("\r\n")
+            self.note(text, stream)
+            if self._on_stdout is not None and stream == "stdout":
+                self._on_stdout(self._mask(text))
         pipe.close()
 
     # --- start ----------------------------------------------------------------------------
