@@ -67,6 +67,7 @@ INSTALLED_APPS = [
     "apps.tuning",
     "apps.costs",
     "apps.jobs",
+    "apps.checkpoints",
 ]
 
 MIDDLEWARE = [
@@ -382,4 +383,36 @@ CELERY_BEAT_SCHEDULE["costs-spot-prices"] = {
 CELERY_BEAT_SCHEDULE["costs-budget-webhooks"] = {
     "task": "costs.deliver_budget_webhooks",
     "schedule": 60.0,
+}
+
+# Checkpoints (apps/checkpoints). CHECKPOINT_ROOT_SHARED: every node mounts CHECKPOINT_ROOT
+# (shared storage; local nodes share this machine's disk), so a job resumes anywhere; off,
+# each node's checkpoints are its own and a job resumes from them only on that node (or
+# from an S3 copy). S3 copies go to CHECKPOINT_S3_BUCKET under CHECKPOINT_S3_PREFIX unless
+# a team or pool names its own destination (empty: none); they are checked by reading every
+# object ("read") or by their sizes ("size"). Retention keeps the newest
+# CHECKPOINT_KEEP_LAST unless a job says otherwise. GC runs every CHECKPOINT_GC_EVERY_S;
+# a failed deletion is retried after CHECKPOINT_RETRY_S, doubling; a request no agent
+# answered in CHECKPOINT_REQUEST_TIMEOUT_S is asked again (of another node that reaches the
+# copy, for shared storage). Dispatch waits up to CHECKPOINT_RESUME_WAIT_S for the new nodes
+# to list the job's directory and check newer checkpoints before choosing one.
+CHECKPOINT_ROOT_SHARED = env_bool("CHECKPOINT_ROOT_SHARED", True)
+CHECKPOINT_S3_BUCKET = env_str("CHECKPOINT_S3_BUCKET")
+CHECKPOINT_S3_PREFIX = env_str("CHECKPOINT_S3_PREFIX", "checkpoints")
+CHECKPOINT_S3_VERIFY = env_str("CHECKPOINT_S3_VERIFY", "read")
+if CHECKPOINT_S3_VERIFY not in ("read", "size"):
+    raise ImproperlyConfigured(f"CHECKPOINT_S3_VERIFY: read or size, not {CHECKPOINT_S3_VERIFY!r}")
+CHECKPOINT_KEEP_LAST = env_int("CHECKPOINT_KEEP_LAST", 3)
+CHECKPOINT_GC_EVERY_S = env_int("CHECKPOINT_GC_EVERY_S", 60)
+CHECKPOINT_RETRY_S = env_int("CHECKPOINT_RETRY_S", 30)
+CHECKPOINT_REQUEST_TIMEOUT_S = env_int("CHECKPOINT_REQUEST_TIMEOUT_S", 900)
+CHECKPOINT_RESUME_WAIT_S = env_int("CHECKPOINT_RESUME_WAIT_S", 120)
+CHECKPOINT_SWEEP_FINISHED_DAYS = env_int("CHECKPOINT_SWEEP_FINISHED_DAYS", 7)
+CELERY_BEAT_SCHEDULE["checkpoints-collect"] = {
+    "task": "checkpoints.collect",
+    "schedule": float(CHECKPOINT_GC_EVERY_S),
+}
+CELERY_BEAT_SCHEDULE["checkpoints-verify-s3"] = {
+    "task": "checkpoints.verify_s3",
+    "schedule": float(CHECKPOINT_GC_EVERY_S),
 }

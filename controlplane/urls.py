@@ -14,6 +14,7 @@ api_v1 = [
     path("", include("apps.tuning.api.urls")),
     path("", include("apps.costs.api.urls")),
     path("", include("apps.jobs.api.urls")),
+    path("", include("apps.checkpoints.api.urls")),
 ]
 
 urlpatterns = [
@@ -24,6 +25,7 @@ urlpatterns = [
     path("jobs/", include("apps.jobs.urls")),
     path("nccl/", include("apps.tuning.urls")),
     path("costs/", include("apps.costs.urls")),
+    path("checkpoints/", include("apps.checkpoints.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

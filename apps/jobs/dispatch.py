@@ -102,7 +102,16 @@ def trainer_argv(job: Job, *, rank: int, head: Node) -> list[str]:
     ]
 
 
-def run_plan(job: Job, *, rank: int, head: Node, attempt: int, nccl_env: dict) -> dict:
+def run_plan(
+    job: Job,
+    *,
+    rank: int,
+    head: Node,
+    attempt: int,
+    nccl_env: dict,
+    resume_from: str | None = None,
+    checkpoint_s3: dict | None = None,
+) -> dict:
     """What the node of `rank` runs for this attempt: JSON, without secret values."""
     spec = job.spec
     env = {
@@ -128,14 +137,25 @@ def run_plan(job: Job, *, rank: int, head: Node, attempt: int, nccl_env: dict) -
         "env": env,
         "workdir": "",
         "git": None,
-        "files": [{"path": "run.json", "content": trainer_run_config(job, attempt=attempt)}],
+        "files": [
+            {
+                "path": "run.json",
+                "content": trainer_run_config(
+                    job, attempt=attempt, resume_from=resume_from, s3=checkpoint_s3
+                ),
+            }
+        ],
     }
 
 
-def job_dispatch(*, job_id: int) -> Job | None:
+def job_dispatch(
+    *, job_id: int, resume_from: str | None = None, checkpoint_s3: dict | None = None
+) -> Job | None:
     """Turn an ADMITTED job into one run plan per node; its agents start them.
 
-    Safe to run twice (a redelivered task): only an ADMITTED job is dispatched.
+    Safe to run twice (a redelivered task): only an ADMITTED job is dispatched. A trainer
+    job resumes from `resume_from` and copies its checkpoints to `checkpoint_s3`, as the
+    jobs.dispatch task found them in the checkpoint registry (which sits above jobs).
     """
     with transaction.atomic():
         job = Job.objects.select_for_update().filter(pk=job_id, state=J.ADMITTED).first()
@@ -167,7 +187,15 @@ def job_dispatch(*, job_id: int) -> Job | None:
                 node=node,
                 attempt=attempt,
                 node_rank=rank,
-                plan=run_plan(job, rank=rank, head=head, attempt=attempt, nccl_env=nccl_env),
+                plan=run_plan(
+                    job,
+                    rank=rank,
+                    head=head,
+                    attempt=attempt,
+                    nccl_env=nccl_env,
+                    resume_from=resume_from,
+                    checkpoint_s3=checkpoint_s3,
+                ),
                 secret_names=sorted(job.spec.get("secrets") or []),
             )
             for rank, node in enumerate(nodes)
@@ -526,10 +554,12 @@ def jobs_on_down_nodes() -> list[int]:
     return jobs_on_lost_nodes(node_ids=lost)
 
 
-def jobs_stuck_redrive(*, now: dt.datetime | None = None) -> dict[str, int]:
+def jobs_stuck_redrive(*, now: dt.datetime | None = None, dispatch=None) -> dict[str, int]:
     """Jobs whose plans no agent started in time, and jobs past their time limit.
 
-    A reconcile sweep, since broker redelivery alone would not notice either.
+    A reconcile sweep, since broker redelivery alone would not notice either. `dispatch`
+    (job id → dispatched or not) is how admitted jobs are dispatched: the jobs.reconcile
+    task hands in the one that chooses their checkpoint to resume from.
     """
     now = now or timezone.now()
     counts = {"requeued": 0, "dispatched": 0, "timed_out": 0}
@@ -546,7 +576,9 @@ def jobs_stuck_redrive(*, now: dt.datetime | None = None) -> dict[str, int]:
     for job_id in Job.objects.filter(
         state=J.ADMITTED, state_changed_at__lt=admitted_cutoff
     ).values_list("id", flat=True):
-        if job_dispatch(job_id=job_id) is not None:
+        if dispatch is not None:
+            counts["dispatched"] += bool(dispatch(job_id))
+        elif job_dispatch(job_id=job_id) is not None:
             counts["dispatched"] += 1
     for job in Job.objects.filter(state=J.RUNNING, started_at__isnull=False):
         if job.started_at + dt.timedelta(seconds=job.time_limit_s) < now:

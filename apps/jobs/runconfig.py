@@ -18,8 +18,14 @@ def checkpoint_dir(job: Job) -> str:
     return f"{root}/{job.team.slug}/job-{job.pk}"
 
 
-def trainer_run_config(job: Job, *, attempt: int) -> str:
-    """run.json; its fields and defaults are documented in workers/trainer/config.py."""
+def trainer_run_config(
+    job: Job, *, attempt: int, resume_from: str | None = None, s3: dict | None = None
+) -> str:
+    """run.json; its fields and defaults are documented in workers/trainer/config.py.
+
+    `resume_from` is the checkpoint the control plane chose (apps/checkpoints: the newest
+    verified one whose copy the new nodes reach), `s3` where the trainer copies each one.
+    """
     trainer = job.spec["trainer"]
     config = {
         "job": {"id": job.pk, "uuid": str(job.uuid), "attempt": attempt, "name": job.name},
@@ -50,9 +56,15 @@ def trainer_run_config(job: Job, *, attempt: int) -> str:
             "dir": checkpoint_dir(job),
             "every_steps": trainer.get("checkpoint_every_steps"),
             "every_minutes": trainer.get("checkpoint_every_minutes"),
-            "keep": trainer.get("checkpoint_keep", 3),
-            # None: the trainer resumes from the newest checkpoint in dir whose manifest verifies.
-            "resume_from": None,
+            # The trainer deletes none: retention (checkpoint_keep, checkpoint_keep_every and
+            # the final step, apps/checkpoints/retention.py) deletes through the registry, so
+            # no registered checkpoint loses its files behind the registry's back.
+            "keep": 0,
+            # The control plane names the checkpoint to resume from, or none: the trainer does
+            # not pick one itself.
+            "resume_from": resume_from,
+            "resume_newest": False,
+            "s3": s3,
         },
         # The same seed on every attempt: a resumed run continues the same data order.
         "seed": trainer.get("seed", 0),

@@ -1,4 +1,5 @@
-"""The scheduling pass, on a beat and soon after submits, finishes and cancels."""
+"""The scheduling pass, on a beat and soon after submits, finishes and cancels; dispatch of placed
+jobs, which asks the checkpoint registry what a trainer job resumes from."""
 
 import dataclasses
 import logging
@@ -9,6 +10,7 @@ from django.core.cache import cache
 from workers.tasks.locks import single_flight
 
 log = logging.getLogger(__name__)
+DISPATCH_RETRY_S = 2  # a job waiting on its checkpoints is dispatched again this soon
 
 
 @shared_task(name="jobs.schedule", acks_late=True, reject_on_worker_lost=True)
@@ -44,25 +46,50 @@ def reconcile() -> dict:
         with acting_from(Origin(channel="task", label="task:jobs.reconcile")):
             return {
                 **jobs_reconcile(),
-                **jobs_stuck_redrive(),
+                **jobs_stuck_redrive(dispatch=lambda job_id: dispatch_one(job_id) == "dispatched"),
                 "lost": len(jobs_on_down_nodes()),
             }
+
+
+def dispatch_one(job_id: int) -> str:
+    """Dispatch one placed job: "dispatched", "waiting" (its new nodes are still listing its
+    checkpoint directory or checking newer checkpoints: ask again soon) or "skipped".
+
+    A trainer job resumes from the checkpoint the registry chooses (the newest verified one
+    its new nodes reach) and copies its checkpoints where the registry says.
+    """
+    from apps.checkpoints.services import checkpoint_resume_prepare
+    from apps.jobs.dispatch import job_dispatch
+
+    plan = checkpoint_resume_prepare(job_id=job_id)
+    if plan.wait:
+        return "waiting"
+    job = job_dispatch(job_id=job_id, resume_from=plan.resume_from, checkpoint_s3=plan.s3)
+    if job is not None and plan.reason:
+        log.info("job %s: resume %s", job_id, plan.reason)
+    return "dispatched" if job is not None else "skipped"
 
 
 @shared_task(name="jobs.dispatch", acks_late=True, reject_on_worker_lost=True)
 def dispatch(job_ids: list[int]) -> dict:
     """Write the run plans of newly placed jobs; their nodes' agents start them."""
     from apps.accounts.context import Origin, acting_from
-    from apps.jobs.dispatch import job_dispatch
 
-    dispatched = 0
+    counts = {"dispatched": 0, "waiting": 0}
+    waiting = []
     with acting_from(Origin(channel="task", label="task:jobs.dispatch")):
         for job_id in job_ids:
             try:
-                dispatched += job_dispatch(job_id=job_id) is not None
+                outcome = dispatch_one(job_id)
             except Exception:  # one job's failure must not hold up the others
                 log.exception("dispatch of job %s failed; the reconcile sweep retries it", job_id)
-    return {"dispatched": dispatched}
+                continue
+            if outcome == "waiting":
+                waiting.append(job_id)
+            counts[outcome] = counts.get(outcome, 0) + 1
+    if waiting:
+        dispatch.apply_async(args=[waiting], countdown=DISPATCH_RETRY_S)
+    return counts
 
 
 @shared_task(name="jobs.purge_logs", acks_late=True)

@@ -12,6 +12,7 @@ from rest_framework import serializers
 from apps.accounts.models import GPU_TYPES
 from apps.accounts.selectors import teams_visible_to
 from apps.fleet.models import Node
+from apps.jobs.extensions import job_detail_part
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
 from apps.jobs.models.jobs import ANY_GPU
 from apps.jobs.selectors import job_cost, job_nccl_environments, jobs_visible_to
@@ -92,7 +93,14 @@ class TrainerSerializer(SpecSerializer):
     )
     checkpoint_every_steps = _count(10_000_000, required=False)
     checkpoint_every_minutes = _count(10_080, required=False)
-    checkpoint_keep = _count(1000, required=False, help_text="Checkpoints the trainer keeps.")
+    checkpoint_keep = _count(
+        1000, required=False, help_text="Retention keeps the newest this many (default 3)."
+    )
+    checkpoint_keep_every = _count(
+        10_000_000,
+        required=False,
+        help_text="...and every checkpoint whose step is a multiple of this (and the final one).",
+    )
     compile = serializers.BooleanField(default=False)
     # Tuning the trainer's defaults (workers/trainer/config.py says what each does).
     micro_batch = _count(1_000_000, required=False)
@@ -302,9 +310,14 @@ class JobDetailSerializer(JobSerializer):
         help_text="The NCCL environment the job gets on each pool it runs in (or may run in)."
     )
     cost = serializers.SerializerMethodField(help_text="Cost so far and projected.")
+    checkpoints = serializers.SerializerMethodField(
+        help_text="Its checkpoints: the newest, the newest verified, storage used, and whether "
+        "a verified one is overdue (`watch`); null for command jobs. More under "
+        "/api/v1/checkpoint-jobs/{id}/."
+    )
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "events", "nccl_environments", "cost"]
+        fields = [*JobSerializer.Meta.fields, "events", "nccl_environments", "cost", "checkpoints"]
         read_only_fields = fields
 
     @extend_schema_field(NcclEnvironmentSerializer(many=True))
@@ -314,6 +327,10 @@ class JobDetailSerializer(JobSerializer):
     @extend_schema_field(JobCostSerializer)
     def get_cost(self, job) -> dict:
         return job_cost(job=job).as_dict()
+
+    @extend_schema_field({"type": "object", "nullable": True, "additionalProperties": True})
+    def get_checkpoints(self, job) -> dict | None:
+        return job_detail_part("checkpoints", job)
 
 
 class ReasonSerializer(StrictSerializer):

@@ -1,0 +1,131 @@
+"""Pages: the Checkpoints page (every trainer job the user may see, storage per team, CSV) and
+the checkpoint panel of each Job page, which the Job page loads with htmx (jobs sit below
+checkpoints, so the Job page's view cannot import the registry)."""
+
+from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
+from django.shortcuts import get_object_or_404, render
+from django.utils import timezone
+
+from apps.accounts.selectors import teams_visible_to
+from apps.checkpoints import selectors
+from apps.checkpoints.filtersets import JobCheckpointsFilterSet
+from apps.checkpoints.models import CheckpointState
+from apps.jobs.models import JobState
+from apps.jobs.models.jobs import FINISHED_STATES
+from apps.jobs.selectors import jobs_visible_to
+from controlplane.exports import csv_response
+
+PAGE_SIZE = 50
+
+
+def _rows(request, jobs) -> list[selectors.JobCheckpoints]:
+    rows = selectors.job_rows(list(jobs))
+    if request.GET.get("overdue") in ("true", "on", "1"):
+        rows = [row for row in rows if row.watch.overdue]
+    return rows
+
+
+def _filtered(request):
+    found = JobCheckpointsFilterSet(
+        request.GET, queryset=selectors.trainer_jobs_visible_to(user=request.user)
+    )
+    return found, (found.qs if found.is_valid() else found.queryset.none())
+
+
+@login_required
+def overview(request):
+    found, jobs = _filtered(request)
+    page = Paginator(jobs, PAGE_SIZE).get_page(request.GET.get("page"))
+    query = request.GET.copy()
+    query.pop("page", None)
+    return render(
+        request,
+        "checkpoints/overview.html",
+        {
+            "filter": found,
+            "rows": _rows(request, page.object_list),
+            "page": page,
+            "querystring": query.urlencode(),
+            "storage": selectors.storage_by_team(user=request.user),
+            "teams": teams_visible_to(user=request.user).order_by("slug"),
+            "job_states": JobState.choices,
+            "checkpoint_states": CheckpointState.choices,
+            "now": timezone.now(),
+        },
+    )
+
+
+CSV_COLUMNS = [
+    "job_id",
+    "job",
+    "team",
+    "job_state",
+    "newest_step",
+    "newest_state",
+    "newest_committed_at",
+    "newest_age_s",
+    "newest_copies",
+    "verified_step",
+    "verified_committed_at",
+    "checkpoints",
+    "size_bytes",
+    "overdue",
+    "watch",
+]
+
+
+def _csv_row(row: selectors.JobCheckpoints, now) -> list:
+    newest, verified = row.newest, row.newest_verified
+    copies = (
+        " ".join(f"{c.kind}:{c.state}" for c in newest.copies.all() if c.state != "deleted")
+        if newest
+        else ""
+    )
+    return [
+        row.job.pk,
+        row.job.name,
+        row.job.team.slug,
+        row.job.state,
+        newest.step if newest else "",
+        newest.state if newest else "",
+        newest.committed_at.isoformat() if newest else "",
+        round((now - newest.committed_at).total_seconds()) if newest else "",
+        copies,
+        verified.step if verified else "",
+        verified.committed_at.isoformat() if verified else "",
+        row.live_count,
+        row.size_bytes,
+        "yes" if row.watch.overdue else "no",
+        row.watch.reason,
+    ]
+
+
+@login_required
+def jobs_csv(request):
+    """The page's table as CSV, with its filters, every page of it."""
+    _, jobs = _filtered(request)
+    now = timezone.now()
+    rows = []
+    for start in range(0, jobs.count(), 500):
+        rows += [_csv_row(row, now) for row in _rows(request, jobs[start : start + 500])]
+    return csv_response("checkpoints.csv", CSV_COLUMNS, rows)
+
+
+@login_required
+def job_panel(request, job_id: int):
+    """A Job page's checkpoint list; while the job is active the panel asks again (htmx)."""
+    job = get_object_or_404(jobs_visible_to(user=request.user), pk=job_id)
+    (row,) = selectors.job_rows([job])
+    return render(
+        request,
+        "checkpoints/_job_panel.html",
+        {
+            "job": job,
+            "row": row,
+            "checkpoints": selectors.job_checkpoints(job=job),
+            "retention": selectors.retention_policy(job),
+            "finished": job.state in FINISHED_STATES,
+            "now": timezone.now(),
+        },
+    )
