@@ -6,8 +6,8 @@ on REDIS_URL's server as the cache, flushed before and after; BENCH_AGENTS (10,0
 READY nodes with 8 GPU rows each, made in bulk, each with a node token stored as its
 SHA-256 digest the way `node_agent_token_issue` stores it; gunicorn with the
 production settings (DJANGO_DEBUG=0), BENCH_WORKERS sync workers on 127.0.0.1,
-serving BENCH_WSGI_APP (controlplane.wsgi:application; `bench.heartbeats:short_road`
-puts the heartbeats' short road, apps/fleet/api/agent.py, in front of it).
+serving BENCH_WSGI_APP (controlplane.wsgi:application, which puts the heartbeats'
+short road of apps/fleet/api/agent.py in front of Django).
 
 Load: an open-loop generator in this process (epoll, on loopback). Agent i of N
 sends its k-th heartbeat (seq k) at t0 + (i / N + k - 1) * BENCH_EVERY_S, whatever
@@ -49,7 +49,6 @@ import collections
 import datetime as dt
 import errno
 import hashlib
-import importlib
 import json
 import os
 import platform
@@ -79,8 +78,7 @@ WORKERS = int(os.environ.get("BENCH_WORKERS", str(2 * (os.cpu_count() or 1))))
 PORT = int(os.environ.get("BENCH_PORT", "8148"))
 REDIS_DB = int(os.environ.get("BENCH_REDIS_DB", "14"))
 CONNECTIONS = int(os.environ.get("BENCH_CONNECTIONS", "16"))
-# What gunicorn serves: the control plane as controlplane/wsgi.py builds it, or, with
-# `bench.heartbeats:short_road`, that with the heartbeats' short road in front.
+# What gunicorn serves: the control plane as controlplane/wsgi.py builds it.
 WSGI_APP = os.environ.get("BENCH_WSGI_APP", "controlplane.wsgi:application")
 TIMEOUT_S = 10.0  # the agent's (ControlPlane.timeout_s)
 PATH = "/api/v1/agent/heartbeat"
@@ -706,17 +704,6 @@ def _check(path: str) -> None:
         if at is None or at < dt.datetime.fromtimestamp(sent_at, tz=dt.UTC):
             unwritten.append(node_id)
     print(json.dumps({"unlanded": unlanded, "unwritten": unwritten}))
-
-
-def __getattr__(name: str):
-    """`bench.heartbeats:short_road`, for gunicorn: the control plane's WSGI application
-    with the heartbeats' short road in front, as wiring it into controlplane/wsgi.py would."""
-    if name != "short_road":
-        raise AttributeError(name)
-    django_application = importlib.import_module("controlplane.wsgi").application  # sets up
-    from apps.fleet.api.agent import heartbeat_fast_path
-
-    return heartbeat_fast_path(django_application)
 
 
 if __name__ == "__main__":
