@@ -18,7 +18,7 @@ DEV_ENV := DJANGO_DEBUG=1 SECRET_KEY_FILE=var/secret_key SECURE_COOKIES=0 \
 	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL= \
 	CONTROLPLANE_URL=http://127.0.0.1:$(PORT) NODE_MIN_FREE_DISK_GB=1
 
-.PHONY: run test test-fast lint format bench bench-api bench-heartbeats bench-scheduler bench-trainer clean install system-test-deps
+.PHONY: run test test-fast lint format bench bench-api bench-costs bench-heartbeats bench-scheduler bench-trainer clean install system-test-deps
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ bench: $(VENV)/.installed
 bench-api: $(VENV)/.installed
 	@command -v wrk >/dev/null || ( apt-get update -qq && apt-get install -y -qq wrk >/dev/null )
 	$(BIN)/python -m bench.api
+
+# 10 million ledger rows loaded with COPY, then the finance queries timed (bench/costs.py);
+# needs DATABASE_URL (PostgreSQL). BENCH_ROWS loads fewer.
+bench-costs: $(VENV)/.installed
+	$(BIN)/python -m bench.costs
 
 # 10,000 node agents heartbeating every 10 s under gunicorn (open loop, issue 5);
 # needs DATABASE_URL (PostgreSQL) and REDIS_URL. BENCH_SECONDS shortens it.

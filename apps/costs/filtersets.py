@@ -9,6 +9,7 @@ from apps.costs.models import (
     CloudPrice,
     DailySpend,
     JobDailySpend,
+    MonthlySpend,
     OwnedPrice,
     PoolDiscount,
     SpotPrice,
@@ -34,6 +35,19 @@ class DailySpendFilterSet(_Days):
 
     class Meta:
         model = DailySpend
+        fields = []
+
+
+class MonthlySpendFilterSet(filters.FilterSet):
+    """The filters of DailySpendFilterSet but the days (whole months are picked by the report)."""
+
+    team_id = IdFilter(field_name="team_id")
+    pool_id = IdFilter(field_name="pool_id")
+    instance_type_id = IdFilter(field_name="instance_type_id")
+    capacity_type = filters.ChoiceFilter(choices=CapacityType.choices)
+
+    class Meta:
+        model = MonthlySpend
         fields = []
 
 

@@ -10,8 +10,13 @@ from django.http import Http404, QueryDict
 
 from apps.accounts.selectors import roles_of
 from apps.costs import selectors
-from apps.costs.filtersets import DailySpendFilterSet, JobDailySpendFilterSet
-from apps.costs.models import DailySpend
+from apps.costs.filtersets import (
+    DailySpendFilterSet,
+    JobDailySpendFilterSet,
+    MonthlySpendFilterSet,
+)
+from apps.costs.models import DailySpend, MonthlySpend
+from apps.costs.money import ZERO
 from controlplane.errors import ApplicationError
 
 GROUP_CHOICES = [
@@ -22,6 +27,7 @@ GROUP_CHOICES = [
 ]
 IDLE_CHOICES = [("separate", "Idle as its own line"), ("spread", "Idle spread over teams by use")]
 MAX_DAYS = 400
+CHART_GROUPS = 6  # the chart's largest groups; the rest are drawn as one "other"
 
 
 class ReportOptions(forms.Form):
@@ -80,26 +86,40 @@ def filtered_spend(*, user, query: QueryDict):
     return spend, since, until, data
 
 
-def build(*, user, query: QueryDict, top: int = 20) -> Report:
+def build(
+    *,
+    user,
+    query: QueryDict,
+    top: int = 20,
+    series: bool = True,
+    jobs: bool = True,
+    budgets: bool = True,
+) -> Report:
+    """The report, or the parts of it asked for (the API's endpoints each want one)."""
     spend, since, until, data = filtered_spend(user=user, query=query)
     options = ReportOptions(data)
     if not options.is_valid():
         raise _invalid(options.errors)
     group_by = options.cleaned_data.get("group_by") or "team"
     idle_mode = options.cleaned_data.get("idle") or settings.COSTS_IDLE_COST
+    months = MonthlySpendFilterSet(data, queryset=selectors.monthly_spend_visible_to(user=user))
     # Idle spreads over every team's use under the same filters, whoever is looking.
     everyone = data.copy()
     everyone.pop("team_id", None)
-    spread_base = DailySpendFilterSet(everyone, queryset=DailySpend.objects.all()).qs
+    spread_base = selectors.RollUps(
+        daily=DailySpendFilterSet(everyone, queryset=DailySpend.objects.all()).qs,
+        monthly=MonthlySpendFilterSet(everyone, queryset=MonthlySpend.objects.all()).qs,
+    )
     report = selectors.spend_report(
-        spend.qs,
+        selectors.RollUps(daily=spend.qs, monthly=months.qs),
         since=since,
         until=until,
         group_by=group_by,
         idle_mode=idle_mode,
         spread_base=spread_base,
+        series_groups=CHART_GROUPS if series else 0,
     )
-    jobs = JobDailySpendFilterSet(
+    job_spend = JobDailySpendFilterSet(
         {k: data[k] for k in ("since", "until", "team_id") if data.get(k)},
         queryset=selectors.job_spend_visible_to(user=user),
     )
@@ -108,16 +128,21 @@ def build(*, user, query: QueryDict, top: int = 20) -> Report:
     if spend.form.cleaned_data.get("team_id"):
         team_ids = {spend.form.cleaned_data["team_id"]}
     month = selectors.month_start()
-    forecasts, fleet_forecast = selectors.forecast_month(month=month, team_ids=team_ids)
+    if team_ids is None:
+        forecast = selectors.forecast_month(month=month, fleet=True)
+    else:
+        forecast = sum(selectors.forecast_month(month=month, team_ids=team_ids).values(), ZERO)
     return Report(
         since=since,
         until=until,
         group_by=group_by,
         idle_mode=idle_mode,
         spend=report,
-        top_jobs=selectors.top_jobs(jobs.qs, limit=options.cleaned_data.get("top") or top),
-        budgets=selectors.budget_states(month=month, team_ids=team_ids),
-        forecast_total=fleet_forecast if team_ids is None else sum(forecasts.values()),
+        top_jobs=selectors.top_jobs(job_spend.qs, limit=options.cleaned_data.get("top") or top)
+        if jobs
+        else [],
+        budgets=selectors.budget_states(month=month, team_ids=team_ids) if budgets else [],
+        forecast_total=forecast,
         month=month,
         filters=spend,
         query=data,

@@ -29,6 +29,7 @@ from apps.costs.models import (
     DailySpend,
     JobDailySpend,
     MeterMark,
+    MonthlySpend,
     OwnedPrice,
     PoolDiscount,
     SpotPrice,
@@ -446,6 +447,12 @@ def daily_spend_visible_to(*, user) -> QuerySet[DailySpend]:
     return rows if roles.sees_every_team else rows.filter(team_id__in=roles.team_ids)
 
 
+def monthly_spend_visible_to(*, user) -> QuerySet[MonthlySpend]:
+    roles = roles_of(user)
+    rows = MonthlySpend.objects.all()
+    return rows if roles.sees_every_team else rows.filter(team_id__in=roles.team_ids)
+
+
 def job_spend_visible_to(*, user) -> QuerySet[JobDailySpend]:
     roles = roles_of(user)
     rows = JobDailySpend.objects.all()
@@ -480,6 +487,70 @@ def _labels(group_by: str, keys) -> dict:
     return {k: CAPACITY_LABELS.get(k, k) for k in keys}
 
 
+def whole_months(since: dt.date, until: dt.date) -> list[dt.date]:
+    """The months wholly inside [since, until], as their first days."""
+    first = since if since.day == 1 else month_after(since.replace(day=1))
+    months = []
+    while month_after(first) - dt.timedelta(days=1) <= until:
+        months.append(first)
+        first = month_after(first)
+    return months
+
+
+@dataclass(frozen=True)
+class RollUps:
+    """The roll-ups a report reads, filtered alike: `daily` already cut to [since, until],
+    `monthly` not cut (whole months inside the range are read from it, the days at either
+    end from `daily`)."""
+
+    daily: QuerySet
+    monthly: QuerySet | None = None
+
+    def sums(self, fields: tuple, *, since: dt.date, until: dt.date) -> list[dict]:
+        whole = whole_months(since, until) if self.monthly is not None else []
+        if whole:
+            parts = [
+                self.monthly.filter(month__in=whole),
+                self.daily.exclude(day__gte=whole[0], day__lt=month_after(whole[-1])),
+            ]
+        else:
+            parts = [self.daily]
+        sums = {
+            "amount": Sum("amount"),
+            "savings": Sum("savings"),
+            "gpu_seconds": Sum("gpu_seconds"),
+        }
+        merged: dict[tuple, dict] = {}
+        for part in parts:
+            if fields:
+                rows = part.values(*fields).annotate(**sums).order_by()
+            else:  # one total over the rows
+                rows = [part.aggregate(**sums)]
+            for row in rows:
+                key = tuple(row[f] for f in fields)
+                cell = merged.setdefault(
+                    key,
+                    {
+                        **dict(zip(fields, key, strict=True)),
+                        "amount": ZERO,
+                        "savings": ZERO,
+                        "gpu_seconds": 0,
+                    },
+                )
+                cell["amount"] += row["amount"] or ZERO
+                cell["savings"] += row["savings"] or ZERO
+                cell["gpu_seconds"] += row["gpu_seconds"] or 0
+        return list(merged.values())
+
+
+def rollups_between(*, since: dt.date, until: dt.date) -> RollUps:
+    """Every team's roll-ups over the days, unfiltered."""
+    return RollUps(
+        daily=DailySpend.objects.filter(day__gte=since, day__lte=until),
+        monthly=MonthlySpend.objects.all(),
+    )
+
+
 @dataclass
 class SpendRow:
     key: object
@@ -510,27 +581,29 @@ class SpendReport:
 
 
 def spend_report(
-    qs: QuerySet[DailySpend],
+    source: RollUps | QuerySet,
     *,
     since: dt.date,
     until: dt.date,
     group_by: str = "team",
     idle_mode: str | None = None,
-    spread_base: QuerySet[DailySpend] | None = None,
+    spread_base: RollUps | QuerySet | None = None,
+    series_groups: int = 6,
 ) -> SpendReport:
     """Spend over [since, until] (days, inclusive) grouped by team, pool, capacity type or
-    instance type, from the roll-ups `qs` (already filtered). With idle spread, each team
-    also carries idle cost in proportion to its use over the period (`spread_base`: the same
-    filters over every team, so a team sees its share of the whole fleet's idle)."""
+    instance type, from the roll-ups (already filtered; a queryset of days alone will do).
+    With idle spread, each team also carries idle cost in proportion to its use over the
+    period (`spread_base`: the same filters over every team, so a team sees its share of
+    the whole fleet's idle).
+
+    The series by day (for the chart) holds the `series_groups` largest groups and the rest
+    as "other"; 0 leaves it out."""
     idle_mode = idle_mode or settings.COSTS_IDLE_COST
     column = GROUPS[group_by]
-    grouped = (
-        qs.values(column, "team_id")
-        .annotate(amount=Sum("amount"), savings=Sum("savings"), gpu_seconds=Sum("gpu_seconds"))
-        .order_by()
-    )
+    source = source if isinstance(source, RollUps) else RollUps(daily=source)
+    fields = (column, "team_id") if column != "team_id" else ("team_id",)
     cells: dict[object, SpendRow] = {}
-    for row in grouped:
+    for row in source.sums(fields, since=since, until=until):
         key = row[column]
         if group_by == "team" and key == 0 and idle_mode == "spread":
             key = None  # spread below
@@ -542,11 +615,14 @@ def spend_report(
         cell.savings += row["savings"] or ZERO
         cell.gpu_hours += Decimal(row["gpu_seconds"] or 0) / 3600
     if group_by == "team" and idle_mode == "spread":
-        base = spread_base if spread_base is not None else qs
-        totals = base.aggregate(
-            idle=Sum("amount", filter=Q(team_id=0)), used=Sum("amount", filter=~Q(team_id=0))
-        )
-        idle, used = totals["idle"] or ZERO, totals["used"] or ZERO
+        base = spread_base if spread_base is not None else source
+        base = base if isinstance(base, RollUps) else RollUps(daily=base)
+        idle = used = ZERO
+        for row in base.sums(("team_id",), since=since, until=until):
+            if row["team_id"] == 0:
+                idle += row["amount"]
+            else:
+                used += row["amount"]
         spread = cells.pop(None, None)
         if used:
             for key, cell in cells.items():
@@ -559,11 +635,7 @@ def spend_report(
         cell.label = labels.get(key, str(key))
         rows.append(cell)
     rows.sort(key=lambda r: (-r.total, r.label))
-    daily = qs.values("day", column).annotate(amount=Sum("amount")).order_by("day")
-    series: dict[str, dict] = defaultdict(dict)
-    for row in daily:
-        label = labels.get(row[column]) or (IDLE_LABEL if row[column] == 0 else str(row[column]))
-        series[label][row["day"]] = series[label].get(row["day"], ZERO) + (row["amount"] or ZERO)
+    series = _series(source.daily, column, rows[:series_groups]) if series_groups else {}
     days = []
     day = since
     while day <= until:
@@ -581,9 +653,30 @@ def spend_report(
         jobs=jobs,
         idle=idle_total,
         savings=sum((r.savings for r in rows), ZERO),
-        series=dict(series),
+        series=series,
         days=days,
     )
+
+
+def _series(qs: QuerySet[DailySpend], column: str, top: list[SpendRow]) -> dict[str, dict]:
+    """{label: {day: amount}} for the largest groups, and every other group as "other"
+    (two small queries however many groups there are)."""
+    keys = {row.key: row.label for row in top if row.key is not None}
+    series: dict[str, dict] = defaultdict(dict)
+    shown: dict = defaultdict(lambda: ZERO)
+    for day, key, amount in (
+        qs.filter(**{f"{column}__in": list(keys)})
+        .values_list("day", column)
+        .annotate(amount=Sum("amount"))
+        .order_by("day")
+    ):
+        series[keys[key]][day] = amount or ZERO
+        shown[day] += amount or ZERO
+    for day, amount in qs.values_list("day").annotate(amount=Sum("amount")).order_by("day"):
+        rest = (amount or ZERO) - shown[day]
+        if rest:
+            series["other"][day] = rest
+    return dict(series)
 
 
 @dataclass(frozen=True)
@@ -623,8 +716,8 @@ def top_jobs(qs: QuerySet[JobDailySpend], *, limit: int = 20) -> list[TopJob]:
 
 def fleet_cost(*, since: dt.date, until: dt.date) -> Decimal:
     """The fleet's whole cost over the days (jobs plus idle), from the roll-ups."""
-    total = DailySpend.objects.filter(day__gte=since, day__lte=until).aggregate(t=Sum("amount"))
-    return total["t"] or ZERO
+    rows = rollups_between(since=since, until=until).sums((), since=since, until=until)
+    return sum((row["amount"] for row in rows), ZERO)
 
 
 # --- budgets --------------------------------------------------------------------------------
@@ -658,37 +751,46 @@ class BudgetState:
 
 
 def team_spend(*, since: dt.date, until: dt.date, team_ids=None) -> dict[int, Decimal]:
-    rows = DailySpend.objects.filter(day__gte=since, day__lte=until).exclude(team_id=0)
+    rollups = rollups_between(since=since, until=until)
     if team_ids is not None:
-        rows = rows.filter(team_id__in=list(team_ids))
+        team_ids = list(team_ids)
+        rollups = RollUps(
+            daily=rollups.daily.filter(team_id__in=team_ids),
+            monthly=rollups.monthly.filter(team_id__in=team_ids),
+        )
     return {
-        team_id: total
-        for team_id, total in rows.values_list("team_id").annotate(total=Sum("amount")).order_by()
+        row["team_id"]: row["amount"]
+        for row in rollups.sums(("team_id",), since=since, until=until)
+        if row["team_id"] != 0
     }
 
 
 def forecast_month(
-    *, month: dt.date, team_ids=None, now: dt.datetime | None = None
-) -> tuple[dict, Decimal]:
+    *, month: dt.date, team_ids=None, now: dt.datetime | None = None, fleet: bool = False
+):
     """Spend to the month's end: spent so far + the average of the last COSTS_FORECAST_DAYS
-    whole days × the days left (per team, and for the whole fleet)."""
+    whole days × the days left. Per team ({team id: amount}), or with `fleet` for the whole
+    fleet (one amount)."""
     now = now or timezone.now()
     today = local_today(now)
     following = month_after(month)
-    spent = team_spend(since=month, until=following - dt.timedelta(days=1), team_ids=team_ids)
-    fleet_spent = fleet_cost(since=month, until=following - dt.timedelta(days=1))
-    if not (month <= today < following):
-        return spent, fleet_spent  # a past (or future) month: nothing left to forecast
+    last = following - dt.timedelta(days=1)
     days = settings.COSTS_FORECAST_DAYS
     window = (today - dt.timedelta(days=days), today - dt.timedelta(days=1))
-    recent = team_spend(since=window[0], until=window[1], team_ids=team_ids)
-    fleet_recent = fleet_cost(since=window[0], until=window[1])
-    left = Decimal((local_midnight(following) - now).total_seconds()) / 86400
-    forecast = {
+    left = (
+        Decimal((local_midnight(following) - now).total_seconds()) / 86400
+        if month <= today < following
+        else ZERO  # a past (or future) month: nothing left to forecast
+    )
+    if fleet:
+        spent = fleet_cost(since=month, until=last)
+        return spent + (fleet_cost(since=window[0], until=window[1]) / days * left if left else 0)
+    spent = team_spend(since=month, until=last, team_ids=team_ids)
+    recent = team_spend(since=window[0], until=window[1], team_ids=team_ids) if left else {}
+    return {
         team_id: spent.get(team_id, ZERO) + recent.get(team_id, ZERO) / days * left
         for team_id in set(spent) | set(recent)
     }
-    return forecast, fleet_spent + fleet_recent / days * left
 
 
 def budget_states(
@@ -703,7 +805,7 @@ def budget_states(
         return []
     ids = [b.team_id for b in budgets]
     spent = team_spend(since=month, until=month_after(month) - dt.timedelta(days=1), team_ids=ids)
-    projected = forecast_month(month=month, team_ids=ids)[0] if forecast else {}
+    projected = forecast_month(month=month, team_ids=ids) if forecast else {}
     return [
         BudgetState(
             team_id=b.team_id,
@@ -950,10 +1052,17 @@ _TIME_COLUMNS = {"start", "end"}
 _TEXT_COLUMNS = {"price_ref", "note"}
 
 
+def _utc_text(moment: dt.datetime) -> str:
+    """As PostgreSQL writes a timestamptz in UTC (so both databases export alike)."""
+    moment = moment.astimezone(dt.UTC)
+    fraction = f".{moment.microsecond:06d}".rstrip("0") if moment.microsecond else ""
+    return f"{moment:%Y-%m-%d %H:%M:%S}{fraction}+00"
+
+
 def usage_csv_chunks(rows: QuerySet[UsageEntry]):
     """The ledger rows as CSV text, by day then id, streamed: on PostgreSQL the database
     formats them itself (COPY … TO STDOUT), which keeps up with millions of rows."""
-    from django.db import connection
+    from django.db import connection, transaction
 
     from controlplane.exports import spreadsheet_safe
 
@@ -964,22 +1073,35 @@ def usage_csv_chunks(rows: QuerySet[UsageEntry]):
 
         def shown(column: str) -> str:
             value = f'e."{column}"'
-            if column in _MONEY_COLUMNS:
-                return f"round({value}::numeric / 1000000000, 9)"
-            if column in _TIME_COLUMNS:
-                return f"to_char({value} AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+            if column in _MONEY_COLUMNS:  # nano-units × 10⁻⁹: exact, nine decimals
+                return f"{value} * 0.000000001"
             if column in _TEXT_COLUMNS:  # what a spreadsheet would run as a formula
-                return f"CASE WHEN {value} ~ '^[=+@\\t\\r-]' THEN '''' || {value} ELSE {value} END"
-            return value
+                return (
+                    f"CASE WHEN left({value}, 1) IN ('=', '+', '-', '@', chr(9), chr(13)) "
+                    f"THEN '''' || {value} ELSE {value} END"
+                )
+            return value  # times as PostgreSQL writes them in UTC: 2026-11-02 00:00:00+00
 
         select = ", ".join(shown(c) for c in USAGE_CSV_COLUMNS)
         copy_sql = (
             f"COPY (SELECT {select} FROM ({bound}) AS e ORDER BY e.day, e.id) "  # noqa: S608
             "TO STDOUT WITH (FORMAT csv)"
         )
-        with connection.cursor() as cursor, cursor.cursor.copy(copy_sql) as copy:
-            for data in copy:
-                yield bytes(data)
+        # Read in (day, id) order, which the ledger's index gives without sorting: with its
+        # default random_page_cost (4, for spinning disks) PostgreSQL would rather scan the
+        # whole table and sort, ten times slower on tens of millions of rows.
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL random_page_cost = 1.1")
+            cursor.execute("SET LOCAL jit = off")
+            with cursor.cursor.copy(copy_sql) as copy:
+                buffer = bytearray()  # COPY hands over a row at a time: send 64 kB at once
+                for data in copy:
+                    buffer += data
+                    if len(buffer) >= 65536:
+                        yield bytes(buffer)
+                        buffer.clear()
+                if buffer:
+                    yield bytes(buffer)
         return
     import csv
     import io
@@ -991,7 +1113,7 @@ def usage_csv_chunks(rows: QuerySet[UsageEntry]):
             [
                 f"{value:f}"
                 if column in _MONEY_COLUMNS
-                else value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+                else _utc_text(value)
                 if column in _TIME_COLUMNS
                 else spreadsheet_safe(value)
                 if column in _TEXT_COLUMNS

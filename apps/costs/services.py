@@ -42,6 +42,7 @@ from apps.costs.models import (
     DailySpend,
     JobDailySpend,
     MeterMark,
+    MonthlySpend,
     OwnedPrice,
     PoolDiscount,
     SpotPrice,
@@ -52,7 +53,7 @@ from apps.costs.models import (
 from apps.costs.money import NANOS, ZERO, from_nanos, to_nanos
 from apps.fleet.models import InstanceType, Node, PoolKind
 from apps.fleet.models.nodes import CapacityType
-from controlplane.bulk import insert_rows
+from controlplane.bulk import insert_rows, update_rows
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -288,13 +289,17 @@ class _Sums:
     """Roll-up deltas of one metering transaction, keyed as the roll-up tables are."""
 
     daily: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0]))
+    monthly: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0]))
     jobs: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0]))
 
     def add(self, *, day, team_id, pool_id, capacity, type_id, job_id, amount, savings, gpu_s):
-        cell = self.daily[(day, team_id or 0, pool_id, capacity, type_id or 0)]
-        cell[0] += amount
-        cell[1] += savings
-        cell[2] += gpu_s
+        for cell in (
+            self.daily[(day, team_id or 0, pool_id, capacity, type_id or 0)],
+            self.monthly[(day.replace(day=1), team_id or 0, pool_id, capacity, type_id or 0)],
+        ):
+            cell[0] += amount
+            cell[1] += savings
+            cell[2] += gpu_s
         if job_id is not None:
             job = self.jobs[(job_id, day)]
             job[0] = team_id or 0
@@ -324,6 +329,12 @@ def _rollups_add(sums: _Sums) -> None:
         ("day", "team_id", "pool_id", "capacity_type", "instance_type_id"),
         ("amount", "savings", "gpu_seconds"),
         [(*key, *values) for key, values in sums.daily.items()],
+    )
+    _upsert(
+        MonthlySpend._meta.db_table,
+        ("month", "team_id", "pool_id", "capacity_type", "instance_type_id"),
+        ("amount", "savings", "gpu_seconds"),
+        [(*key, *values) for key, values in sums.monthly.items()],
     )
     if sums.jobs:
         table = JobDailySpend._meta.db_table
@@ -491,12 +502,28 @@ def _meter_batch(node_ids, until, allocations_for, report: MeterReport, now) -> 
     _insert_entries(everything)
     _rollups_add(sums)
     MeterMark.objects.bulk_create(new_marks)
-    MeterMark.objects.bulk_update(
-        changed_marks, ["metered_until", "carry", "closed", "reprice_from"], batch_size=500
-    )
+    _marks_save(changed_marks)
     report.rows += len(rows)
     report.corrections += len(corrections)
     report.amount += from_nanos(sum(row[ENTRY_FIELDS.index("amount")] for row in everything))
+
+
+MARK_FIELDS = ("metered_until", "carry", "closed", "reprice_from")
+
+
+def _marks_save(marks: list[MeterMark]) -> None:
+    """One UPDATE from arrays on PostgreSQL (Django's bulk_update builds a CASE per row)."""
+    if not marks:
+        return
+    if connection.vendor != "postgresql":
+        MeterMark.objects.bulk_update(marks, list(MARK_FIELDS), batch_size=500)
+        return
+    update_rows(
+        MeterMark,
+        MARK_FIELDS,
+        [(m.node_id, *(getattr(m, f) for f in MARK_FIELDS)) for m in marks],
+        keys=("node",),
+    )
 
 
 def _reprice(nodes, to_reprice, marks, prices: selectors.PriceBook, *, now) -> list[tuple]:
@@ -632,7 +659,7 @@ def usage_correct(*, entry: UsageEntry, amount: Decimal, note: str, by) -> Usage
 
 
 def rollups_rebuild(*, since: dt.date | None = None) -> int:
-    """Rebuild the daily roll-ups from the ledger (from `since` on, or all of it).
+    """Rebuild the daily and monthly roll-ups from the ledger (from `since` on, or all of it).
 
     The roll-ups are derived: metering keeps them in step row by row; this is for ops
     after a restore, and for loading a ledger in bulk (the benchmark).
@@ -667,6 +694,27 @@ def rollups_rebuild(*, since: dt.date | None = None) -> int:
             f"SELECT job_id, day, MAX(COALESCE(team_id, 0)), SUM(amount), {gpu_seconds} "
             f"FROM {ledger} {job_where} GROUP BY job_id, day",
             params,
+        )
+        # Months from the days (from the first month `since` touches, whole).
+        monthly = MonthlySpend._meta.db_table
+        month_of = (
+            "CAST(date_trunc('month', day) AS date)"
+            if connection.vendor == "postgresql"
+            else "date(day, 'start of month')"
+        )
+        first = [since.replace(day=1)] if since else []
+        month_where = "WHERE day >= %s" if since else ""
+        cursor.execute(
+            f"DELETE FROM {monthly} {'WHERE month >= %s' if since else ''}",  # noqa: S608
+            first,
+        )
+        cursor.execute(
+            f"INSERT INTO {monthly} (month, team_id, pool_id, capacity_type, instance_type_id, "  # noqa: S608
+            f"amount, savings, gpu_seconds) SELECT {month_of}, team_id, pool_id, capacity_type, "
+            f"instance_type_id, SUM(amount), SUM(savings), SUM(gpu_seconds) FROM {daily} "
+            f"{month_where} GROUP BY {month_of}, team_id, pool_id, capacity_type, "
+            "instance_type_id",
+            first,
         )
         cursor.execute(f"SELECT COUNT(*) FROM {daily}")  # noqa: S608
         count = cursor.fetchone()[0]

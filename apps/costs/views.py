@@ -22,8 +22,6 @@ from controlplane import charts
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_stream, csv_stream_text, spreadsheet_safe
 
-CHART_GROUPS = 6  # more groups than this are drawn as one "other"
-
 
 def _budget_teams(user):
     roles = roles_of(user)
@@ -33,24 +31,10 @@ def _budget_teams(user):
 
 
 def _chart(report: reports.Report):
-    spend = report.spend
-    totals = sorted(
-        ((sum(days.values(), Decimal(0)), label) for label, days in spend.series.items()),
-        reverse=True,
-    )
-    shown = [label for _, label in totals[:CHART_GROUPS]]
-    series = {label: spend.series[label] for label in shown}
-    rest = [label for _, label in totals[CHART_GROUPS:]]
-    if rest:
-        other: dict = {}
-        for label in rest:
-            for day, amount in spend.series[label].items():
-                other[day] = other.get(day, Decimal(0)) + amount
-        series["other"] = other
     group = dict(reports.GROUP_CHOICES)[report.group_by].lower()
     return charts.stacked_bar_chart(
-        spend.days,
-        series,
+        report.spend.days,
+        report.spend.series,
         title=f"Spend by day and {group}",
         y_format=lambda v: "$" + charts.compact_number(v),
         x_label=lambda day: f"{day:%b %-d}",
@@ -167,7 +151,9 @@ def _money(value) -> str:
 
 @login_required
 def spend_csv(request):
-    report = reports.build(user=request.user, query=request.GET)
+    report = reports.build(
+        user=request.user, query=request.GET, series=False, jobs=False, budgets=False
+    )
     header = [report.group_by, "jobs", "idle", "total", "gpu_hours", "spot_savings"]
     rows = (
         [
@@ -185,7 +171,7 @@ def spend_csv(request):
 
 @login_required
 def daily_csv(request):
-    report = reports.build(user=request.user, query=request.GET)
+    report = reports.build(user=request.user, query=request.GET, jobs=False, budgets=False)
     rows = (
         [day.isoformat(), spreadsheet_safe(label), _money(amounts[day])]
         for label, amounts in sorted(report.spend.series.items())
@@ -196,7 +182,7 @@ def daily_csv(request):
 
 @login_required
 def top_jobs_csv(request):
-    report = reports.build(user=request.user, query=request.GET, top=500)
+    report = reports.build(user=request.user, query=request.GET, top=500, series=False)
     rows = (
         [j.job_id, spreadsheet_safe(j.name), j.team, _money(j.amount), f"{j.gpu_hours:.3f}"]
         for j in report.top_jobs
@@ -206,7 +192,7 @@ def top_jobs_csv(request):
 
 @login_required
 def budgets_csv(request):
-    report = reports.build(user=request.user, query=request.GET)
+    report = reports.build(user=request.user, query=request.GET, series=False, jobs=False)
     rows = (
         [
             state.team,

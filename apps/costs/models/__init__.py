@@ -1,7 +1,14 @@
 """Costs: the price book, the usage ledger and its roll-ups, budgets and their alerts."""
 
 from apps.costs.models.budgets import THRESHOLDS, Budget, BudgetAlert, WebhookState
-from apps.costs.models.ledger import DailySpend, JobDailySpend, MeterMark, UsageEntry, UsageKind
+from apps.costs.models.ledger import (
+    DailySpend,
+    JobDailySpend,
+    MeterMark,
+    MonthlySpend,
+    UsageEntry,
+    UsageKind,
+)
 from apps.costs.models.prices import CloudPrice, OwnedPrice, PoolDiscount, SpotPrice
 
 __all__ = [
@@ -12,6 +19,7 @@ __all__ = [
     "DailySpend",
     "JobDailySpend",
     "MeterMark",
+    "MonthlySpend",
     "OwnedPrice",
     "PoolDiscount",
     "SpotPrice",

@@ -146,6 +146,34 @@ class DailySpend(models.Model):
         return f"{self.day} team {self.team_id} pool {self.pool_id}: {self.amount}"
 
 
+class MonthlySpend(models.Model):
+    """The same as DailySpend by month (in COSTS_TIME_ZONE), kept alongside it: a report
+    over whole months reads a few thousand rows however busy the fleet was."""
+
+    id = models.BigAutoField(primary_key=True)
+    month = models.DateField(help_text="The first day of the month.")
+    team_id = models.BigIntegerField(help_text="0: idle capacity.")
+    pool_id = models.BigIntegerField()
+    capacity_type = models.CharField(max_length=10)
+    instance_type_id = models.BigIntegerField(help_text="0: none (owned).")
+    amount = MoneyField(default=0)
+    savings = MoneyField(default=0)
+    gpu_seconds = models.BigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["month", "team_id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["month", "team_id", "pool_id", "capacity_type", "instance_type_id"],
+                name="monthly_spend_once",
+            )
+        ]
+        indexes = [models.Index(fields=["team_id", "month"], name="monthly_spend_by_team")]
+
+    def __str__(self) -> str:
+        return f"{self.month:%Y-%m} team {self.team_id} pool {self.pool_id}: {self.amount}"
+
+
 class JobDailySpend(models.Model):
     """One day's spend of one job: its cost so far, and the top jobs of a period."""
 

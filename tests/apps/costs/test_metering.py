@@ -13,7 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from apps.costs import services
-from apps.costs.models import CloudPrice, DailySpend, JobDailySpend, MeterMark, UsageEntry
+from apps.costs.models import (
+    CloudPrice,
+    DailySpend,
+    JobDailySpend,
+    MeterMark,
+    MonthlySpend,
+    UsageEntry,
+)
 from apps.costs.money import NANOS, to_nanos
 from apps.fleet.models import Node
 from tests.apps.costs.conftest import (
@@ -232,6 +239,8 @@ def test_job_costs_plus_idle_equal_the_fleets_cost_from_uptime_and_prices(
         # ...so to the cent as well, and the roll-ups hold exactly what the ledger holds.
         rollups = DailySpend.objects.aggregate(t=Sum("amount"))["t"] or Decimal(0)
         assert to_nanos(rollups) == total
+        months = MonthlySpend.objects.aggregate(t=Sum("amount"))["t"] or Decimal(0)
+        assert to_nanos(months) == total
         job_rollups = JobDailySpend.objects.aggregate(t=Sum("amount"))["t"] or Decimal(0)
         assert to_nanos(job_rollups) == ledger_nanos(job__isnull=False)
         transaction.set_rollback(True)

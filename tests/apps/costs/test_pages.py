@@ -7,6 +7,7 @@ import io
 from decimal import Decimal
 
 import pytest
+from django.db.models import Sum
 from django.test import Client
 from django.utils import timezone
 
@@ -15,6 +16,7 @@ from apps.costs.models import Budget
 from tests import factories
 from tests.apps.costs.conftest import (
     Allocations,
+    at,
     cloud_node,
     cloud_pool,
     cloud_price,
@@ -92,7 +94,7 @@ def test_the_ledger_csv_is_streamed_with_the_pages_filters(finance_user, metered
     assert body and {r[header.index("team_id")] for r in body} == {str(team.pk)}
     amount = header.index("amount")
     assert sum(Decimal(r[amount]) for r in body) == Decimal("12.121644") * 24
-    assert body[0][header.index("start")] == "2026-11-02T00:00:00.000000Z"
+    assert body[0][header.index("start")] == "2026-11-02 00:00:00+00"  # alike on both databases
 
 
 def test_a_researcher_sees_only_their_teams_spend_and_no_idle(researcher, metered, other_team):
@@ -150,3 +152,27 @@ def test_members_see_a_banner_once_their_budget_passes_a_threshold(researcher, t
     assert b"has spent 80% or more" in page.content
     outsider = factories.make_member(team=factories.make_team(slug="gamma"))
     assert b"budget-banner" not in browser(outsider).get("/jobs/").content
+
+
+def test_whole_months_come_from_the_monthly_roll_up_and_agree_with_the_days(finance_user):
+    from apps.costs.models import DailySpend, MonthlySpend
+
+    pool = cloud_pool("aws-long")
+    cloud_price("2", since=at(-24 * 40))
+    cloud_node(pool, launched=at(-24 * 35))  # from Sep 28 to Nov 4
+    meter(until=at(48))
+    client = browser(finance_user)
+
+    def total(since, until):
+        rows = csv_rows(client.get(f"/costs/spend.csv?since={since}&until={until}"))
+        return sum(Decimal(r[3]) for r in rows[1:])
+
+    assert MonthlySpend.objects.filter(month="2026-10-01").exists()
+    assert total("2026-09-28", "2026-11-03") == Decimal(2) * 24 * 37
+    assert total("2026-10-01", "2026-10-31") == Decimal(2) * 24 * 31
+    assert total("2026-10-05", "2026-11-01") == Decimal(2) * 24 * 28
+    # The monthly rows hold what the daily ones do.
+    assert (
+        MonthlySpend.objects.aggregate(s=Sum("amount"))["s"]
+        == (DailySpend.objects.aggregate(s=Sum("amount"))["s"])
+    )
