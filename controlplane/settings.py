@@ -262,6 +262,9 @@ SPECTACULAR_SETTINGS = {
         "NodeStateEnum": "apps.fleet.models.nodes.NodeState",
         "TeamRoleEnum": "apps.accounts.models.TeamRole",
         "ServiceAccountRoleEnum": "apps.accounts.models.SERVICE_ACCOUNT_ROLES",
+        "CheckpointStateEnum": "apps.checkpoints.models.CheckpointState",
+        "CheckpointCopyStateEnum": "apps.checkpoints.models.CopyState",
+        "CheckpointCopyKindEnum": "apps.checkpoints.models.CopyKind",
     },
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums"],
 }

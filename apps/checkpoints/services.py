@@ -385,16 +385,32 @@ def _layout(value) -> dict:
 
 
 def _present_at(job_id: int, kind: str, node_id: int | None, location: str):
-    return (
-        CheckpointCopy.objects.select_for_update()
-        .filter(
-            checkpoint__job_id=job_id,
-            kind=kind,
-            node_id=node_id,
-            location=location,
-            state__in=ON_STORAGE_COPY_STATES,
-        )
+    return CheckpointCopy.objects.filter(
+        checkpoint__job_id=job_id,
+        kind=kind,
+        node_id=node_id,
+        location=location,
+        state__in=ON_STORAGE_COPY_STATES,
+    )
+
+
+def _lock_copies(copies) -> list[CheckpointCopy]:
+    """Lock these copies, their checkpoints first: every writer takes a checkpoint before its
+    copies (and rows in id order), so no two writers wait on each other."""
+    pairs = list(copies.values_list("checkpoint_id", "pk"))
+    if not pairs:
+        return []
+    list(
+        Checkpoint.objects.select_for_update(no_key=True)
+        .filter(pk__in={c for c, _ in pairs})
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+    return list(
+        CheckpointCopy.objects.select_for_update(no_key=True, of=("self",))
         .select_related("checkpoint")
+        .filter(pk__in={pk for _, pk in pairs})
+        .order_by("pk")
     )
 
 
@@ -459,7 +475,9 @@ def _committed(run: Run, event: dict, *, actor: str, now) -> dict:
             actor_label=actor,
         )
     replaced = event.get("replaced")
-    for other in _present_at(run.job_id, kind, place, path).exclude(checkpoint=checkpoint):
+    for other in _lock_copies(
+        _present_at(run.job_id, kind, place, path).exclude(checkpoint=checkpoint)
+    ):
         if isinstance(replaced, str) and 0 < len(replaced) <= 1024 and _storable(replaced):
             other.location = replaced
             other.save(update_fields=["location"])
@@ -479,7 +497,8 @@ def _committed(run: Run, event: dict, *, actor: str, now) -> dict:
             )
             other.save()
             _settle(other.checkpoint, "its copy was replaced", actor=actor, now=now)
-    copy = _present_at(run.job_id, kind, place, path).filter(checkpoint=checkpoint).first()
+    mine = _lock_copies(_present_at(run.job_id, kind, place, path).filter(checkpoint=checkpoint))
+    copy = mine[0] if mine else None
     if copy is None:
         copy = CheckpointCopy(
             checkpoint=checkpoint, kind=kind, location=path, node_id=place, state=S.COMMITTED
@@ -507,22 +526,22 @@ def _of_step(run: Run, step: int) -> Checkpoint | None:
 def _s3_copy(checkpoint: Checkpoint, uri: str, state: str, *, actor: str, now, error=""):
     """The checkpoint's S3 copy at `uri`, made or updated; a copy of another checkpoint that
     was at the same keys has been overwritten."""
-    for other in (
-        CheckpointCopy.objects.select_for_update()
-        .filter(kind=CopyKind.S3, location=uri, state__in=ON_STORAGE_COPY_STATES)
-        .exclude(checkpoint=checkpoint)
+    for other in _lock_copies(
+        CheckpointCopy.objects.filter(
+            kind=CopyKind.S3, location=uri, state__in=ON_STORAGE_COPY_STATES
+        ).exclude(checkpoint=checkpoint)
     ):
         _move_copy(
             other, S.MISSING, "overwritten by a later copy to the same keys", actor=actor, now=now
         )
         other.save()
         _settle(other.checkpoint, "its S3 copy was overwritten", actor=actor, now=now)
-    copy = (
-        CheckpointCopy.objects.select_for_update()
-        .filter(checkpoint=checkpoint, kind=CopyKind.S3, location=uri)
-        .exclude(state__in=[S.DELETED, S.MISSING])
-        .first()
+    mine = _lock_copies(
+        CheckpointCopy.objects.filter(
+            checkpoint=checkpoint, kind=CopyKind.S3, location=uri
+        ).exclude(state__in=[S.DELETED, S.MISSING])
     )
+    copy = mine[0] if mine else None
     made = copy is None
     if made:
         copy = CheckpointCopy(checkpoint=checkpoint, kind=CopyKind.S3, location=uri, state=state)
@@ -587,7 +606,8 @@ def _copy_at(run: Run, path: str):
 def _rejected(run: Run, event: dict, *, actor: str, now) -> dict:
     path = _text(event, "path")
     reason = _clean(event.get("reason") or "it did not verify", 250)
-    copy = _copy_at(run, path).select_related("checkpoint").first()
+    found = _lock_copies(_copy_at(run, path))
+    copy = found[0] if found else None
     if copy is None:
         return {"ignored": True}
     _move_copy(copy, S.CORRUPT, f"the trainer refused it: {reason}", actor=actor, now=now)
@@ -654,15 +674,10 @@ def _resumed(run: Run, event: dict, *, actor: str, now) -> dict:
 def _locked_copy(copy_id: int) -> CheckpointCopy:
     if not 0 < copy_id < 2**63:
         raise ApplicationError("No such checkpoint copy.", code="not_found", status=404)
-    copy = (
-        CheckpointCopy.objects.select_for_update()
-        .select_related("checkpoint")
-        .filter(pk=copy_id)
-        .first()
-    )
-    if copy is None:
+    found = _lock_copies(CheckpointCopy.objects.filter(pk=copy_id))
+    if not found:
         raise ApplicationError("No such checkpoint copy.", code="not_found", status=404)
-    return copy
+    return found[0]
 
 
 def _answered_by(copy: CheckpointCopy, node_id: int | None, request: str) -> bool:
@@ -739,13 +754,13 @@ def _may_manage(by, checkpoint: Checkpoint) -> None:
 def checkpoint_verify_request(*, checkpoint: Checkpoint, by) -> Checkpoint:
     """Check every copy of the checkpoint again (its state holds until the answers come)."""
     _may_manage(by, checkpoint)
-    locked = Checkpoint.objects.select_for_update().get(pk=checkpoint.pk)
+    locked = Checkpoint.objects.select_for_update(no_key=True).get(pk=checkpoint.pk)
     if locked.state not in LIVE_STATES:
         raise ApplicationError(
             f"A {locked.state} checkpoint is not checked.", code="invalid_transition", status=409
         )
     now = timezone.now()
-    for copy in locked.copies.select_for_update().filter(state__in=PRESENT_COPY_STATES):
+    for copy in locked.copies.select_for_update(no_key=True).filter(state__in=PRESENT_COPY_STATES):
         _ask(copy, CopyRequest.VERIFY, now=now)
         copy.save()
     _note(locked, f"verification asked by {_user_label(by)}", actor=_user_label(by))
@@ -768,7 +783,7 @@ def _collect(checkpoint: Checkpoint, reason: str, *, actor: str, now) -> Checkpo
         checkpoint.state, checkpoint.state_reason = C.DELETING, reason[:300]
         checkpoint.state_changed_at = now
         checkpoint.save(update_fields=["state", "state_reason", "state_changed_at"])
-    for copy in checkpoint.copies.select_for_update().filter(
+    for copy in checkpoint.copies.select_for_update(no_key=True).filter(
         state__in=PRESENT_COPY_STATES | {S.FAILED}
     ):
         _move_copy(copy, S.DELETING, reason, actor=actor, now=now)
@@ -781,7 +796,7 @@ def _collect(checkpoint: Checkpoint, reason: str, *, actor: str, now) -> Checkpo
 def checkpoint_delete(*, checkpoint: Checkpoint, by, reason: str = "") -> Checkpoint:
     """Delete a checkpoint by hand; never the one an active job would resume from."""
     _may_manage(by, checkpoint)
-    locked = Checkpoint.objects.select_for_update().select_related("job").get(pk=checkpoint.pk)
+    locked = Checkpoint.objects.select_for_update(no_key=True).get(pk=checkpoint.pk)
     if locked.state in (C.DELETING, C.DELETED):
         return locked
     if locked.job.state in ACTIVE_STATES and locked.state == C.VERIFIED:
@@ -897,7 +912,7 @@ def sweep_record(*, node_id: int, sweep_id: int, report: dict) -> StorageSweep:
     if not 0 < sweep_id < 2**63:
         raise ApplicationError("No such sweep for this node.", code="not_found", status=404)
     sweep = (
-        StorageSweep.objects.select_for_update()
+        StorageSweep.objects.select_for_update(of=("self",))
         .select_related("job", "node")
         .filter(pk=sweep_id, node_id=node_id)
         .first()
@@ -913,13 +928,13 @@ def sweep_record(*, node_id: int, sweep_id: int, report: dict) -> StorageSweep:
     place = _placed(sweep.kind, node_id)
     known = {
         copy.location: copy
-        for copy in CheckpointCopy.objects.select_for_update()
-        .select_related("checkpoint")
-        .filter(
-            checkpoint__job=job,
-            kind=sweep.kind,
-            node_id=place,
-            state__in=ON_STORAGE_COPY_STATES,
+        for copy in _lock_copies(
+            CheckpointCopy.objects.filter(
+                checkpoint__job=job,
+                kind=sweep.kind,
+                node_id=place,
+                state__in=ON_STORAGE_COPY_STATES,
+            )
         )
     }
     seen, adopted, found_again = set(), 0, 0
@@ -1101,7 +1116,7 @@ def checkpoint_resume_prepare(*, job_id: int, now: dt.datetime | None = None) ->
                 if copy.request != CopyRequest.VERIFY or copy.request_node_id not in (
                     (None, head) if copy.kind == CopyKind.S3 else (head,)
                 ):
-                    copy = CheckpointCopy.objects.select_for_update().get(pk=copy.pk)
+                    copy = _locked_copy(copy.pk)
                     _ask(copy, CopyRequest.VERIFY, now=now, prefer=head)
                     copy.save()
                 waiting.append(f"step {checkpoint.step}'s {copy.get_kind_display()} copy checked")
@@ -1146,8 +1161,9 @@ def retention_apply(*, job_ids=None, now: dt.datetime | None = None) -> dict[str
         with transaction.atomic():
             job = Job.objects.get(pk=job_id)
             live = list(
-                Checkpoint.objects.select_for_update()
+                Checkpoint.objects.select_for_update(no_key=True)
                 .filter(job_id=job_id, state__in=LIVE_STATES)
+                .order_by("pk")
                 .prefetch_related("copies")
             )
             active = job.state in ACTIVE_STATES

@@ -200,8 +200,9 @@ def job_dispatch(
             )
             for rank, node in enumerate(nodes)
         )
+        resuming = f", resuming from {resume_from.rstrip('/')[-200:]}" if resume_from else ""
         return _transition(
-            job, J.STARTING, f"attempt {attempt}: plans for {len(nodes)} node(s) offered"
+            job, J.STARTING, f"attempt {attempt}: plans for {len(nodes)} node(s) offered{resuming}"
         )
 
 

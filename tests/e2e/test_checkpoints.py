@@ -78,8 +78,8 @@ def _committed_on_disk(job) -> dict[int, str]:
     directory = Path(checkpoint_dir(job))
     return {
         json.loads((p / "manifest.json").read_text())["step"]: p.name
-        for p in directory.iterdir()
-        if p.is_dir() and (p / "manifest.json").is_file()
+        for p in directory.glob("step-*")  # a .tmp-step-… may hold a manifest not yet renamed
+        if (p / "manifest.json").is_file()
     }
 
 
@@ -186,6 +186,8 @@ def test_a_killed_nodes_job_resumes_elsewhere_from_its_newest_verified_checkpoin
     assert resume["step"] == newest_on_disk and resume["attempt"] == 2
     resumed_from = Checkpoint.objects.get(job=job, step=newest_on_disk, attempt=1)
     assert resumed_from.offered_at is not None
+    started = job.events.filter(to_state="starting").last()
+    assert started.reason.endswith(f"resuming from {resumed_from.copies.first().location}")
     assert resumed_from.events.filter(reason__startswith="attempt 2 resumed from it").exists()
     assert reached - resume["step"] <= INTERVAL
     again = _losses(job, 2)
