@@ -7,156 +7,400 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('accounts', '0003_teamsecret'),
-        ('fleet', '0005_cloud_pools_bursts_and_orphans'),
-        ('jobs', '0005_reasons_apart'),
+        ("accounts", "0003_teamsecret"),
+        ("fleet", "0005_cloud_pools_bursts_and_orphans"),
+        ("jobs", "0005_reasons_apart"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Checkpoint',
+            name="Checkpoint",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('attempt', models.PositiveSmallIntegerField(help_text='The attempt of the job that wrote it.')),
-                ('step', models.PositiveIntegerField()),
-                ('manifest_sha256', models.CharField(max_length=64)),
-                ('world_size', models.PositiveIntegerField(default=1)),
-                ('layout', models.JSONField(default=dict, help_text='dp_replicate, dp_shard, tp, pp.')),
-                ('size_bytes', models.PositiveBigIntegerField(default=0, help_text='Every file, the manifest too.')),
-                ('files', models.PositiveIntegerField(default=0)),
-                ('loss', models.FloatField(blank=True, null=True)),
-                ('s3_expected', models.BooleanField(default=False, help_text="Its run copies checkpoints to S3: older ones wait for this one's S3 copy.")),
-                ('state', models.CharField(choices=[('writing', 'Writing'), ('committed', 'Committed'), ('verified', 'Verified'), ('corrupt', 'Corrupt'), ('deleting', 'Deleting'), ('deleted', 'Deleted')], default='committed', max_length=10)),
-                ('state_reason', models.CharField(blank=True, max_length=300)),
-                ('committed_at', models.DateTimeField(help_text='When the trainer committed it (its clock).')),
-                ('registered_at', models.DateTimeField(auto_now_add=True)),
-                ('state_changed_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('verified_at', models.DateTimeField(blank=True, null=True)),
-                ('deleted_at', models.DateTimeField(blank=True, null=True)),
-                ('offered_at', models.DateTimeField(blank=True, help_text='When a run plan last named it to resume from.', null=True)),
-                ('job', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='checkpoints', to='jobs.job')),
-                ('node', models.ForeignKey(blank=True, help_text='The node whose trainer (rank 0) committed it.', null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to='fleet.node')),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='+', to='accounts.team')),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                (
+                    "attempt",
+                    models.PositiveSmallIntegerField(
+                        help_text="The attempt of the job that wrote it."
+                    ),
+                ),
+                ("step", models.PositiveIntegerField()),
+                ("manifest_sha256", models.CharField(max_length=64)),
+                ("world_size", models.PositiveIntegerField(default=1)),
+                (
+                    "layout",
+                    models.JSONField(default=dict, help_text="dp_replicate, dp_shard, tp, pp."),
+                ),
+                (
+                    "size_bytes",
+                    models.PositiveBigIntegerField(
+                        default=0, help_text="Every file, the manifest too."
+                    ),
+                ),
+                ("files", models.PositiveIntegerField(default=0)),
+                ("loss", models.FloatField(blank=True, null=True)),
+                (
+                    "s3_expected",
+                    models.BooleanField(
+                        default=False,
+                        help_text="Its run copies checkpoints to S3: older ones wait for this one's S3 copy.",
+                    ),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("writing", "Writing"),
+                            ("committed", "Committed"),
+                            ("verified", "Verified"),
+                            ("corrupt", "Corrupt"),
+                            ("deleting", "Deleting"),
+                            ("deleted", "Deleted"),
+                        ],
+                        default="committed",
+                        max_length=10,
+                    ),
+                ),
+                ("state_reason", models.CharField(blank=True, max_length=300)),
+                (
+                    "committed_at",
+                    models.DateTimeField(help_text="When the trainer committed it (its clock)."),
+                ),
+                ("registered_at", models.DateTimeField(auto_now_add=True)),
+                ("state_changed_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("verified_at", models.DateTimeField(blank=True, null=True)),
+                ("deleted_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "offered_at",
+                    models.DateTimeField(
+                        blank=True,
+                        help_text="When a run plan last named it to resume from.",
+                        null=True,
+                    ),
+                ),
+                (
+                    "job",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="checkpoints",
+                        to="jobs.job",
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        blank=True,
+                        help_text="The node whose trainer (rank 0) committed it.",
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to="fleet.node",
+                    ),
+                ),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="+",
+                        to="accounts.team",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['job', '-step', '-committed_at'],
+                "ordering": ["job", "-step", "-committed_at"],
             },
         ),
         migrations.CreateModel(
-            name='CheckpointCopy',
+            name="CheckpointCopy",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('kind', models.CharField(choices=[('node_local', 'Node-local'), ('shared', 'Shared'), ('s3', 'S3')], max_length=10)),
-                ('location', models.CharField(help_text='A directory, or an s3:// URI.', max_length=1024)),
-                ('state', models.CharField(choices=[('committed', 'Not checked yet'), ('verified', 'Verified'), ('corrupt', 'Corrupt'), ('missing', 'Missing'), ('failed', 'Copy failed'), ('deleting', 'Deleting'), ('deleted', 'Deleted')], default='committed', max_length=10)),
-                ('error', models.CharField(blank=True, max_length=500)),
-                ('request', models.CharField(blank=True, choices=[('', 'None'), ('verify', 'Verify'), ('delete', 'Delete')], default='', max_length=10)),
-                ('requested_at', models.DateTimeField(blank=True, null=True)),
-                ('retry_after', models.DateTimeField(blank=True, null=True)),
-                ('attempts', models.PositiveSmallIntegerField(default=0, help_text='Failed deletions so far.')),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('state_changed_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('verified_at', models.DateTimeField(blank=True, null=True)),
-                ('deleted_at', models.DateTimeField(blank=True, null=True)),
-                ('checkpoint', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='copies', to='checkpoints.checkpoint')),
-                ('node', models.ForeignKey(blank=True, help_text='The node whose disk holds it (node-local copies only).', null=True, on_delete=django.db.models.deletion.PROTECT, related_name='+', to='fleet.node')),
-                ('request_node', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to='fleet.node')),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[("node_local", "Node-local"), ("shared", "Shared"), ("s3", "S3")],
+                        max_length=10,
+                    ),
+                ),
+                (
+                    "location",
+                    models.CharField(help_text="A directory, or an s3:// URI.", max_length=1024),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("committed", "Not checked yet"),
+                            ("verified", "Verified"),
+                            ("corrupt", "Corrupt"),
+                            ("missing", "Missing"),
+                            ("failed", "Copy failed"),
+                            ("deleting", "Deleting"),
+                            ("deleted", "Deleted"),
+                        ],
+                        default="committed",
+                        max_length=10,
+                    ),
+                ),
+                ("error", models.CharField(blank=True, max_length=500)),
+                (
+                    "request",
+                    models.CharField(
+                        blank=True,
+                        choices=[("", "None"), ("verify", "Verify"), ("delete", "Delete")],
+                        default="",
+                        max_length=10,
+                    ),
+                ),
+                ("requested_at", models.DateTimeField(blank=True, null=True)),
+                ("retry_after", models.DateTimeField(blank=True, null=True)),
+                (
+                    "attempts",
+                    models.PositiveSmallIntegerField(
+                        default=0, help_text="Failed deletions so far."
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("state_changed_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("verified_at", models.DateTimeField(blank=True, null=True)),
+                ("deleted_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "checkpoint",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="copies",
+                        to="checkpoints.checkpoint",
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        blank=True,
+                        help_text="The node whose disk holds it (node-local copies only).",
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="+",
+                        to="fleet.node",
+                    ),
+                ),
+                (
+                    "request_node",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to="fleet.node",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['checkpoint', 'kind', 'id'],
+                "ordering": ["checkpoint", "kind", "id"],
             },
         ),
         migrations.CreateModel(
-            name='CheckpointEvent',
+            name="CheckpointEvent",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('from_state', models.CharField(blank=True, max_length=10)),
-                ('to_state', models.CharField(max_length=10)),
-                ('reason', models.CharField(max_length=300)),
-                ('actor_label', models.CharField(max_length=150)),
-                ('checkpoint', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='events', to='checkpoints.checkpoint')),
-                ('copy', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='events', to='checkpoints.checkpointcopy')),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                ("at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                ("from_state", models.CharField(blank=True, max_length=10)),
+                ("to_state", models.CharField(max_length=10)),
+                ("reason", models.CharField(max_length=300)),
+                ("actor_label", models.CharField(max_length=150)),
+                (
+                    "checkpoint",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="events",
+                        to="checkpoints.checkpoint",
+                    ),
+                ),
+                (
+                    "copy",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="events",
+                        to="checkpoints.checkpointcopy",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['at', 'id'],
+                "ordering": ["at", "id"],
             },
         ),
         migrations.CreateModel(
-            name='S3Destination',
+            name="S3Destination",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('bucket', models.CharField(max_length=63, validators=[django.core.validators.RegexValidator('^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$', "3 to 63 lowercase letters, digits, dots and hyphens, starting and ending with a letter or digit (S3's bucket naming rules).")])),
-                ('prefix', models.CharField(blank=True, max_length=512, validators=[django.core.validators.RegexValidator("^[A-Za-z0-9!_.*'()/-]*$", "Letters, digits and S3's safe characters ! _ . * ' ( ) / -.")])),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('pool', models.OneToOneField(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='+', to='fleet.nodepool')),
-                ('team', models.OneToOneField(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='+', to='accounts.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "bucket",
+                    models.CharField(
+                        max_length=63,
+                        validators=[
+                            django.core.validators.RegexValidator(
+                                "^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$",
+                                "3 to 63 lowercase letters, digits, dots and hyphens, starting and ending with a letter or digit (S3's bucket naming rules).",
+                            )
+                        ],
+                    ),
+                ),
+                (
+                    "prefix",
+                    models.CharField(
+                        blank=True,
+                        max_length=512,
+                        validators=[
+                            django.core.validators.RegexValidator(
+                                "^[A-Za-z0-9!_.*'()/-]*$",
+                                "Letters, digits and S3's safe characters ! _ . * ' ( ) / -.",
+                            )
+                        ],
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "pool",
+                    models.OneToOneField(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="+",
+                        to="fleet.nodepool",
+                    ),
+                ),
+                (
+                    "team",
+                    models.OneToOneField(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="+",
+                        to="accounts.team",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['id'],
+                "ordering": ["id"],
             },
         ),
         migrations.CreateModel(
-            name='StorageSweep',
+            name="StorageSweep",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('kind', models.CharField(choices=[('node_local', 'Node-local'), ('shared', 'Shared'), ('s3', 'S3')], max_length=10)),
-                ('directory', models.CharField(max_length=1024)),
-                ('tidy', models.BooleanField(default=False)),
-                ('why', models.CharField(max_length=100)),
-                ('requested_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('reported_at', models.DateTimeField(blank=True, null=True)),
-                ('result', models.JSONField(blank=True, null=True)),
-                ('job', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='+', to='jobs.job')),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='+', to='fleet.node')),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[("node_local", "Node-local"), ("shared", "Shared"), ("s3", "S3")],
+                        max_length=10,
+                    ),
+                ),
+                ("directory", models.CharField(max_length=1024)),
+                ("tidy", models.BooleanField(default=False)),
+                ("why", models.CharField(max_length=100)),
+                ("requested_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("reported_at", models.DateTimeField(blank=True, null=True)),
+                ("result", models.JSONField(blank=True, null=True)),
+                (
+                    "job",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="+", to="jobs.job"
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="+",
+                        to="fleet.node",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-requested_at', '-id'],
+                "ordering": ["-requested_at", "-id"],
             },
         ),
         migrations.AddIndex(
-            model_name='checkpoint',
-            index=models.Index(fields=['job', 'state', 'step'], name='checkpoints_job_id_8e14f1_idx'),
+            model_name="checkpoint",
+            index=models.Index(
+                fields=["job", "state", "step"], name="checkpoints_job_id_8e14f1_idx"
+            ),
         ),
         migrations.AddIndex(
-            model_name='checkpoint',
-            index=models.Index(fields=['team', 'state'], name='checkpoints_team_id_7d9f27_idx'),
+            model_name="checkpoint",
+            index=models.Index(fields=["team", "state"], name="checkpoints_team_id_7d9f27_idx"),
         ),
         migrations.AddConstraint(
-            model_name='checkpoint',
-            constraint=models.UniqueConstraint(fields=('job', 'step', 'manifest_sha256'), name='one_checkpoint_per_commit'),
+            model_name="checkpoint",
+            constraint=models.UniqueConstraint(
+                fields=("job", "step", "manifest_sha256"), name="one_checkpoint_per_commit"
+            ),
         ),
         migrations.AddIndex(
-            model_name='checkpointcopy',
-            index=models.Index(condition=models.Q(('request', ''), _negated=True), fields=['request_node', 'request'], name='checkpoint_copy_requests'),
+            model_name="checkpointcopy",
+            index=models.Index(
+                condition=models.Q(("request", ""), _negated=True),
+                fields=["request_node", "request"],
+                name="checkpoint_copy_requests",
+            ),
         ),
         migrations.AddIndex(
-            model_name='checkpointcopy',
-            index=models.Index(fields=['kind', 'state'], name='checkpoints_kind_53da11_idx'),
+            model_name="checkpointcopy",
+            index=models.Index(fields=["kind", "state"], name="checkpoints_kind_53da11_idx"),
         ),
         migrations.AddConstraint(
-            model_name='checkpointcopy',
-            constraint=models.UniqueConstraint(condition=models.Q(('kind', 'node_local'), ('state__in', ['committed', 'verified', 'corrupt', 'deleting'])), fields=('node', 'location'), name='one_node_local_copy_per_path'),
+            model_name="checkpointcopy",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(
+                    ("kind", "node_local"),
+                    ("state__in", ["committed", "verified", "corrupt", "deleting"]),
+                ),
+                fields=("node", "location"),
+                name="one_node_local_copy_per_path",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='checkpointcopy',
-            constraint=models.UniqueConstraint(condition=models.Q(models.Q(('kind', 'node_local'), _negated=True), ('state__in', ['committed', 'verified', 'corrupt', 'deleting'])), fields=('location',), name='one_copy_per_path'),
+            model_name="checkpointcopy",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(
+                    models.Q(("kind", "node_local"), _negated=True),
+                    ("state__in", ["committed", "verified", "corrupt", "deleting"]),
+                ),
+                fields=("location",),
+                name="one_copy_per_path",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='s3destination',
-            constraint=models.CheckConstraint(condition=models.Q(models.Q(('team__isnull', False), ('pool__isnull', True)), models.Q(('team__isnull', True), ('pool__isnull', False)), _connector='OR'), name='s3_destination_for_a_team_or_a_pool'),
+            model_name="s3destination",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    models.Q(("team__isnull", False), ("pool__isnull", True)),
+                    models.Q(("team__isnull", True), ("pool__isnull", False)),
+                    _connector="OR",
+                ),
+                name="s3_destination_for_a_team_or_a_pool",
+            ),
         ),
         migrations.AddIndex(
-            model_name='storagesweep',
-            index=models.Index(condition=models.Q(('reported_at__isnull', True)), fields=['node'], name='open_sweeps'),
+            model_name="storagesweep",
+            index=models.Index(
+                condition=models.Q(("reported_at__isnull", True)),
+                fields=["node"],
+                name="open_sweeps",
+            ),
         ),
         migrations.AddIndex(
-            model_name='storagesweep',
-            index=models.Index(fields=['job', 'requested_at'], name='checkpoints_job_id_4c31c6_idx'),
+            model_name="storagesweep",
+            index=models.Index(
+                fields=["job", "requested_at"], name="checkpoints_job_id_4c31c6_idx"
+            ),
         ),
     ]
