@@ -1082,6 +1082,8 @@ def checkpoint_resume_prepare(*, job_id: int, now: dt.datetime | None = None) ->
         return ResumePlan(s3=s3)
     head = nodes[0]
     last_ended = Run.objects.filter(job=job).aggregate(at=Max("ended_at"))["at"]
+    if last_ended is None and not Checkpoint.objects.filter(job=job).exists():
+        return ResumePlan(s3=s3)  # its first attempt
     deadline = (job.admitted_at or now) + dt.timedelta(seconds=settings.CHECKPOINT_RESUME_WAIT_S)
     waiting = []
     with transaction.atomic():

@@ -96,6 +96,7 @@ class JobCheckpointsViewSet(viewsets.ReadOnlyModelViewSet):
 
     serializer_class = s.JobCheckpointsSerializer
     filterset_class = JobCheckpointsFilterSet
+    ordering_fields = ["submitted_at", "id"]
     lookup_value_regex = ServiceViewSet.lookup_value_regex
 
     def get_queryset(self):

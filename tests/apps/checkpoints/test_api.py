@@ -135,6 +135,8 @@ def test_a_jobs_summary_shows_its_newest_and_the_checkpoint_it_would_resume_from
     listed = api.get("/api/v1/checkpoint-jobs/?newest_state=verified").json()
     assert [r["id"] for r in listed["results"]] == [checkpointed.pk]
     assert api.get("/api/v1/checkpoint-jobs/?newest_state=none").json()["count"] == 0
+    for query in ("ordering=size_bytes", "ordering=-id", "overdue=maybe", "team_id=0", "page=9"):
+        assert api.get(f"/api/v1/checkpoint-jobs/?{query}").status_code in (200, 400, 404), query
     detail = api.get(f"/api/v1/jobs/{checkpointed.pk}/").json()
     assert detail["checkpoints"]["newest_verified"]["step"] == 20
     assert detail["checkpoints"]["watch"]["overdue"] is False
