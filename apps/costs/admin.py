@@ -76,7 +76,6 @@ class UsageEntryAdmin(ReadOnlyAdmin):
         "corrects_id",
     ]
     list_filter = ["kind", "capacity_type"]
-    date_hierarchy = "day"
     show_full_result_count = False  # tens of millions of rows: no COUNT(*) per page
 
 

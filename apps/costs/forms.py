@@ -36,6 +36,11 @@ class OwnedPriceForm(forms.ModelForm):
             "default_power_w",
             "source",
         ]
+        labels = {
+            "electricity_per_kwh": "Electricity per kWh",
+            "pue": "PUE",
+            "default_power_w": "Default power (W)",
+        }
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

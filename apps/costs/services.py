@@ -246,7 +246,6 @@ class MeterReport:
     corrections: int = 0
     amount: Decimal = ZERO
     batches: int = 0
-    teams: set = field(default_factory=set)
 
 
 ENTRY_FIELDS = (
@@ -461,7 +460,7 @@ def _meter_batch(node_ids, until, allocations_for, report: MeterReport, now) -> 
 
     sums = _Sums()
     rows: list[tuple] = []
-    corrections = _reprice(nodes, to_reprice, marks, prices, now=now) if to_reprice else []
+    corrections = _reprice(nodes, to_reprice, prices, now=now) if to_reprice else []
     new_marks, changed_marks = [], []
     for node_id, start in since.items():
         node = nodes[node_id]
@@ -484,10 +483,10 @@ def _meter_batch(node_ids, until, allocations_for, report: MeterReport, now) -> 
         )
         carry = Fraction(mark.carry) if mark is not None else Fraction(0)
         booked, carry = metering.book(pieces, carry)
-        for piece, nanos in zip(pieces, booked, strict=True):
-            rows.append(_entry_row(node, piece, nanos, now=now))
-            if piece.team_id:
-                report.teams.add(piece.team_id)
+        rows.extend(
+            _entry_row(node, piece, nanos, now=now)
+            for piece, nanos in zip(pieces, booked, strict=True)
+        )
         if mark is None:
             new_marks.append(
                 MeterMark(node_id=node_id, metered_until=until, carry=str(carry), closed=closed)
@@ -526,7 +525,7 @@ def _marks_save(marks: list[MeterMark]) -> None:
     )
 
 
-def _reprice(nodes, to_reprice, marks, prices: selectors.PriceBook, *, now) -> list[tuple]:
+def _reprice(nodes, to_reprice, prices: selectors.PriceBook, *, now) -> list[tuple]:
     """Correction rows for what these nodes booked since their `reprice_from`, priced
     again with the price book as it stands: new rows for the differences, nothing edited."""
     earliest = min(to_reprice.values())

@@ -21,6 +21,7 @@ from tests.apps.costs.conftest import (
     cloud_pool,
     cloud_price,
     meter,
+    owned_pool,
 )
 
 pytestmark = pytest.mark.django_db
@@ -176,3 +177,16 @@ def test_whole_months_come_from_the_monthly_roll_up_and_agree_with_the_days(fina
         MonthlySpend.objects.aggregate(s=Sum("amount"))["s"]
         == (DailySpend.objects.aggregate(s=Sum("amount"))["s"])
     )
+
+
+def test_the_demo_gets_an_owned_price_per_owned_pool_once():
+    from django.core.management import call_command
+
+    from apps.costs.models import OwnedPrice
+
+    pools = [owned_pool("demo-a"), owned_pool("demo-b")]
+    call_command("demo_prices")
+    call_command("demo_prices")
+
+    assert sorted(OwnedPrice.objects.values_list("pool_id", flat=True)) == [p.pk for p in pools]
+    assert "Demo figures" in OwnedPrice.objects.first().source

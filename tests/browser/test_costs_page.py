@@ -1,0 +1,42 @@
+"""Finance opens the Costs page in headless Chromium: the chart, the table, a filter, the
+CSV link carrying the page's filters, and a budget set through the page's form."""
+
+import re
+
+import pytest
+from playwright.sync_api import expect
+
+from apps.costs.models import Budget
+from tests.apps.costs.conftest import metered  # noqa: F401 (a fixture)
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+
+def test_finance_reads_spend_filters_it_and_sets_a_budget(
+    page,
+    browser_login,
+    finance_user,
+    metered,  # noqa: F811
+    team,
+):
+    base = browser_login(page, finance_user)
+    page.goto(f"{base}/costs/?since=2026-11-01&until=2026-11-30")
+
+    expect(page.locator("h1")).to_have_text("Costs")
+    expect(page.locator("svg.chart.stacked rect.segment").first).to_be_visible()
+    expect(page.locator('#spend-table tr[data-group="idle"]')).to_be_visible()
+    expect(page.locator("#spend-total")).to_contain_text("$")
+
+    page.select_option("#costs-filters select[name=group_by]", value="pool")
+    page.click("#costs-filters button[type=submit]")
+    expect(page).to_have_url(re.compile(r"group_by=pool"))
+    expect(page.locator('#spend-table tr[data-group="fra-h100"]')).to_be_visible()
+    link = page.locator('section[aria-labelledby="groups-title"] a', has_text="CSV")
+    expect(link).to_have_attribute("href", re.compile(r"/costs/spend\.csv\?.*group_by=pool"))
+
+    page.select_option("#budget-form select[name=team]", value=str(team.pk))
+    page.fill("#budget-form input[name=monthly_limit]", "2500")
+    page.click("#budget-form button[type=submit]")
+    expect(page.locator(".message-success")).to_contain_text("2,500.00")
+    assert Budget.objects.get(team=team).monthly_limit == 2500
+    expect(page.locator('#budgets-table tr[data-team="alpha"]')).to_be_visible()
