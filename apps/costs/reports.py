@@ -77,6 +77,8 @@ def filtered_spend(*, user, query: QueryDict):
     since, until = spend.form.cleaned_data["since"], spend.form.cleaned_data["until"]
     if until < since:
         raise _invalid({"until": ["Must be on or after since."]})
+    if since.year < 2000 or until.year > 2999:
+        raise _invalid({"since": ["Between the years 2000 and 2999."]})
     if (until - since).days > MAX_DAYS:
         raise _invalid({"since": [f"At most {MAX_DAYS} days at a time."]})
     team_id = spend.form.cleaned_data.get("team_id")

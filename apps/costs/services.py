@@ -105,7 +105,17 @@ def _reprice_after(nodes: Q, since: dt.datetime) -> int:
     return marks.update(reprice_from=since)
 
 
+EARLIEST_PRICE = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+LATEST_PRICE = dt.datetime(2100, 1, 1, tzinfo=dt.UTC)
+
+
 def _check_price(model, fields: dict) -> None:
+    effective = fields.get("effective_from")
+    if effective is not None and not (EARLIEST_PRICE <= effective < LATEST_PRICE):
+        raise ApplicationError(
+            "A price takes effect between 2000 and 2100.",
+            details={"effective_from": ["Between 2000-01-01 and 2100-01-01."]},
+        )
     if model is OwnedPrice:
         pool = fields.get("pool")
         if pool is not None and pool.kind != PoolKind.OWNED:

@@ -1,12 +1,13 @@
 """The Costs page: spend by day and group, top jobs, budgets, the price book, and a CSV
 export of every table with the page's filters."""
 
+import functools
 from decimal import Decimal
 
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import Http404
+from django.http import Http404, HttpResponseBadRequest
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
@@ -145,11 +146,31 @@ def price_add(request, kind: str):
 # --- CSV: every table of the page, with its filters -----------------------------------------
 
 
+def _refusals_as_400(view):
+    """A bad filter (an impossible range, an unknown group) is a 400 with the reason."""
+
+    @functools.wraps(view)
+    def wrapped(request, *args, **kwargs):
+        try:
+            return view(request, *args, **kwargs)
+        except ApplicationError as exc:
+            problems = "; ".join(
+                f"{field}: {' '.join(map(str, messages))}"
+                for field, messages in exc.details.items()
+            )
+            return HttpResponseBadRequest(
+                f"{exc.message} {problems}".strip(), content_type="text/plain; charset=utf-8"
+            )
+
+    return wrapped
+
+
 def _money(value) -> str:
     return nanos_text(to_nanos(value))
 
 
 @login_required
+@_refusals_as_400
 def spend_csv(request):
     report = reports.build(
         user=request.user, query=request.GET, series=False, jobs=False, budgets=False
@@ -170,6 +191,7 @@ def spend_csv(request):
 
 
 @login_required
+@_refusals_as_400
 def daily_csv(request):
     report = reports.build(user=request.user, query=request.GET, jobs=False, budgets=False)
     rows = (
@@ -181,6 +203,7 @@ def daily_csv(request):
 
 
 @login_required
+@_refusals_as_400
 def top_jobs_csv(request):
     report = reports.build(user=request.user, query=request.GET, top=500, series=False)
     rows = (
@@ -191,6 +214,7 @@ def top_jobs_csv(request):
 
 
 @login_required
+@_refusals_as_400
 def budgets_csv(request):
     report = reports.build(user=request.user, query=request.GET, series=False, jobs=False)
     rows = (
@@ -220,6 +244,7 @@ def budgets_csv(request):
 
 
 @login_required
+@_refusals_as_400
 def usage_csv(request):
     """The ledger itself, row by row, streamed (same filters as the page)."""
     _, since, until, data = reports.filtered_spend(user=request.user, query=request.GET)

@@ -228,3 +228,19 @@ def test_spot_prices_are_read_only(finance_user, api_for):
         format="json",
     )
     assert response.status_code == 405
+
+
+def test_dates_out_of_any_sensible_range_are_refused_not_crashed_on(finance_user, api_for):
+    client = api_for(finance_user)
+    pool = owned_pool()
+    far = client.get("/api/v1/spend/?since=9999-12-01&until=9999-12-31")
+    old = client.post(
+        "/api/v1/owned-prices/",
+        {**owned_price_body(pool), "effective_from": "0001-01-01T00:00:00Z"},
+        format="json",
+    )
+    too_many = client.get("/api/v1/spend/?since=2020-01-01&until=2026-11-30")
+
+    assert far.status_code == 400 and "since" in far.json()["error"]["details"]
+    assert old.status_code == 400 and "effective_from" in old.json()["error"]["details"]
+    assert too_many.status_code == 400

@@ -190,3 +190,13 @@ def test_the_demo_gets_an_owned_price_per_owned_pool_once():
 
     assert sorted(OwnedPrice.objects.values_list("pool_id", flat=True)) == [p.pk for p in pools]
     assert "Demo figures" in OwnedPrice.objects.first().source
+
+
+def test_a_bad_filter_is_a_400_for_csv_and_a_message_on_the_page(finance_user):
+    client = browser(finance_user)
+
+    csv_answer = client.get("/costs/spend.csv?since=2026-11-30&until=2026-11-01")
+    page = client.get("/costs/?group_by=colour", follow=True)
+
+    assert csv_answer.status_code == 400 and b"until" in csv_answer.content
+    assert page.status_code == 200 and b"group_by" in page.content
