@@ -157,7 +157,7 @@ class UsageEntrySerializer(StrictModelSerializer):
 
 class CorrectionSerializer(StrictSerializer):
     amount = serializers.DecimalField(
-        max_digits=20, decimal_places=9, help_text="Added to the row (negative takes away)."
+        max_digits=18, decimal_places=9, help_text="Added to the row (negative takes away)."
     )
     note = Text(max_length=200, help_text="Why.")
 

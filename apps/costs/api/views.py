@@ -23,6 +23,7 @@ from apps.costs.filtersets import (
 from apps.costs.models import SpotPrice
 from apps.costs.money import NANO
 from controlplane.api import ServiceViewSet
+from controlplane.errors import ApplicationError
 
 REPORT_PARAMETERS = [
     OpenApiParameter("since", str, description="First day (YYYY-MM-DD); default: the 1st."),
@@ -228,7 +229,13 @@ class BudgetViewSet(
         )
         body.is_valid(raise_exception=True)
         data = dict(body.validated_data)
-        team = data.pop("team", None) or instance.team
+        team = data.pop("team", None)
+        if instance is not None:
+            if team is not None and team != instance.team:
+                raise ApplicationError(
+                    "A budget stays with its team.", details={"team": ["Cannot be changed."]}
+                )
+            team = instance.team
         if instance is not None:
             for name in ("monthly_limit", "stop_submissions", "notify_emails", "webhook_url"):
                 data.setdefault(name, getattr(instance, name))
