@@ -12,6 +12,16 @@ from tests.apps.costs.conftest import metered  # noqa: F401 (a fixture)
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
+@pytest.fixture(autouse=True)
+def _budget_state_forgotten():
+    """The budget boundary keeps its answer a few seconds in-process: not past this test."""
+    from apps.costs.selectors import forget_budget_state
+
+    forget_budget_state()
+    yield
+    forget_budget_state()
+
+
 def test_finance_reads_spend_filters_it_and_sets_a_budget(
     page,
     browser_login,

@@ -38,6 +38,16 @@ from workers.tasks.costs import deliver_budget_webhooks, meter, meter_run, spot_
 pytestmark = pytest.mark.django_db
 
 
+@pytest.fixture(autouse=True)
+def _budget_state_forgotten():
+    """The budget boundary keeps its answer a few seconds in-process: not past this test."""
+    from apps.costs.selectors import forget_budget_state
+
+    forget_budget_state()
+    yield
+    forget_budget_state()
+
+
 def test_metering_reads_the_jobs_allocations_and_attributes_them(
     fleet_pool,  # noqa: F811
     quota,  # noqa: F811
