@@ -272,7 +272,7 @@ def test_a_jobs_page_shows_its_runs_and_output_and_follows_while_active(
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert "step 299 loss 2.299" in page and "step 99 loss" not in page  # the last 200 lines
     assert 'id="runs-table"' in page
-    assert "What ran (attempt 1, rank 0)" in page and "<pre class=\"spec\">x</pre>" in page
+    assert "What ran (attempt 1, rank 0)" in page and '<pre class="spec">x</pre>' in page
     with django_assert_max_num_queries(12):
         tail = client.get(f"/jobs/{job.pk}/log-tail/").content.decode()
     assert 'hx-trigger="every 3s"' in tail  # active: the panel asks again
