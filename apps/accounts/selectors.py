@@ -17,6 +17,7 @@ from apps.accounts.models import (
     TeamRole,
     TeamSecret,
 )
+from controlplane.exactcache import ExactCache
 
 User = get_user_model()
 
@@ -160,3 +161,33 @@ def team_secrets_visible_to(*, user) -> QuerySet[TeamSecret]:
     if roles.superuser:
         return secrets
     return secrets.filter(team_id__in=roles.team_ids)
+
+
+# Submission reads a team and its quotas on every request: kept in the cache, exactly
+# (controlplane/exactcache.py), marked stale by accounts/signals.py when either changes.
+_teams = ExactCache("accounts:team", max_timeout_s=300)
+
+
+def team_for_submission(*, user, team_id: int) -> Team | None:
+    """The team, if the user may see it (others "do not exist"), with its quota limits."""
+    roles = roles_of(user)
+    if not roles.sees_every_team and team_id not in roles.team_ids:
+        return None
+    cached = _teams.recall(str(team_id))
+    if cached is not None:
+        return cached
+    team = Team.objects.filter(pk=team_id).first()
+    if team is None:
+        return None
+    team.quota_limits = {
+        gpu_type: nominal + borrow
+        for gpu_type, nominal, borrow in TeamQuota.objects.filter(team=team).values_list(
+            "gpu_type", "max_gpus", "borrow_gpus"
+        )
+    }
+    _teams.remember(str(team_id), team)
+    return team
+
+
+def team_forget(team_id: int) -> None:
+    _teams.forget([str(team_id)])

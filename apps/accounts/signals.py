@@ -7,8 +7,8 @@ org roles are also written by Django's own admin and auth views.
 from django.contrib.auth import get_user_model
 from django.db.models.signals import post_delete, post_save
 
-from apps.accounts import principals
-from apps.accounts.models import ApiToken, Membership, OrgRole
+from apps.accounts import principals, selectors
+from apps.accounts.models import ApiToken, Membership, OrgRole, Team, TeamQuota
 
 
 def _token_changed(sender, instance, created=False, **kwargs):
@@ -24,9 +24,19 @@ def _roles_changed(sender, instance, **kwargs):
     principals.forget_user(instance.user_id)
 
 
+def _team_changed(sender, instance, **kwargs):
+    selectors.team_forget(instance.pk)
+
+
+def _quota_changed(sender, instance, **kwargs):
+    selectors.team_forget(instance.team_id)
+
+
 def connect() -> None:
     for name, signal in (("saved", post_save), ("deleted", post_delete)):
         signal.connect(_token_changed, sender=ApiToken, dispatch_uid=f"auth-token-{name}")
         signal.connect(_user_changed, sender=get_user_model(), dispatch_uid=f"auth-user-{name}")
         signal.connect(_roles_changed, sender=Membership, dispatch_uid=f"auth-membership-{name}")
         signal.connect(_roles_changed, sender=OrgRole, dispatch_uid=f"auth-org-role-{name}")
+        signal.connect(_team_changed, sender=Team, dispatch_uid=f"submit-team-{name}")
+        signal.connect(_quota_changed, sender=TeamQuota, dispatch_uid=f"submit-quota-{name}")

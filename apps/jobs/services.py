@@ -102,11 +102,18 @@ def budget_allows(*, team, gpus: int, time_limit_s: int, max_cost_usd) -> bool:
 
 
 def _quota_limit(team, gpu_type: str) -> int | None:
+    """Nominal plus borrowing for the GPU type (the largest for ANY); None: no quota."""
+    limits = getattr(team, "quota_limits", None)  # read with the team for submissions
+    if limits is None:
+        limits = {
+            t: nominal + borrow
+            for t, nominal, borrow in TeamQuota.objects.filter(team=team).values_list(
+                "gpu_type", "max_gpus", "borrow_gpus"
+            )
+        }
     if gpu_type == specs.ANY_GPU:
-        quotas = list(TeamQuota.objects.filter(team=team))
-        return max((q.max_gpus + q.borrow_gpus for q in quotas), default=None)
-    quota = TeamQuota.objects.filter(team=team, gpu_type=gpu_type).first()
-    return None if quota is None else quota.max_gpus + quota.borrow_gpus
+        return max(limits.values(), default=None)
+    return limits.get(gpu_type)
 
 
 def _spec_fingerprint(spec: dict) -> str:
@@ -187,6 +194,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
     try:
         with transaction.atomic():
             job.save()
+            Job.wait.related.set_cached_value(job, None)  # a new job waits for its first pass
             JobEvent.objects.create(
                 job=job,
                 from_state="",

@@ -7,7 +7,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.accounts.models import TokenScope
-from apps.accounts.selectors import teams_visible_to
+from apps.accounts.selectors import team_for_submission
 from apps.jobs import selectors, services
 from apps.jobs.api import serializers as s
 from apps.jobs.filtersets import JobFilterSet, ReservationFilterSet
@@ -125,7 +125,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
 
 def _team_visible(user, team_id: int):
     """The spec's team, if the user may see it; others answer as if they did not exist."""
-    team = teams_visible_to(user=user).filter(pk=team_id).first()
+    team = team_for_submission(user=user, team_id=team_id)
     if team is None:
         raise ApplicationError(
             "Invalid input: team.",

@@ -343,3 +343,19 @@ def test_the_specs_trainer_choices_are_the_trainers_own():
 
     assert serializers.ATTENTION_BACKENDS == config.ATTENTION_BACKENDS
     assert serializers.PIPELINE_SCHEDULES == config.PIPELINE_SCHEDULES
+
+
+def test_a_quota_change_applies_to_the_next_submit_at_once(
+    fleet_pool, quota, team, researcher, api_for, django_capture_on_commit_callbacks
+):
+    """Submission reads the team and its quotas from the cache; a change marks them stale."""
+    from apps.accounts import services as accounts
+
+    client = api_for(researcher, scopes=("submit",))
+    big = command_spec(team, resources={"gpu_type": "H100", "nodes": 2, "gpus_per_node": 8})
+    assert submit(client, big).status_code == 201  # 16 GPUs within 32
+    with django_capture_on_commit_callbacks(execute=True):  # the change commits
+        accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    refused = submit(client, big)
+    assert refused.status_code == 400, refused.content
+    assert "resources" in str(refused.json()["error"]["details"])
