@@ -317,8 +317,9 @@ def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
     locked.state_changed_at = now
     if to in FINISHED_STATES:
         locked.finished_at = now
-    if to == J.PENDING:
+    if to == J.PENDING or came_from == J.PENDING:
         JobWait.objects.filter(job=locked).delete()  # an old wait says nothing now
+    if to == J.PENDING:
         locked.pool = None
     for name, value in fields.items():
         setattr(locked, name, value)

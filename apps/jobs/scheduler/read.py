@@ -191,11 +191,10 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
             )
         )
         reasons[job_id] = ("", None)  # no reason yet, unless JobWait says one
-    for job_id, reason, estimated in (
-        JobWait.objects.filter(job__state=JobState.PENDING)
-        .annotate(estimated=Epoch("estimated_start"))
-        .values_list("job_id", "reason", "estimated")
-    ):
+    # Only pending jobs have wait rows (they go when a job leaves PENDING): no join needed.
+    for job_id, reason, estimated in JobWait.objects.annotate(
+        estimated=Epoch("estimated_start")
+    ).values_list("job_id", "reason", "estimated"):
         if job_id in reasons:
             reasons[job_id] = (reason, estimated)
 
