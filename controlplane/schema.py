@@ -35,6 +35,7 @@ _ERRORS_ON_LIST = {
     "400": "A filter value is invalid: `details` names the parameter.",
     "404": "The page does not exist.",
 }
+_ERRORS_ON_QUERY = "A query parameter is invalid: `details` names it and the reason."
 
 
 class Schema(AutoSchema):
@@ -48,6 +49,8 @@ class Schema(AutoSchema):
             errors.update(_ERRORS_WITH_BODY)
         if self._is_list_view():
             errors.update(_ERRORS_ON_LIST)
+        elif self.method == "GET" and any(p.get("in") == "query" for p in self._get_parameters()):
+            errors["400"] = _ERRORS_ON_QUERY  # a report's filters, checked as a list's are
         if "{" in self.path:
             errors.update(_ERRORS_ON_OBJECT)
         if self.method != "GET":

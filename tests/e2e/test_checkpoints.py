@@ -154,11 +154,6 @@ def test_a_killed_nodes_job_resumes_elsewhere_from_its_newest_verified_checkpoin
     lost_node = first.node
     os.killpg(first.pid, signal.SIGKILL)  # the machine is gone: its trainer...
     os.killpg(_agent_pid(lost_node), signal.SIGKILL)  # ...and its agent
-    on_disk = _committed_on_disk(job)
-    newest_on_disk = max(on_disk)
-    reached = max(_losses(job, 1))
-    assert newest_on_disk >= reached - INTERVAL  # the trainer commits every INTERVAL steps
-
     wait_for(
         "the node to be down and its job requeued",
         lambda: (
@@ -169,6 +164,12 @@ def test_a_killed_nodes_job_resumes_elsewhere_from_its_newest_verified_checkpoin
         timeout_s=60,
         every_s=1.0,
     )
+    # Read storage only now: a SIGKILL lands asynchronously, and a rename the trainer had
+    # under way when it was sent still completes (CI once saw step 30 appear after the kill).
+    on_disk = _committed_on_disk(job)
+    newest_on_disk = max(on_disk)
+    reached = max(_losses(job, 1))
+    assert newest_on_disk >= reached - INTERVAL  # the trainer commits every INTERVAL steps
     _dispatch(job)
     second = Run.objects.get(job=job, attempt=2)
     assert second.node_id != lost_node.pk

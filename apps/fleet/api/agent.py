@@ -22,8 +22,8 @@ import time
 
 from django.conf import settings
 from django.core.exceptions import DisallowedHost
-from django.core.handlers.wsgi import WSGIRequest
-from django.db import close_old_connections
+from django.core.handlers.wsgi import WSGIHandler, WSGIRequest
+from django.core.signals import request_started
 from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -140,9 +140,10 @@ def _land_plain_heartbeat(environ) -> bool:
         return False
     if not 0 <= length <= FAST_BODY_BYTES:
         return False
-    # What Django does around each request, for the database connection a token look-up
-    # that misses the cache opens (once per request is enough: nothing runs in between).
-    close_old_connections()
+    # What Django does at the start of each request: among its receivers, the one that
+    # closes a database connection past its age or broken (a token look-up that misses
+    # the cache opens one). Sent, not called, so a test client can disconnect it.
+    request_started.send(sender=WSGIHandler, environ=environ)
     try:
         request = WSGIRequest(environ)
         request.get_host()  # the ALLOWED_HOSTS check

@@ -6,7 +6,8 @@ import json
 import pytest
 from django.core.cache import cache
 from django.core.handlers.wsgi import WSGIHandler
-from django.db import connection
+from django.core.signals import request_finished, request_started
+from django.db import close_old_connections, connection
 from django.test.utils import CaptureQueriesContext
 
 from apps.fleet import agents, services
@@ -71,8 +72,14 @@ def call(
 
 @pytest.fixture
 def apps():
+    # As Django's test client does: a request's start and end would otherwise
+    # close the test's connection, which holds the test's open transaction.
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
     django_app = WSGIHandler()
-    return django_app, heartbeat_fast_path(django_app)
+    yield django_app, heartbeat_fast_path(django_app)
+    request_started.connect(close_old_connections)
+    request_finished.connect(close_old_connections)
 
 
 def test_a_valid_heartbeat_is_landed_without_a_query_and_answered_as_the_view_does(apps):
