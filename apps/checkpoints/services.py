@@ -588,6 +588,9 @@ def _copy_failed(run: Run, event: dict, *, actor: str, now) -> dict:
     if checkpoint is None or not uri.startswith("s3://"):
         return {"ignored": True}
     message = _clean(event.get("message") or "the upload failed", 250)
+    tries = _integer(event, "attempts", default=1, maximum=1000)
+    if tries > 1:
+        message = f"{message} (tried {tries} times)"
     copy = _s3_copy(checkpoint, uri, S.FAILED, actor=actor, now=now, error=message)
     _settle(checkpoint, "its S3 copy failed", actor=actor, now=now)
     return {"checkpoint": checkpoint.pk, "copy": copy.pk}

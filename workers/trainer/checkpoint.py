@@ -53,6 +53,9 @@ from workers.trainer.config import ConfigError
 MANIFEST = "manifest.json"
 FORMAT = 1
 # Optimizer state keyed by parameter name, so it reshards like the model's.
+# A failed S3 upload is tried again after these pauses (seconds), then reported failed; the
+# checkpoint then stays unsecured, so retention keeps the older ones (apps/checkpoints).
+UPLOAD_RETRY_DELAYS_S = (5.0, 30.0, 120.0)
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -457,20 +460,46 @@ def fetch_from_s3(uri: str, directory: Path, s3=None) -> Path:
     return final
 
 
-def copy_to_s3(path: Path, s3, step: int) -> None:
-    """Upload one committed checkpoint, the manifest last, and report the outcome."""
+def copy_to_s3(
+    path: Path, s3, step: int, *, delays=UPLOAD_RETRY_DELAYS_S, sleep=time.sleep
+) -> None:
+    """Upload one committed checkpoint, the manifest last, and report the outcome. A failed
+    upload is tried again after each of `delays` (seconds) before it is reported failed;
+    each try uploads every file again, so a half-written copy never stays half-written."""
     uri = f"s3://{s3.bucket}/{s3.prefix.strip('/') + '/' if s3.prefix else ''}{path.name}"
-    try:
-        import boto3
+    for attempt in range(1, len(delays) + 2):
+        try:
+            _upload(path, s3, uri)
+            break
+        except Exception as e:  # a failed copy must not stop training
+            if attempt > len(delays):
+                metrics.emit(
+                    {
+                        "event": "checkpoint_copy_failed",
+                        "step": step,
+                        "uri": uri,
+                        "message": str(e),
+                        "attempts": attempt,
+                    }
+                )
+                return
+            sleep(delays[attempt - 1])
+    metrics.emit(
+        {
+            "event": "checkpoint_copy",
+            "step": step,
+            "uri": uri,
+            "time": time.time(),
+            "attempts": attempt,
+        }
+    )
 
-        client = boto3.client("s3", endpoint_url=s3.endpoint_url, region_name=s3.region)
-        key_prefix = uri.removeprefix(f"s3://{s3.bucket}/")
-        names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST)
-        for name in [*names, MANIFEST]:
-            client.upload_file(str(path / name), s3.bucket, f"{key_prefix}/{name}")
-    except Exception as e:  # a failed copy must not stop training
-        metrics.emit(
-            {"event": "checkpoint_copy_failed", "step": step, "uri": uri, "message": str(e)}
-        )
-        return
-    metrics.emit({"event": "checkpoint_copy", "step": step, "uri": uri, "time": time.time()})
+
+def _upload(path: Path, s3, uri: str) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint_url, region_name=s3.region)
+    key_prefix = uri.removeprefix(f"s3://{s3.bucket}/")
+    names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST)
+    for name in [*names, MANIFEST]:
+        client.upload_file(str(path / name), s3.bucket, f"{key_prefix}/{name}")

@@ -181,6 +181,25 @@ def test_a_running_job_whose_last_verified_checkpoint_is_overdue_is_flagged(
     assert api.get("/api/v1/checkpoint-jobs/?overdue=true").json()["results"] == []
 
 
+def test_overdue_jobs_are_picked_before_the_page_is_cut(
+    checkpointed, team, researcher, api_for, client
+):
+    now = timezone.now()
+    Job.objects.filter(pk=checkpointed.pk).update(started_at=now - dt.timedelta(hours=1))
+    Checkpoint.objects.filter(job=checkpointed).update(committed_at=now - dt.timedelta(minutes=3))
+    _steps(checkpointed, seconds_per_step=6.0, until=now)
+    for _ in range(2):  # newer running jobs, on time: they come first in the list
+        start(submit_trainer(team, researcher))
+    api = api_for(researcher, scopes=("read",))
+    assert api.get("/api/v1/checkpoint-jobs/?state=running").json()["count"] == 3
+
+    found = api.get("/api/v1/checkpoint-jobs/?overdue=true&page_size=1").json()
+    assert found["count"] == 1 and [r["id"] for r in found["results"]] == [checkpointed.pk]
+    client.force_login(researcher)
+    page = client.get("/checkpoints/?overdue=on").content.decode()
+    assert f'data-job="{checkpointed.pk}"' in page and page.count("data-job=") == 1
+
+
 def test_every_minutes_sets_the_interval_without_step_times(
     fleet_pool, quota, team, researcher, api_for
 ):

@@ -236,7 +236,9 @@ def test_a_committed_checkpoint_is_copied_to_s3(tmp_path, aws_endpoint, capsys):
                     region="us-east-1")  # fmt: skip
 
     copy_to_s3(checkpoint, target, 4)
-    copy_to_s3(checkpoint, S3Copy(bucket="missing", endpoint_url=aws_endpoint), 4)
+    paused = []
+    missing = S3Copy(bucket="missing", endpoint_url=aws_endpoint)
+    copy_to_s3(checkpoint, missing, 4, delays=(5.0, 30.0), sleep=paused.append)
 
     listed = client.list_objects_v2(Bucket="checkpoints")["Contents"]
     assert {o["Key"] for o in listed} == {
@@ -247,4 +249,28 @@ def test_a_committed_checkpoint_is_copied_to_s3(tmp_path, aws_endpoint, capsys):
     assert copied["event"] == "checkpoint_copy"
     assert copied["uri"] == "s3://checkpoints/foundation/job-7/step-00000004"
     assert failed["event"] == "checkpoint_copy_failed"
-    assert "missing" in failed["uri"]
+    assert "missing" in failed["uri"] and failed["attempts"] == 3
+    assert paused == [5.0, 30.0]  # tried again after each pause before it was reported
+
+
+def test_an_upload_that_fails_is_tried_again_and_then_reported_once(tmp_path, aws_endpoint, capsys):
+    boto3 = pytest.importorskip("boto3")
+    from workers.trainer.checkpoint import copy_to_s3
+    from workers.trainer.config import S3Copy
+
+    checkpoint = tmp_path / "step-00000008"
+    checkpoint.mkdir()
+    (checkpoint / "__0_0.distcp").write_bytes(b"shard")
+    (checkpoint / "manifest.json").write_bytes(b"{}")
+    client = boto3.client("s3", endpoint_url=aws_endpoint, region_name="us-east-1")
+    bucket = f"late-{tmp_path.name.lower()[-20:]}"
+
+    def pause(seconds):  # the bucket appears while the trainer waits to try again
+        client.create_bucket(Bucket=bucket)
+
+    copy_to_s3(checkpoint, S3Copy(bucket=bucket, endpoint_url=aws_endpoint), 8, sleep=pause)
+
+    (report,) = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert report["event"] == "checkpoint_copy" and report["attempts"] == 2
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert keys == {"step-00000008/__0_0.distcp", "step-00000008/manifest.json"}
