@@ -19,6 +19,18 @@ class IdFilter(filters.NumberFilter):
         super().__init__(*args, **kwargs)
 
 
+class _ChoicesField(filters.fields.MultipleChoiceField):
+    def clean(self, value):
+        return super().clean([v for v in (value or []) if v != ""])
+
+
+class ChoicesFilter(filters.MultipleChoiceFilter):
+    """`?state=running&state=pending`; an empty value (a page's "any" option) means no filter,
+    where django-filter's own refuses it as not one of the choices."""
+
+    field_class = _ChoicesField
+
+
 class UtcIsoDateTimeField(filters.fields.IsoDateTimeField):
     """An ISO 8601 instant, turned into UTC before any query.
 

@@ -13,7 +13,7 @@ from apps.checkpoints.models import (
     S3Destination,
 )
 from apps.jobs.models import Job, JobState
-from controlplane.filters import IdFilter, InstantFilter
+from controlplane.filters import ChoicesFilter, IdFilter, InstantFilter
 
 
 class StepFilter(filters.NumberFilter):
@@ -27,7 +27,7 @@ class CheckpointFilterSet(filters.FilterSet):
     team_id = IdFilter(field_name="team_id")
     job_id = IdFilter(field_name="job_id")
     node_id = IdFilter(field_name="node_id")
-    state = filters.MultipleChoiceFilter(choices=CheckpointState.choices)
+    state = ChoicesFilter(choices=CheckpointState.choices)
     step_min = StepFilter(field_name="step", lookup_expr="gte")
     step_max = StepFilter(field_name="step", lookup_expr="lte")
     since = InstantFilter(field_name="committed_at", lookup_expr="gte")
@@ -44,7 +44,7 @@ class CheckpointCopyFilterSet(filters.FilterSet):
     team_id = IdFilter(field_name="checkpoint__team_id")
     node_id = IdFilter(field_name="node_id")
     kind = filters.ChoiceFilter(choices=CopyKind.choices)
-    state = filters.MultipleChoiceFilter(choices=CopyState.choices)
+    state = ChoicesFilter(choices=CopyState.choices)
 
     class Meta:
         model = CheckpointCopy
@@ -55,7 +55,7 @@ class JobCheckpointsFilterSet(filters.FilterSet):
     """The jobs of the Checkpoints page (and /api/v1/checkpoint-jobs/)."""
 
     team_id = IdFilter(field_name="team_id")
-    state = filters.MultipleChoiceFilter(choices=JobState.choices, label="Job state")
+    state = ChoicesFilter(choices=JobState.choices, label="Job state")
     newest_state = filters.ChoiceFilter(
         field_name="newest_state",
         choices=[*CheckpointState.choices, ("none", "None yet")],

@@ -12,7 +12,7 @@ from apps.fleet.models import (
     Rack,
     Site,
 )
-from controlplane.filters import IdFilter
+from controlplane.filters import ChoicesFilter, IdFilter
 
 
 class SiteFilterSet(filters.FilterSet):
@@ -58,7 +58,7 @@ class NodeFilterSet(filters.FilterSet):
     pool_id = IdFilter(field_name="pool_id")
     rack_id = IdFilter(field_name="rack_id")
     site_id = IdFilter(field_name="rack__site_id")
-    state = filters.MultipleChoiceFilter(choices=Node._meta.get_field("state").choices)
+    state = ChoicesFilter(choices=Node._meta.get_field("state").choices)
     q = filters.CharFilter(field_name="name", lookup_expr="icontains", label="Name contains")
 
     class Meta:

@@ -3,12 +3,12 @@
 import django_filters as filters
 
 from apps.jobs.models import Job, JobState, Reservation
-from controlplane.filters import IdFilter, InstantFilter
+from controlplane.filters import ChoicesFilter, IdFilter, InstantFilter
 
 
 class JobFilterSet(filters.FilterSet):
     team_id = IdFilter(field_name="team_id")
-    state = filters.MultipleChoiceFilter(choices=JobState.choices)
+    state = ChoicesFilter(choices=JobState.choices)
     user = filters.CharFilter(field_name="submitted_by__username")
     since = InstantFilter(field_name="submitted_at", lookup_expr="gte")
 

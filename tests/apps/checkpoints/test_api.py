@@ -137,6 +137,12 @@ def test_a_jobs_summary_shows_its_newest_and_the_checkpoint_it_would_resume_from
     assert api.get("/api/v1/checkpoint-jobs/?newest_state=none").json()["count"] == 0
     for query in ("ordering=size_bytes", "ordering=-id", "overdue=maybe", "team_id=0", "page=9"):
         assert api.get(f"/api/v1/checkpoint-jobs/?{query}").status_code in (200, 400, 404), query
+    # The page's "any state" option sends an empty value: no filter; a wrong one is a 400.
+    assert api.get("/api/v1/checkpoint-jobs/?state=&newest_state=").json()["count"] == 1
+    assert api.get("/api/v1/checkpoint-jobs/?state=&state=running").json()["count"] == 1
+    assert api.get("/api/v1/checkpoint-jobs/?state=&state=pending").json()["count"] == 0
+    wrong = api.get("/api/v1/checkpoint-jobs/?state=runing")
+    assert wrong.status_code == 400 and "state" in wrong.json()["error"]["details"]
     detail = api.get(f"/api/v1/jobs/{checkpointed.pk}/").json()
     assert detail["checkpoints"]["newest_verified"]["step"] == 20
     assert detail["checkpoints"]["watch"]["overdue"] is False
