@@ -18,7 +18,7 @@ DEV_ENV := DJANGO_DEBUG=1 SECRET_KEY_FILE=var/secret_key SECURE_COOKIES=0 \
 	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL= \
 	CONTROLPLANE_URL=http://127.0.0.1:$(PORT) NODE_MIN_FREE_DISK_GB=1
 
-.PHONY: run test test-fast lint format bench bench-api bench-costs bench-heartbeats bench-scheduler bench-trainer clean install system-test-deps
+.PHONY: run test test-fast lint format bench bench-api bench-costs bench-heartbeats bench-scheduler bench-trainer bench-scaling clean install system-test-deps
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -94,6 +94,12 @@ bench-scheduler: $(VENV)/.installed
 bench-trainer:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m bench.trainer $(BENCH_ARGS); \
 	else $(MAKE) --no-print-directory install && $(BIN)/python -m bench.trainer $(BENCH_ARGS); fi
+
+# The trainer's scaling over every GPU of one host, per layout (issue 9); on the CPU, the same
+# layouts with gloo and 8 processes on the small preset (a check, not a figure).
+bench-scaling:
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m bench.trainer --scaling $(BENCH_ARGS); \
+	else $(MAKE) --no-print-directory install && $(BIN)/python -m bench.trainer --scaling $(BENCH_ARGS); fi
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache .hypothesis

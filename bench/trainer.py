@@ -21,6 +21,22 @@ reports the fastest:
     trainer: tokens_per_s=<n> baseline_tokens_per_s=<n> ratio=<x> mfu=<x>
              peak_mem_gib=<n> layout=<...>     (on one line)
 
+`--scaling` (issue 9) trains each of --presets (default `1b,8b`) on every GPU of
+the host under torchrun, once per layout: FSDP over all of them, HSDP (2
+replicas), FSDP × TP (TP 2 and 4) and PP 2 × FSDP, with --batch sequences per
+GPU per step (the global batch grows with the GPUs), and on one GPU alone as
+the reference. Per layout it prints tokens/s per GPU, MFU and scaling
+efficiency (tokens/s per GPU over the one-GPU figure); the last line:
+
+    scaling: best_layout=<preset>/<layout> efficiency=<x> mfu=<x>
+             fsdp_efficiency=<x> gpus=<n>          (on one line)
+
+for the largest preset's fastest layout, and FSDP's efficiency on the first
+preset (the issue's goal). NVLink multicast stays off in every process
+(NCCL_NVLS_ENABLE=0 and its siblings, as the device's machines require).
+Without a GPU it runs the same layouts on the CPU with gloo and 8 processes on
+the `small` preset (a check that every layout trains, not a speed figure).
+
 Needs only python3 and torch (transformers for the baseline): no Django, no
 .venv, no network. Without a GPU it says so and runs a tiny smoke configuration
 on the CPU instead, so `make bench-trainer` stays harmless on a laptop.
@@ -43,6 +59,13 @@ if str(ROOT) not in sys.path:
 from workers.trainer.presets import PRESETS  # noqa: E402  (torch-free, as the control plane uses it)
 
 PEAK_BF16 = 989e12  # H100 and H200 SXM, dense
+
+# NVLink multicast off in NCCL, PyTorch and NVSHMEM: the shared GPU hosts require it.
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 # Trainer variants: run.json settings over the defaults; "a+b" applies both.
 VARIANTS = {
@@ -96,15 +119,26 @@ def trainer_config(args, variant: str, *, gpu: bool) -> dict:
     }
 
 
-def run_trainer(args, variant: str, *, gpu: bool) -> dict:
+def run_trainer(args, variant: str, *, gpu: bool, config=None, nproc: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         config_path = Path(scratch) / "run.json"
-        config_path.write_text(json.dumps(trainer_config(args, variant, gpu=gpu)))
-        env = {**os.environ, "CONTROLPLANE_STATUS_FILE": str(Path(scratch) / "status.json")}
+        config = config or trainer_config(args, variant, gpu=gpu)
+        config_path.write_text(json.dumps(config))
+        env = {
+            **os.environ,
+            **NO_MULTICAST,
+            "CONTROLPLANE_STATUS_FILE": str(Path(scratch) / "status.json"),
+        }
+        command = [sys.executable, "-m", "workers.trainer", "--config", str(config_path)]
+        if nproc > 1:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            command[1:2] = [*launcher[1:], f"--nproc-per-node={nproc}", "-m"]
+        if not gpu:
+            env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
         started = time.monotonic()
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "workers.trainer", "--config", str(config_path)],
+                command,
                 cwd=ROOT,
                 env=env,
                 capture_output=True,
@@ -218,6 +252,96 @@ def run_baseline(args) -> dict:
     return {**json.loads(lines[-1]), "wall_s": round(time.monotonic() - started, 1)}
 
 
+# --- scaling over the GPUs of one host (--scaling) -------------------------------------------
+
+
+def scaling_layouts(gpus: int) -> dict[str, dict]:
+    """The issue's layouts for a world of `gpus`, named as the report prints them."""
+    layouts = {f"fsdp{gpus}": {"dp_shard": gpus}}
+    if gpus >= 4 and gpus % 2 == 0:
+        layouts[f"hsdp2x{gpus // 2}"] = {"dp_replicate": 2, "dp_shard": gpus // 2}
+    for tp in (2, 4):
+        if gpus > tp and gpus % tp == 0:
+            layouts[f"fsdp{gpus // tp}xtp{tp}"] = {"dp_shard": gpus // tp, "tp": tp}
+    if gpus >= 4 and gpus % 2 == 0:
+        layouts[f"pp2xfsdp{gpus // 2}"] = {"pp": 2, "dp_shard": gpus // 2}
+    return layouts
+
+
+def scaling_config(args, preset: str, layout: dict, *, gpus: int, gpu: bool) -> dict:
+    """--batch sequences per GPU per step, the same on every layout: a TP group's ranks share
+    their data-parallel rank's batch, a forward at a time of --batch sequences; a pipeline
+    splits it into one microbatch per stage."""
+    full = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, **layout}
+    config = trainer_config(args, "auto", gpu=gpu)
+    config["model"] = {"preset": preset}
+    config["layout"] = full
+    config["schedule"]["global_batch"] = args.batch * gpus
+    if full["tp"] > 1:
+        config["schedule"]["micro_batch"] = args.batch
+    return config
+
+
+def scaling(args, *, gpu: bool) -> int:
+    import torch
+
+    gpus = torch.cuda.device_count() if gpu else args.cpu_processes
+    presets = args.presets.split(",")
+    layouts = scaling_layouts(gpus)
+    print(
+        f"bench.trainer --scaling: {describe_machine()}; {gpus} "
+        f"{'GPUs' if gpu else 'CPU processes (gloo)'}; presets {', '.join(presets)}; "
+        f"{args.batch} sequences of {args.seq_len} per GPU per step; "
+        f"{args.warmup} warm-up + {args.steps} measured steps",
+        flush=True,
+    )
+    table = {}
+    for preset in presets:
+        one = run_trainer(
+            args,
+            "auto",
+            gpu=gpu,
+            config=scaling_config(args, preset, {}, gpus=1, gpu=gpu),
+        )
+        print(f"scaling[{preset}/1]: {json.dumps(one)}", flush=True)
+        single = one.get("tokens_per_s")
+        for name, layout in layouts.items():
+            config = scaling_config(args, preset, layout, gpus=gpus, gpu=gpu)
+            got = run_trainer(args, "auto", gpu=gpu, config=config, nproc=gpus)
+            if "tokens_per_s" in got:
+                got["tokens_per_s_per_gpu"] = round(got["tokens_per_s"] / gpus, 1)
+                got["efficiency"] = (
+                    round(got["tokens_per_s_per_gpu"] / single, 3) if single else None
+                )
+            table[preset, name] = got
+            print(f"scaling[{preset}/{name}]: {json.dumps(got)}", flush=True)
+    print(f"{'preset':<7}{'layout':<14}{'tok/s/GPU':>11}{'MFU':>7}{'efficiency':>12}")
+    for (preset, name), got in table.items():
+        if "tokens_per_s" not in got:
+            print(f"{preset:<7}{name:<14}{'failed':>11}  {got['error'][:100]}")
+            continue
+        mfu = f"{got['mfu']:.3f}" if got["mfu"] is not None else "n/a"
+        eff = f"{got['efficiency']:.3f}" if got["efficiency"] is not None else "n/a"
+        print(f"{preset:<7}{name:<14}{got['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}{eff:>12}")
+    last = presets[-1]
+    measured = {n: g for (p, n), g in table.items() if p == last and "tokens_per_s" in g}
+    if not measured:
+        print(f"scaling: every layout of {last} failed")
+        return 1
+    best_name, best = max(measured.items(), key=lambda item: item[1]["tokens_per_s"])
+    fsdp = table.get((presets[0], f"fsdp{gpus}"), {})
+
+    def figure(value) -> str:
+        return "n/a" if value is None else f"{value:.3f}"
+
+    print(
+        f"scaling: best_layout={last}/{best_name} efficiency={figure(best['efficiency'])} "
+        f"mfu={figure(best['mfu'])} fsdp_efficiency={figure(fsdp.get('efficiency'))} "
+        f"gpus={gpus}"
+    )
+    return 0
+
+
 # --- the report -----------------------------------------------------------------------------------
 
 
@@ -241,6 +365,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per process")
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scaling", action="store_true", help="every GPU of the host, per layout")
+    parser.add_argument("--presets", default="1b,8b", help="--scaling: presets, comma-separated")
+    parser.add_argument(
+        "--cpu-processes", type=int, default=8, help="--scaling without a GPU: gloo processes"
+    )
     args = parser.parse_args(argv)
 
     if args.baseline:
@@ -250,6 +379,11 @@ def main(argv=None) -> int:
     import torch
 
     gpu = torch.cuda.is_available()
+    if args.scaling:
+        if not gpu:
+            print("bench.trainer: no CUDA GPU here; the layouts on the CPU (gloo), small preset")
+            args.presets, args.batch, args.seq_len, args.steps, args.warmup = "small", 2, 64, 4, 2
+        return scaling(args, gpu=gpu)
     if not gpu:
         print("bench.trainer: no CUDA GPU here; running the CPU smoke configuration (tiny preset)")
         args.preset, args.batch, args.seq_len = "tiny", 4, 64

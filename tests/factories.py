@@ -1,13 +1,15 @@
 """Test data, made through the same services the product uses (so rules apply)."""
 
+import importlib
 import itertools
 
+from django.apps import apps as django_apps
 from django.contrib.auth import get_user_model
 
 from apps.accounts import services as accounts
 from apps.accounts.models import Membership, OrgRole, Team, TeamRole
 from apps.fleet import services as fleet
-from apps.fleet.models import NodePool, Rack, Site
+from apps.fleet.models import InstanceType, NodePool, Rack, Site
 
 User = get_user_model()
 _seq = itertools.count(1)
@@ -53,6 +55,17 @@ def make_rack(*, site: Site | None = None, **extra) -> Rack:
         by=None,
         **extra,
     )
+
+
+def instance_type(name: str = "p5.48xlarge") -> InstanceType:
+    """A catalogue row the fleet migration loads; loaded again when a transactional test
+    before this one flushed the database (which empties migration-loaded tables)."""
+    found = InstanceType.objects.filter(name=name).first()
+    if found is None:
+        migration = importlib.import_module("apps.fleet.migrations.0002_instance_type_catalogue")
+        migration.load(django_apps, None)
+        found = InstanceType.objects.get(name=name)
+    return found
 
 
 def make_owned_pool(*, site: Site | None = None, gpu_type: str = "H100", **extra) -> NodePool:

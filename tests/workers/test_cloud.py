@@ -25,7 +25,7 @@ from apps.accounts import services as accounts
 from apps.accounts.models import AuditEvent
 from apps.fleet import agents, cloud
 from apps.fleet import services as fleet
-from apps.fleet.models import InstanceType, Node, NodeState, OrphanInstance
+from apps.fleet.models import Node, NodeState, OrphanInstance
 from apps.jobs import services as jobs
 from apps.jobs.models import Allocation, JobState
 from apps.jobs.scheduler import apply
@@ -67,7 +67,7 @@ def cloud_pool(slug: str = "aws-test", **extra):
         "idle_timeout_s": 600,
         "enabled": True,
         "image_id": IMAGE,
-        "instance_types": [InstanceType.objects.get(name="p5.48xlarge")],
+        "instance_types": [factories.instance_type("p5.48xlarge")],
     }
     return fleet.pool_create(by=None, **(fields | extra))
 

@@ -84,6 +84,9 @@ class Model:
             return self._accumulated(inputs, targets)
 
     def _pipelined(self, inputs, targets) -> torch.Tensor:
+        # Inputs and targets are views of one window each (strides of seq_len + 1); the
+        # stages' metadata was taken from contiguous tensors, which torch 2.11 checks.
+        inputs, targets = inputs.contiguous(), targets.contiguous()
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         if self.has_first:
             self.schedule.step(inputs, target=targets, losses=losses)

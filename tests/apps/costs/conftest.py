@@ -9,7 +9,7 @@ from apps.costs import selectors, services
 from apps.costs.models import CloudPrice, OwnedPrice, PoolDiscount, SpotPrice
 from apps.costs.services import Held
 from apps.fleet import services as fleet
-from apps.fleet.models import InstanceType, Node, NodeEvent, NodeState
+from apps.fleet.models import Node, NodeEvent, NodeState
 from tests import factories
 from tests.apps.jobs import conftest as jobs_fixtures
 
@@ -45,7 +45,7 @@ def cloud_pool(slug: str = "aws-p5", region: str = "us-east-1", **extra):
         gpu_type="H100",
         region=region,
         max_nodes=8,
-        instance_types=[InstanceType.objects.get(name="p5.48xlarge")],
+        instance_types=[factories.instance_type("p5.48xlarge")],
         **extra,
     )
 
@@ -61,7 +61,7 @@ def cloud_node(pool, *, launched: dt.datetime | None = T0, capacity: str = "on_d
         pool=pool,
         provider="aws",
         capacity_type=capacity,
-        instance_type=InstanceType.objects.get(name="p5.48xlarge"),
+        instance_type=factories.instance_type("p5.48xlarge"),
     )
     Node.objects.filter(pk=node.pk).update(created_at=launched or T0, launched_at=launched)
     return Node.objects.get(pk=node.pk)
@@ -100,7 +100,7 @@ def cloud_price(per_hour, *, since: dt.datetime = T0, region: str = "us-east-1")
     return services.price_create(
         model=CloudPrice,
         by=None,
-        instance_type=InstanceType.objects.get(name="p5.48xlarge"),
+        instance_type=factories.instance_type("p5.48xlarge"),
         region=region,
         effective_from=since,
         per_hour=Decimal(per_hour),
@@ -116,7 +116,7 @@ def discount(pool, percent, *, since: dt.datetime = T0) -> PoolDiscount:
 
 def spot_price(per_hour, *, when: dt.datetime, zone: str = "us-east-1a", region="us-east-1"):
     return SpotPrice.objects.create(
-        instance_type=InstanceType.objects.get(name="p5.48xlarge"),
+        instance_type=factories.instance_type("p5.48xlarge"),
         region=region,
         availability_zone=zone,
         effective_at=when,

@@ -7,7 +7,7 @@ import pytest
 
 from apps.accounts.models import AuditEvent
 from apps.costs.models import Budget, BudgetAlert, OwnedPrice, UsageEntry
-from apps.fleet.models import InstanceType
+from tests import factories
 from tests.apps.costs.conftest import at, owned_pool
 
 pytestmark = pytest.mark.django_db
@@ -219,7 +219,7 @@ def test_spot_prices_are_read_only(finance_user, api_for):
     response = api_for(finance_user).post(
         "/api/v1/spot-prices/",
         {
-            "instance_type": InstanceType.objects.get(name="p5.48xlarge").pk,
+            "instance_type": factories.instance_type("p5.48xlarge").pk,
             "region": "us-east-1",
             "availability_zone": "us-east-1a",
             "effective_at": at(0).isoformat(),

@@ -3,7 +3,7 @@
 import pytest
 
 from apps.accounts.models import AuditEvent
-from apps.fleet.models import InstanceType, Node, NodePool, NodeState, Rack, Site
+from apps.fleet.models import Node, NodePool, NodeState, Rack, Site
 from tests import factories
 from tests.apps.fleet.test_services import ed25519_key, ready_node
 
@@ -112,7 +112,7 @@ def test_a_node_that_does_not_fit_its_pool_is_a_400(change, field, ops_user, api
 
 
 def test_a_cloud_pool_needs_a_region_and_matching_instance_types(ops_user, api_for):
-    p4d = InstanceType.objects.get(name="p4d.24xlarge")
+    p4d = factories.instance_type("p4d.24xlarge")
     client = api_for(ops_user)
     no_region = client.post(
         "/api/v1/pools/",

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from apps.accounts.models import AuditEvent
-from apps.fleet.models import InstanceType, NodePool, OrphanInstance
+from apps.fleet.models import NodePool, OrphanInstance
 from tests import factories
 
 pytestmark = pytest.mark.django_db
@@ -31,7 +31,7 @@ def cloud_pool_body(**extra) -> dict:
         "gpu_type": "H100",
         "region": "us-west-2",
         "max_nodes": 4,
-        "instance_types": [InstanceType.objects.get(name="p5.48xlarge").pk],
+        "instance_types": [factories.instance_type("p5.48xlarge").pk],
         **extra,
     }
 

@@ -4,7 +4,6 @@ import pytest
 
 from apps.accounts import services as accounts
 from apps.fleet import services as fleet
-from apps.fleet.models import InstanceType
 from tests import factories
 from tests.apps.fleet.test_services import ready_node
 
@@ -35,7 +34,7 @@ def efa_pool(db):
         enabled=True,
         fabric="efa",
         nccl_version=NCCL,
-        instance_types=[InstanceType.objects.get(name="p5.48xlarge")],
+        instance_types=[factories.instance_type("p5.48xlarge")],
         by=None,
     )
 
