@@ -20,6 +20,7 @@ from apps.costs.models import (
     UsageEntry,
 )
 from apps.costs.reports import GROUP_CHOICES, IDLE_CHOICES
+from apps.costs.services import ENTRY_FIELDS
 from controlplane.api import ScopedPrimaryKeyField, StrictModelSerializer, StrictSerializer, Text
 
 
@@ -129,29 +130,7 @@ class UsageEntrySerializer(StrictModelSerializer):
 
     class Meta:
         model = UsageEntry
-        fields = [
-            "id",
-            "node",
-            "pool",
-            "instance_type",
-            "team",
-            "job",
-            "kind",
-            "capacity_type",
-            "gpus",
-            "node_gpus",
-            "start",
-            "end",
-            "day",
-            "rate_per_hour",
-            "amount",
-            "savings",
-            "power_w",
-            "price_ref",
-            "corrects",
-            "note",
-            "recorded_at",
-        ]
+        fields = ["id", *ENTRY_FIELDS]
         read_only_fields = fields
 
 

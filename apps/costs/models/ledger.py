@@ -115,15 +115,10 @@ class MeterMark(models.Model):
         return f"node {self.node_id} metered until {self.metered_until}"
 
 
-class DailySpend(models.Model):
-    """One day's spend of one team (0: idle) on one pool, capacity type and instance type.
-
-    Added to in the transaction that writes the ledger rows, so it always agrees with
-    them; reports read these (a month is at most 31 rows per team and pool).
-    """
+class SpendTotals(models.Model):
+    """What DailySpend and MonthlySpend add up per team, pool, capacity and instance type."""
 
     id = models.BigAutoField(primary_key=True)
-    day = models.DateField()
     team_id = models.BigIntegerField(help_text="0: idle capacity.")
     pool_id = models.BigIntegerField()
     capacity_type = models.CharField(max_length=10)
@@ -131,6 +126,19 @@ class DailySpend(models.Model):
     amount = MoneyField(default=0)
     savings = MoneyField(default=0)
     gpu_seconds = models.BigIntegerField(default=0)
+
+    class Meta:
+        abstract = True
+
+
+class DailySpend(SpendTotals):
+    """One day's spend of one team (0: idle) on one pool, capacity type and instance type.
+
+    Added to in the transaction that writes the ledger rows, so it always agrees with
+    them; reports read these (a month is at most 31 rows per team and pool).
+    """
+
+    day = models.DateField()
 
     class Meta:
         ordering = ["day", "team_id"]
@@ -146,19 +154,11 @@ class DailySpend(models.Model):
         return f"{self.day} team {self.team_id} pool {self.pool_id}: {self.amount}"
 
 
-class MonthlySpend(models.Model):
+class MonthlySpend(SpendTotals):
     """The same as DailySpend by month (in COSTS_TIME_ZONE), kept alongside it: a report
     over whole months reads a few thousand rows however busy the fleet was."""
 
-    id = models.BigAutoField(primary_key=True)
     month = models.DateField(help_text="The first day of the month.")
-    team_id = models.BigIntegerField(help_text="0: idle capacity.")
-    pool_id = models.BigIntegerField()
-    capacity_type = models.CharField(max_length=10)
-    instance_type_id = models.BigIntegerField(help_text="0: none (owned).")
-    amount = MoneyField(default=0)
-    savings = MoneyField(default=0)
-    gpu_seconds = models.BigIntegerField(default=0)
 
     class Meta:
         ordering = ["month", "team_id"]
