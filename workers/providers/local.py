@@ -193,7 +193,15 @@ class LocalProvider:
         deadline = time.monotonic() + 5
         while _is_our_agent(pid, spec.uuid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        _children.pop(pid, None)
+        # An exiting process stops looking like our agent (its environment reads empty)
+        # before it is gone: wait for the exit itself, reaping it when it is our child.
+        child = _children.pop(pid, None)
+        if child is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=5)
+        else:
+            while _exists(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def _is_our_agent(pid: int, uuid: str) -> bool:
@@ -220,6 +228,17 @@ def _is_our_agent(pid: int, uuid: str) -> bool:
     if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
         return False
     return f"{NODE_UUID_VARIABLE}={uuid}".encode() in environ.split(b"\0")
+
+
+def _exists(pid: int) -> bool:
+    """Any process with this pid that has not exited (a zombie has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 def _group_exists(pgid: int) -> bool:
