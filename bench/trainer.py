@@ -92,10 +92,6 @@ def variant_settings(name: str) -> dict:
     return settings
 
 
-def flops_per_token(shape, seq_len: int) -> int:
-    return 6 * shape.parameters() + 12 * shape.layers * shape.dim * seq_len
-
-
 # --- the trainer ----------------------------------------------------------------------------------
 
 
@@ -129,10 +125,10 @@ def run_trainer(args, variant: str, *, gpu: bool, config=None, nproc: int = 1) -
             **NO_MULTICAST,
             "CONTROLPLANE_STATUS_FILE": str(Path(scratch) / "status.json"),
         }
-        command = [sys.executable, "-m", "workers.trainer", "--config", str(config_path)]
+        launcher = []  # one process runs the trainer directly; more go through torchrun
         if nproc > 1:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            command[1:2] = [*launcher[1:], f"--nproc-per-node={nproc}", "-m"]
+            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        command = [sys.executable, *launcher, "-m", "workers.trainer", "--config", str(config_path)]
         if not gpu:
             env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
         started = time.monotonic()
@@ -172,6 +168,7 @@ def baseline(args) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from workers.trainer.data import Batches, SyntheticSource
+    from workers.trainer.model import flops_per_token
 
     shape = PRESETS[args.preset]
     gpu = torch.cuda.is_available()

@@ -179,14 +179,19 @@ def team_for_submission(*, user, team_id: int) -> Team | None:
     team = Team.objects.filter(pk=team_id).first()
     if team is None:
         return None
-    team.quota_limits = {
+    team.quota_limits = quota_limits(team_id=team.pk)
+    _teams.remember(str(team_id), team)
+    return team
+
+
+def quota_limits(*, team_id: int) -> dict[str, int]:
+    """GPU type → the team's nominal quota plus its borrowing limit."""
+    return {
         gpu_type: nominal + borrow
-        for gpu_type, nominal, borrow in TeamQuota.objects.filter(team=team).values_list(
+        for gpu_type, nominal, borrow in TeamQuota.objects.filter(team_id=team_id).values_list(
             "gpu_type", "max_gpus", "borrow_gpus"
         )
     }
-    _teams.remember(str(team_id), team)
-    return team
 
 
 def team_forget(team_id: int) -> None:

@@ -236,6 +236,13 @@ def _ask(copy: CheckpointCopy, request: str, *, now, prefer: int | None = None) 
         _wake([copy.request_node_id])
 
 
+def _delete_copy(copy: CheckpointCopy, reason: str, *, actor: str, now) -> None:
+    """Move the copy to deleting and ask whoever reaches it to delete its files (saved)."""
+    _move_copy(copy, S.DELETING, reason, actor=actor, now=now)
+    _ask(copy, CopyRequest.DELETE, now=now)
+    copy.save()
+
+
 def storage_kind() -> str:
     """Where the trainer's own checkpoint directory lives (settings.CHECKPOINT_ROOT_SHARED)."""
     return CopyKind.SHARED if settings.CHECKPOINT_ROOT_SHARED else CopyKind.NODE_LOCAL
@@ -327,14 +334,15 @@ def s3_destination_delete(*, by, destination: S3Destination) -> None:
 # --- what the agents report: the trainer's checkpoint lines ------------------------------------
 
 
-def _bad(field: str, message: str) -> ApplicationError:
+def invalid_input(field: str, message: str) -> ApplicationError:
+    """A 400 naming the field (the agent endpoints use it too)."""
     return ApplicationError(f"Invalid input: {field}.", details={field: [message]})
 
 
 def _integer(event: dict, name: str, *, default=None, maximum: int = 2**63 - 1) -> int:
     value = event.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
-        raise _bad(f"event.{name}", f"A whole number from 0 to {maximum}.")
+        raise invalid_input(f"event.{name}", f"A whole number from 0 to {maximum}.")
     return value
 
 
@@ -356,14 +364,14 @@ def _clean(text, limit: int = 500) -> str:
 def _text(event: dict, name: str, *, limit: int = 1024) -> str:
     value = event.get(name)
     if not isinstance(value, str) or not value or len(value) > limit or not _storable(value):
-        raise _bad(f"event.{name}", f"Text of at most {limit} characters.")
+        raise invalid_input(f"event.{name}", f"Text of at most {limit} characters.")
     return value
 
 
 def _digest(event: dict, name: str = "manifest_sha256") -> str:
     value = event.get(name)
     if not isinstance(value, str) or not SHA256.match(value):
-        raise _bad(f"event.{name}", "A SHA-256 in lowercase hex.")
+        raise invalid_input(f"event.{name}", "A SHA-256 in lowercase hex.")
     return value
 
 
@@ -420,7 +428,7 @@ def checkpoint_event_record(*, node_id: int, run_id: int, event: dict) -> dict:
     if run is None:
         raise ApplicationError("No such run on this node.", code="not_found", status=404)
     if not isinstance(event, dict):
-        raise _bad("event", "A JSON object.")
+        raise invalid_input("event", "A JSON object.")
     handler = {
         "checkpoint": _committed,
         "checkpoint_copy": _copied,
@@ -507,9 +515,7 @@ def _committed(run: Run, event: dict, *, actor: str, now) -> dict:
         copy.save()
     if checkpoint.state in (C.DELETING, C.DELETED) and copy.state in PRESENT_COPY_STATES:
         # Committed again over a row being collected: collected again, storage first.
-        _move_copy(copy, S.DELETING, "its checkpoint is being deleted", actor=actor, now=now)
-        _ask(copy, CopyRequest.DELETE, now=now)
-        copy.save()
+        _delete_copy(copy, "its checkpoint is being deleted", actor=actor, now=now)
     _settle(checkpoint, "committed", actor=actor, now=now)
     return {"checkpoint": checkpoint.pk, "copy": copy.pk}
 
@@ -562,9 +568,7 @@ def _s3_copy(checkpoint: Checkpoint, uri: str, state: str, *, actor: str, now, e
             actor_label=actor,
         )
     if checkpoint.state in (C.DELETING, C.DELETED):
-        _move_copy(copy, S.DELETING, "its checkpoint is being deleted", actor=actor, now=now)
-        _ask(copy, CopyRequest.DELETE, now=now)
-        copy.save()
+        _delete_copy(copy, "its checkpoint is being deleted", actor=actor, now=now)
     return copy
 
 
@@ -572,7 +576,7 @@ def _copied(run: Run, event: dict, *, actor: str, now) -> dict:
     step = _integer(event, "step", maximum=2**31 - 1)
     uri = _text(event, "uri")
     if not uri.startswith("s3://"):
-        raise _bad("event.uri", "An s3:// URI.")
+        raise invalid_input("event.uri", "An s3:// URI.")
     checkpoint = _of_step(run, step)
     if checkpoint is None:
         return {"ignored": True}
@@ -645,9 +649,7 @@ def _fetched(run: Run, event: dict, *, actor: str, now) -> dict:
             checkpoint, f"fetched from {event.get('uri', 'S3')} to {path}", actor=actor, copy=copy
         )
         if checkpoint.state == C.DELETING:
-            _move_copy(copy, S.DELETING, "its checkpoint is being deleted", actor=actor, now=now)
-            _ask(copy, CopyRequest.DELETE, now=now)
-            copy.save()
+            _delete_copy(copy, "its checkpoint is being deleted", actor=actor, now=now)
     _settle(checkpoint, "fetched", actor=actor, now=now)
     return {"checkpoint": checkpoint.pk, "copy": copy.pk}
 
@@ -683,6 +685,11 @@ def _locked_copy(copy_id: int) -> CheckpointCopy:
     return found[0]
 
 
+def _answerer(node_id: int | None) -> str:
+    """Who answered a request: a node's agent, or (S3) the control plane."""
+    return f"agent:{Node.objects.get(pk=node_id).name}" if node_id else _actor()
+
+
 def _answered_by(copy: CheckpointCopy, node_id: int | None, request: str) -> bool:
     """Whether this answer is to the request outstanding (a late or foreign one is not)."""
     if copy.request != request:
@@ -705,7 +712,7 @@ def copy_verification_record(
     if not _answered_by(copy, node_id, CopyRequest.VERIFY):
         return copy
     now = timezone.now()
-    actor = f"agent:{Node.objects.get(pk=node_id).name}" if node_id else _actor()
+    actor = _answerer(node_id)
     if copy.state not in PRESENT_COPY_STATES:
         copy.request, copy.request_node_id, copy.requested_at = CopyRequest.NONE, None, None
         copy.save()
@@ -789,9 +796,7 @@ def _collect(checkpoint: Checkpoint, reason: str, *, actor: str, now) -> Checkpo
     for copy in checkpoint.copies.select_for_update(no_key=True).filter(
         state__in=PRESENT_COPY_STATES | {S.FAILED}
     ):
-        _move_copy(copy, S.DELETING, reason, actor=actor, now=now)
-        _ask(copy, CopyRequest.DELETE, now=now)
-        copy.save()
+        _delete_copy(copy, reason, actor=actor, now=now)
     return _settle(checkpoint, reason, actor=actor, now=now)
 
 
@@ -836,9 +841,7 @@ def copy_delete(*, copy: CheckpointCopy, by, reason: str = "") -> CheckpointCopy
         )
     now = timezone.now()
     why = reason.strip() or f"copy deleted by {_user_label(by)}"
-    _move_copy(locked, S.DELETING, why, actor=_user_label(by), now=now)
-    _ask(locked, CopyRequest.DELETE, now=now)
-    locked.save()
+    _delete_copy(locked, why, actor=_user_label(by), now=now)
     _settle(locked.checkpoint, why, actor=_user_label(by), now=now)
     return locked
 
@@ -852,12 +855,12 @@ def copy_deletion_record(
 ) -> CheckpointCopy:
     """Storage answered a deletion: gone (deleted, or nothing was there), or not."""
     if outcome not in DELETION_OUTCOMES:
-        raise _bad("outcome", f"One of {', '.join(DELETION_OUTCOMES)}.")
+        raise invalid_input("outcome", f"One of {', '.join(DELETION_OUTCOMES)}.")
     copy = _locked_copy(copy_id)
     if not _answered_by(copy, node_id, CopyRequest.DELETE) or copy.state != S.DELETING:
         return copy
     now = timezone.now()
-    actor = f"agent:{Node.objects.get(pk=node_id).name}" if node_id else _actor()
+    actor = _answerer(node_id)
     if outcome in ("deleted", "gone"):
         why = "deleted from storage" if outcome == "deleted" else "already gone from storage"
         _move_copy(copy, S.DELETED, why, actor=actor, now=now)
@@ -1255,12 +1258,11 @@ def finished_jobs_sweep(*, now: dt.datetime | None = None, limit: int = 100) -> 
         )
         if not writers:
             continue
+        # Node-local: only the last attempt's writer holds the directory; shared: any writer.
         if storage_kind() == CopyKind.NODE_LOCAL:
-            live = _live(writers[:1])
-            node_id = writers[0] if live else None
-        else:
-            live = _live(writers)
-            node_id = next((n for n in writers if n in live), None)
+            writers = writers[:1]
+        live = _live(writers)
+        node_id = next((n for n in writers if n in live), None)
         if node_id is None:
             continue  # nobody reaches it now: asked again on a later pass
         _sweep_ask(job, node_id, why="after the job ended", tidy=True, now=now)

@@ -27,24 +27,23 @@ class _Days(filters.FilterSet):
     until = filters.DateFilter(field_name="day", lookup_expr="lte", label="To (day, included)")
 
 
-class DailySpendFilterSet(_Days):
+class _SpendGroups(filters.FilterSet):
+    """What the roll-ups are kept by, besides the day or month."""
+
     team_id = IdFilter(field_name="team_id")
     pool_id = IdFilter(field_name="pool_id")
     instance_type_id = IdFilter(field_name="instance_type_id")
     capacity_type = filters.ChoiceFilter(choices=CapacityType.choices)
 
+
+class DailySpendFilterSet(_Days, _SpendGroups):
     class Meta:
         model = DailySpend
         fields = []
 
 
-class MonthlySpendFilterSet(filters.FilterSet):
+class MonthlySpendFilterSet(_SpendGroups):
     """The filters of DailySpendFilterSet but the days (whole months are picked by the report)."""
-
-    team_id = IdFilter(field_name="team_id")
-    pool_id = IdFilter(field_name="pool_id")
-    instance_type_id = IdFilter(field_name="instance_type_id")
-    capacity_type = filters.ChoiceFilter(choices=CapacityType.choices)
 
     class Meta:
         model = MonthlySpend

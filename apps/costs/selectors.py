@@ -43,10 +43,6 @@ CAPACITY_LABELS = dict(CapacityType.choices)
 IDLE_LABEL = "idle"
 
 
-def money(value) -> str:
-    return money_text(value)
-
-
 def time_zone() -> zoneinfo.ZoneInfo:
     return zoneinfo.ZoneInfo(settings.COSTS_TIME_ZONE)
 
@@ -68,6 +64,18 @@ def local_midnight(day: dt.date) -> dt.datetime:
 
 
 # --- the price book, for a batch of nodes --------------------------------------------------
+
+
+def owned_terms(price: OwnedPrice) -> pricing.OwnedTerms:
+    """An owned price row's terms, as the pure rate functions take them."""
+    return pricing.OwnedTerms(
+        purchase_price=price.purchase_price,
+        depreciation_months=price.depreciation_months,
+        electricity_per_kwh=price.electricity_per_kwh,
+        pue=price.pue,
+        overhead_per_month=price.overhead_per_month,
+        default_power_w=price.default_power_w,
+    )
 
 
 @dataclass(frozen=True)
@@ -112,15 +120,7 @@ class PriceBook:
         pools = {f.pool_id for f in facts}
         pairs = {(f.instance_type_id, f.region) for f in facts if f.instance_type_id}
         for price in OwnedPrice.objects.filter(pool_id__in=pools).order_by("effective_from"):
-            terms = pricing.OwnedTerms(
-                purchase_price=price.purchase_price,
-                depreciation_months=price.depreciation_months,
-                electricity_per_kwh=price.electricity_per_kwh,
-                pue=price.pue,
-                overhead_per_month=price.overhead_per_month,
-                default_power_w=price.default_power_w,
-            )
-            prices.owned[price.pool_id].append((price.effective_from, price.pk, terms))
+            prices.owned[price.pool_id].append((price.effective_from, price.pk, owned_terms(price)))
         types = {t for t, _ in pairs}
         for row in CloudPrice.objects.filter(instance_type_id__in=types).values_list(
             "instance_type_id", "region", "effective_from", "id", "per_hour"
@@ -441,28 +441,26 @@ def job_cost(
 # --- spend reports --------------------------------------------------------------------------
 
 
-def daily_spend_visible_to(*, user) -> QuerySet[DailySpend]:
+def _of_visible_teams(rows: QuerySet, user) -> QuerySet:
+    """The rows of the teams the user reads (every team's, idle's too, for ops and finance)."""
     roles = roles_of(user)
-    rows = DailySpend.objects.all()
     return rows if roles.sees_every_team else rows.filter(team_id__in=roles.team_ids)
+
+
+def daily_spend_visible_to(*, user) -> QuerySet[DailySpend]:
+    return _of_visible_teams(DailySpend.objects.all(), user)
 
 
 def monthly_spend_visible_to(*, user) -> QuerySet[MonthlySpend]:
-    roles = roles_of(user)
-    rows = MonthlySpend.objects.all()
-    return rows if roles.sees_every_team else rows.filter(team_id__in=roles.team_ids)
+    return _of_visible_teams(MonthlySpend.objects.all(), user)
 
 
 def job_spend_visible_to(*, user) -> QuerySet[JobDailySpend]:
-    roles = roles_of(user)
-    rows = JobDailySpend.objects.all()
-    return rows if roles.sees_every_team else rows.filter(team_id__in=roles.team_ids)
+    return _of_visible_teams(JobDailySpend.objects.all(), user)
 
 
 def usage_visible_to(*, user) -> QuerySet[UsageEntry]:
-    roles = roles_of(user)
-    rows = UsageEntry.objects.all()
-    return rows if roles.sees_every_team else rows.filter(team_id__in=roles.team_ids)
+    return _of_visible_teams(UsageEntry.objects.all(), user)
 
 
 GROUPS = {
@@ -543,6 +541,11 @@ class RollUps:
         return list(merged.values())
 
 
+def _as_rollups(source: RollUps | QuerySet) -> RollUps:
+    """A queryset of days alone is roll-ups without months."""
+    return source if isinstance(source, RollUps) else RollUps(daily=source)
+
+
 def rollups_between(*, since: dt.date, until: dt.date) -> RollUps:
     """Every team's roll-ups over the days, unfiltered."""
     return RollUps(
@@ -600,7 +603,7 @@ def spend_report(
     as "other"; 0 leaves it out."""
     idle_mode = idle_mode or settings.COSTS_IDLE_COST
     column = GROUPS[group_by]
-    source = source if isinstance(source, RollUps) else RollUps(daily=source)
+    source = _as_rollups(source)
     fields = (column, "team_id") if column != "team_id" else ("team_id",)
     cells: dict[object, SpendRow] = {}
     for row in source.sums(fields, since=since, until=until):
@@ -615,8 +618,7 @@ def spend_report(
         cell.savings += row["savings"] or ZERO
         cell.gpu_hours += Decimal(row["gpu_seconds"] or 0) / 3600
     if group_by == "team" and idle_mode == "spread":
-        base = spread_base if spread_base is not None else source
-        base = base if isinstance(base, RollUps) else RollUps(daily=base)
+        base = _as_rollups(spread_base) if spread_base is not None else source
         idle = used = ZERO
         for row in base.sums(("team_id",), since=since, until=until):
             if row["team_id"] == 0:
@@ -741,9 +743,13 @@ class BudgetState:
         return self.spent * 100 / self.monthly_limit
 
     @property
+    def crossed(self) -> list[int]:
+        """The alert thresholds (percent of the limit) the spend has reached."""
+        return [t for t in THRESHOLDS if self.spent >= self.monthly_limit * t / 100]
+
+    @property
     def level(self) -> int:
-        crossed = [t for t in THRESHOLDS if self.spent >= self.monthly_limit * t / 100]
-        return max(crossed, default=0)
+        return max(self.crossed, default=0)
 
     @property
     def exhausted(self) -> bool:
@@ -822,15 +828,11 @@ def budget_states(
 
 
 def budgets_visible_to(*, user) -> QuerySet[Budget]:
-    roles = roles_of(user)
-    budgets = Budget.objects.select_related("team")
-    return budgets if roles.sees_every_team else budgets.filter(team_id__in=roles.team_ids)
+    return _of_visible_teams(Budget.objects.select_related("team"), user)
 
 
 def budget_alerts_visible_to(*, user) -> QuerySet[BudgetAlert]:
-    roles = roles_of(user)
-    alerts = BudgetAlert.objects.select_related("team")
-    return alerts if roles.sees_every_team else alerts.filter(team_id__in=roles.team_ids)
+    return _of_visible_teams(BudgetAlert.objects.select_related("team"), user)
 
 
 # The budget boundary: read on every scheduling pass for every team with pending jobs,
@@ -899,7 +901,7 @@ def banners_for(*, user) -> list[dict]:
             "level": "error" if alert.threshold >= 100 else "warning",
             "text": (
                 f"Team {alert.team.slug} has spent {alert.threshold}% or more of its "
-                f"{money(alert.monthly_limit)} budget for {alert.month:%B %Y}"
+                f"{money_text(alert.monthly_limit)} budget for {alert.month:%B %Y}"
                 + (": its jobs no longer burst to the cloud." if alert.threshold >= 100 else ".")
             ),
         }
@@ -920,9 +922,7 @@ class OwnedPriceView:
 
 def owned_prices() -> list[OwnedPriceView]:
     """Each owned price with its rate worked out for a typical node of the pool."""
-    prices = list(
-        OwnedPrice.objects.select_related("pool").order_by("pool__slug", "-effective_from")
-    )
+    prices = list(owned_price_rows())
     power: dict[int, list[int]] = defaultdict(list)
     gpus: dict[int, int] = {}
     for pool_id, count, measured, nameplate in Node.objects.filter(
@@ -934,15 +934,9 @@ def owned_prices() -> list[OwnedPriceView]:
     views = []
     for price in prices:
         watts = power.get(price.pool_id)
-        terms = pricing.OwnedTerms(
-            purchase_price=price.purchase_price,
-            depreciation_months=price.depreciation_months,
-            electricity_per_kwh=price.electricity_per_kwh,
-            pue=price.pue,
-            overhead_per_month=price.overhead_per_month,
-            default_power_w=price.default_power_w,
+        rate = pricing.owned_rate(
+            owned_terms(price), round(sum(watts) / len(watts)) if watts else None
         )
-        rate = pricing.owned_rate(terms, round(sum(watts) / len(watts)) if watts else None)
         count = gpus.get(price.pool_id) or 8
         views.append(
             OwnedPriceView(price=price, rate=rate, per_gpu_hour=rate.per_hour / count, gpus=count)

@@ -9,7 +9,6 @@ import datetime as dt
 import itertools
 import logging
 import secrets
-import zoneinfo
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,7 +34,6 @@ from apps.accounts.services import (
 )
 from apps.costs import metering, pricing, selectors
 from apps.costs.models import (
-    THRESHOLDS,
     Budget,
     BudgetAlert,
     CloudPrice,
@@ -50,17 +48,13 @@ from apps.costs.models import (
     UsageKind,
     WebhookState,
 )
-from apps.costs.money import NANOS, ZERO, from_nanos, to_nanos
+from apps.costs.money import NANOS, ZERO, from_nanos, money_text, to_nanos
 from apps.fleet.models import InstanceType, Node, PoolKind
 from apps.fleet.models.nodes import CapacityType
 from controlplane.bulk import insert_rows, update_rows
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
-
-
-def time_zone() -> zoneinfo.ZoneInfo:
-    return zoneinfo.ZoneInfo(settings.COSTS_TIME_ZONE)
 
 
 def _deny(message: str) -> ApplicationError:
@@ -316,12 +310,13 @@ class _Sums:
             job[2] += gpu_s
 
 
-def _upsert(table: str, keys: tuple, columns: tuple, rows: list[tuple]) -> None:
+def _upsert(table: str, keys: tuple, columns: tuple, rows: list[tuple], *, kept=()) -> None:
     """INSERT … ON CONFLICT DO UPDATE adding the new values to the stored ones (PostgreSQL
-    and SQLite both speak it)."""
+    and SQLite both speak it). Rows are (*keys, *kept, *columns): `kept` columns are set
+    by the insert and left alone by the update."""
     if not rows:
         return
-    names = keys + columns
+    names = keys + tuple(kept) + columns
     adds = ", ".join(f"{c} = {table}.{c} + excluded.{c}" for c in columns)
     sql = (
         f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join(['%s'] * len(names))}) "  # noqa: S608
@@ -345,20 +340,13 @@ def _rollups_add(sums: _Sums) -> None:
         ("amount", "savings", "gpu_seconds"),
         [(*key, *values) for key, values in sums.monthly.items()],
     )
-    if sums.jobs:
-        table = JobDailySpend._meta.db_table
-        rows = [
-            (job_id, day, team, amount, gpu_s)
-            for (job_id, day), (team, amount, gpu_s) in sums.jobs.items()
-        ]
-        sql = (
-            f"INSERT INTO {table} (job_id, day, team_id, amount, gpu_seconds) "  # noqa: S608
-            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (job_id, day) DO UPDATE SET "
-            f"amount = {table}.amount + excluded.amount, "
-            f"gpu_seconds = {table}.gpu_seconds + excluded.gpu_seconds"
-        )
-        with connection.cursor() as cursor:
-            cursor.executemany(sql, rows)
+    _upsert(
+        JobDailySpend._meta.db_table,
+        ("job_id", "day"),
+        ("amount", "gpu_seconds"),
+        [(*key, *values) for key, values in sums.jobs.items()],
+        kept=("team_id",),
+    )
 
 
 def _entry_row(
@@ -388,6 +376,22 @@ def _entry_row(
     }
     values.update(extra)
     return tuple(values[name] for name in ENTRY_FIELDS)
+
+
+def _piece_of(entry: UsageEntry, rate: pricing.Rate) -> metering.Piece:
+    """A booked row's time and holders as a piece, for a correction row to repeat."""
+    return metering.Piece(
+        job_id=entry.job_id,
+        team_id=entry.team_id,
+        gpus=entry.gpus,
+        node_gpus=entry.node_gpus,
+        start=entry.start,
+        end=entry.end,
+        day=entry.day,
+        rate=rate,
+        exact=Fraction(0),
+        exact_savings=Fraction(0),
+    )
 
 
 def _sum_entry(sums: _Sums, row: tuple) -> None:
@@ -434,7 +438,7 @@ def usage_meter(
 
 @transaction.atomic
 def _meter_batch(node_ids, until, allocations_for, report: MeterReport, now) -> None:
-    tz = time_zone()
+    tz = selectors.time_zone()
     marks = {
         m.node_id: m for m in MeterMark.objects.select_for_update().filter(node_id__in=node_ids)
     }
@@ -570,22 +574,10 @@ def _reprice(nodes, to_reprice, prices: selectors.PriceBook, *, now) -> list[tup
             delta_savings = round(saving * NANOS) - totals[original.pk][1]
             if not delta and not delta_savings:
                 continue
-            piece = metering.Piece(
-                job_id=original.job_id,
-                team_id=original.team_id,
-                gpus=original.gpus,
-                node_gpus=original.node_gpus,
-                start=original.start,
-                end=original.end,
-                day=original.day,
-                rate=rate,
-                exact=Fraction(0),
-                exact_savings=Fraction(0),
-            )
             rows.append(
                 _entry_row(
                     node,
-                    piece,
+                    _piece_of(original, rate),
                     delta,
                     now=now,
                     capacity_type=original.capacity_type,
@@ -635,21 +627,9 @@ def usage_correct(*, entry: UsageEntry, amount: Decimal, note: str, by) -> Usage
         power_w=original.power_w,
         region="",
     )
-    piece = metering.Piece(
-        job_id=original.job_id,
-        team_id=original.team_id,
-        gpus=original.gpus,
-        node_gpus=original.node_gpus,
-        start=original.start,
-        end=original.end,
-        day=original.day,
-        rate=pricing.Rate(per_hour=original.rate_per_hour, ref=original.price_ref),
-        exact=Fraction(0),
-        exact_savings=Fraction(0),
-    )
     row = _entry_row(
         node,
-        piece,
+        _piece_of(original, pricing.Rate(per_hour=original.rate_per_hour, ref=original.price_ref)),
         to_nanos(amount),
         now=timezone.now(),
         savings=0,
@@ -848,9 +828,8 @@ def budgets_check(*, now: dt.datetime | None = None) -> list[BudgetAlert]:
         state = status.get(budget.team_id)
         if state is None:
             continue
-        crossed = [t for t in THRESHOLDS if state.spent >= budget.monthly_limit * t / 100]
         made = []
-        for threshold in crossed:
+        for threshold in state.crossed:
             try:
                 with transaction.atomic():
                     alert, created = BudgetAlert.objects.get_or_create(
@@ -887,8 +866,8 @@ def _email(budget: Budget, alerts: list[BudgetAlert]) -> None:
         return
     team = budget.team
     month = f"{highest.month:%B %Y}"
-    spent = selectors.money(highest.spent)
-    limit = selectors.money(budget.monthly_limit)
+    spent = money_text(highest.spent)
+    limit = money_text(budget.monthly_limit)
     subject = (
         f"[GPU control plane] {team.slug} has spent {highest.threshold}% of its {month} budget"
     )

@@ -96,13 +96,17 @@ def overview(request):
     )
 
 
+def _form_errors(request, form) -> None:
+    for field, problems in form.errors.items():
+        messages.error(request, f"{field}: {' '.join(problems)}")
+
+
 @login_required
 @require_POST
 def budget_set(request):
     form = BudgetForm(request.POST, teams=_budget_teams(request.user))
     if not form.is_valid():
-        for field, problems in form.errors.items():
-            messages.error(request, f"{field}: {' '.join(problems)}")
+        _form_errors(request, form)
         return redirect("costs:overview")
     try:
         budget, key = services.budget_set(by=request.user, **form.cleaned_data)
@@ -131,8 +135,7 @@ def price_add(request, kind: str):
     form_class, create = PRICE_FORMS[kind]
     form = form_class(request.POST)
     if not form.is_valid():
-        for field, problems in form.errors.items():
-            messages.error(request, f"{field}: {' '.join(problems)}")
+        _form_errors(request, form)
         return redirect("costs:overview")
     try:
         create(by=request.user, **form.cleaned_data)

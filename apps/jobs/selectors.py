@@ -1,12 +1,22 @@
 """Reads of jobs and the queue, scoped to what the user may see."""
 
 from django.core.cache import cache
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from apps.accounts.selectors import roles_of
+from apps.costs.selectors import job_cost as cost_of
 from apps.fleet.selectors import pools_capacity
 from apps.jobs import specs
-from apps.jobs.models import Job, JobState, LogLine, Reservation, Run, StepMetric, Webhook
+from apps.jobs.models import (
+    Allocation,
+    Job,
+    JobState,
+    LogLine,
+    Reservation,
+    Run,
+    StepMetric,
+    Webhook,
+)
 from apps.jobs.models.jobs import ACTIVE_STATES, FINISHED_STATES
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 
@@ -74,18 +84,18 @@ def webhooks_visible_to(*, user) -> QuerySet[Webhook]:
 def job_nccl_environments(*, job: Job) -> list[RenderedEnvironment]:
     """The NCCL environment the job gets: on its pool once placed, before that on each pool
     that could hold it (the profile, then the job's overrides, linted for those nodes)."""
-    if job.pool_id:
-        pool_ids = [job.pool_id]
-    else:
-        eligible = specs.eligible_pools(
-            pools_capacity(cached=True), gpu_type=job.gpu_type, where=job.placement
-        )
-        pool_ids = [
-            p.pool_id
-            for p in eligible
-            if p.can_hold(nodes=job.nodes, gpus_per_node=job.gpus_per_node)
-        ]
+    pool_ids = [job.pool_id] if job.pool_id else _pools_that_could_hold(job)
     return nccl_environments_render(nccl=job.spec.get("nccl"), nodes=job.nodes, pool_ids=pool_ids)
+
+
+def _pools_that_could_hold(job: Job) -> list[int]:
+    return specs.pools_holding(
+        pools_capacity(cached=True),
+        gpu_type=job.gpu_type,
+        where=job.placement,
+        nodes=job.nodes,
+        gpus_per_node=job.gpus_per_node,
+    )
 
 
 def job_log_lines(*, job: Job, after: int = 0, limit: int = 500, **_) -> list[dict]:
@@ -152,10 +162,6 @@ def job_training_series(*, job: Job) -> dict:
 def allocations_overlapping(*, node_ids, since, until) -> list[tuple]:
     """(node, job, team, GPUs, started, ended) of the allocations on these nodes that overlap
     [since, until): what the metering task hands to the cost ledger."""
-    from django.db.models import Q
-
-    from apps.jobs.models import Allocation
-
     return list(
         Allocation.objects.filter(node_id__in=list(node_ids), started_at__lt=until)
         .filter(Q(ended_at__isnull=True) | Q(ended_at__gt=since))
@@ -167,22 +173,12 @@ def allocations_overlapping(*, node_ids, since, until) -> list[tuple]:
 def job_cost(*, job: Job):
     """The job's cost so far and projected (apps/costs/selectors.py's JobCost): on the GPUs
     it holds once placed; before that, the range over the pools that could hold it."""
-    from apps.costs.selectors import job_cost as cost_of
-    from apps.jobs.models import Allocation
-
     held = list(
         Allocation.objects.filter(job=job, ended_at__isnull=True).values_list("node_id", "gpus")
     )
     pool_ids = []
     if not held and job.state not in FINISHED_STATES:
-        eligible = specs.eligible_pools(
-            pools_capacity(cached=True), gpu_type=job.gpu_type, where=job.placement
-        )
-        pool_ids = [
-            p.pool_id
-            for p in eligible
-            if p.can_hold(nodes=job.nodes, gpus_per_node=job.gpus_per_node)
-        ]
+        pool_ids = _pools_that_could_hold(job)
     return cost_of(
         job_id=job.pk,
         gpus=job.gpus,

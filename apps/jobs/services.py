@@ -14,9 +14,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from apps.accounts.models import TeamQuota, TeamSecret
+from apps.accounts.models import TeamSecret
 from apps.accounts.secrets import decrypt, encrypt
-from apps.accounts.selectors import roles_of
+from apps.accounts.selectors import quota_limits, roles_of
 from apps.accounts.services import audit_record, snapshot
 from apps.costs import selectors as costs
 from apps.costs.money import money_text
@@ -105,12 +105,7 @@ def _quota_limit(team, gpu_type: str) -> int | None:
     """Nominal plus borrowing for the GPU type (the largest for ANY); None: no quota."""
     limits = getattr(team, "quota_limits", None)  # read with the team for submissions
     if limits is None:
-        limits = {
-            t: nominal + borrow
-            for t, nominal, borrow in TeamQuota.objects.filter(team=team).values_list(
-                "gpu_type", "max_gpus", "borrow_gpus"
-            )
-        }
+        limits = quota_limits(team_id=team.pk)
     if gpu_type == specs.ANY_GPU:
         return max(limits.values(), default=None)
     return limits.get(gpu_type)
@@ -140,6 +135,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
         errors.add("command", "Give trainer or command, not both.")
     elif not spec.get("trainer") and not spec.get("command"):
         errors.add("trainer", "Give trainer (the bundled trainer) or command.")
+    pool_ids = []  # the pools the job may run in: what its NCCL and cost are checked on
     if resources is not None:
         if spec.get("trainer"):
             specs.check_trainer(spec["trainer"], resources, errors)
@@ -151,10 +147,17 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
             quota_limit=_quota_limit(team, resources.gpu_type),
             errors=errors,
         )
+        pool_ids = specs.pools_holding(
+            pools,
+            gpu_type=resources.gpu_type,
+            where=where,
+            nodes=resources.nodes,
+            gpus_per_node=resources.gpus_per_node,
+        )
     if spec.get("command"):
         specs.check_command(spec["command"], errors)
-    _check_nccl(spec, resources, pools, errors)
-    _check_cost(spec, team, resources, pools, errors)
+    _check_nccl(spec, resources, pool_ids, errors)
+    _check_cost(spec, team, resources, pool_ids, errors)
     wanted_secrets = set(spec.get("secrets") or [])
     if wanted_secrets:
         known = set(
@@ -216,17 +219,9 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
     return job, True
 
 
-def _check_nccl(spec: dict, resources, pools, errors: specs.SpecErrors) -> None:
+def _check_nccl(spec: dict, resources, pool_ids: list[int], errors: specs.SpecErrors) -> None:
     """NCCL overrides, linted alone and on top of the profile of every pool the job may run
     in (so one that would break it after a burst is refused now); no query without them."""
-    pool_ids = []
-    if resources is not None:
-        where = spec.get("placement", {}).get("where", "owned_then_cloud")
-        pool_ids = [
-            p.pool_id
-            for p in specs.eligible_pools(pools, gpu_type=resources.gpu_type, where=where)
-            if p.can_hold(nodes=resources.nodes, gpus_per_node=resources.gpus_per_node)
-        ]
     nodes = resources.nodes if resources is not None else 1
     problems = tuning.nccl_spec_problems(nccl=spec.get("nccl"), nodes=nodes, pool_ids=pool_ids)
     for path, messages in problems.items():
@@ -234,7 +229,7 @@ def _check_nccl(spec: dict, resources, pools, errors: specs.SpecErrors) -> None:
             errors.add(path, message)
 
 
-def _check_cost(spec: dict, team, resources, pools, errors: specs.SpecErrors) -> None:
+def _check_cost(spec: dict, team, resources, pool_ids: list[int], errors: specs.SpecErrors):
     """A team whose budget is spent and set to refuse new jobs is refused; a job whose
     projected cost (its GPUs × time limit at the cheapest pool it may run in) is above its
     max_cost_usd is refused, with the projection."""
@@ -249,12 +244,6 @@ def _check_cost(spec: dict, team, resources, pools, errors: specs.SpecErrors) ->
     limit = spec.get("max_cost_usd")
     if limit is None or resources is None:
         return
-    where = spec.get("placement", {}).get("where", "owned_then_cloud")
-    pool_ids = [
-        p.pool_id
-        for p in specs.eligible_pools(pools, gpu_type=resources.gpu_type, where=where)
-        if p.can_hold(nodes=resources.nodes, gpus_per_node=resources.gpus_per_node)
-    ]
     projection = costs.projection_for(
         pool_ids=pool_ids,
         gpus=resources.gpus,

@@ -57,6 +57,17 @@ def eligible_pools(pools: list[PoolCapacity], *, gpu_type: str, where: str) -> l
     return [p for p in pools if p.kind in kinds and (gpu_type == ANY_GPU or p.gpu_type == gpu_type)]
 
 
+def pools_holding(
+    pools: list[PoolCapacity], *, gpu_type: str, where: str, nodes: int, gpus_per_node: int
+) -> list[int]:
+    """Ids of the eligible pools whose nodes can hold this gang (now or once burst)."""
+    return [
+        p.pool_id
+        for p in eligible_pools(pools, gpu_type=gpu_type, where=where)
+        if p.can_hold(nodes=nodes, gpus_per_node=gpus_per_node)
+    ]
+
+
 def _node_size(pools: list[PoolCapacity]) -> int:
     sizes = [g for p in pools for g, _ in p.node_sizes] + [p.burst_node_gpus for p in pools]
     return max([s for s in sizes if s], default=8)
@@ -192,9 +203,12 @@ def check_capacity(
     errors: SpecErrors,
 ) -> None:
     """Refuse now what could never run, rather than let it wait forever."""
-    candidates = eligible_pools(pools, gpu_type=resources.gpu_type, where=where)
-    if not any(
-        p.can_hold(nodes=resources.nodes, gpus_per_node=resources.gpus_per_node) for p in candidates
+    if not pools_holding(
+        pools,
+        gpu_type=resources.gpu_type,
+        where=where,
+        nodes=resources.nodes,
+        gpus_per_node=resources.gpus_per_node,
     ):
         kind = {"owned": "owned", "cloud": "cloud", "owned_then_cloud": "owned or cloud"}[where]
         gpu = "" if resources.gpu_type == ANY_GPU else f"{resources.gpu_type} "

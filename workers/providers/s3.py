@@ -17,6 +17,8 @@ from workers.providers.errors import ProviderError
 
 MANIFEST = "manifest.json"
 MODES = ("read", "size")
+NOT_FOUND = ("NoSuchKey", "NoSuchBucket", "404")  # what get_object raises for no such object
+THROTTLED = ("SlowDown", "RequestTimeout")
 
 
 @dataclass(frozen=True)
@@ -42,15 +44,7 @@ def _transient(error: Exception) -> bool:
 
     if isinstance(error, ClientError):
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        return (
-            status >= 500
-            or status == 429
-            or error.response["Error"].get("Code")
-            in (
-                "SlowDown",
-                "RequestTimeout",
-            )
-        )
+        return status >= 500 or status == 429 or error.response["Error"].get("Code") in THROTTLED
     return isinstance(error, BotoCoreError | OSError)
 
 
@@ -70,24 +64,27 @@ class S3Store:
     def _failed(self, uri: str, error: Exception) -> ProviderError:
         return ProviderError(f"{uri}: {type(error).__name__}: {error}", retryable=_transient(error))
 
-    def _read(self, bucket: str, key: str) -> tuple[bytes | None, str]:
-        """The object's bytes, or None and why it is not there."""
+    def _open(self, bucket: str, key: str):
+        """The object's body (a stream), or None and why it is not there."""
         try:
-            body = self.client.get_object(Bucket=bucket, Key=key)["Body"]
+            return self.client.get_object(Bucket=bucket, Key=key)["Body"], ""
         except Exception as error:
-            if _code(error) in ("NoSuchKey", "NoSuchBucket", "404"):
+            if _code(error) in NOT_FOUND:
                 return None, _code(error)
             raise
+
+    def _read(self, bucket: str, key: str) -> tuple[bytes | None, str]:
+        """The object's bytes, or None and why it is not there."""
+        body, why = self._open(bucket, key)
+        if body is None:
+            return None, why
         with body:
             return body.read(), ""
 
     def _sha256(self, bucket: str, key: str) -> str | None:
-        try:
-            body = self.client.get_object(Bucket=bucket, Key=key)["Body"]
-        except Exception as error:
-            if _code(error) in ("NoSuchKey", "NoSuchBucket", "404"):
-                return None
-            raise
+        body, _ = self._open(bucket, key)
+        if body is None:
+            return None
         digest = hashlib.sha256()
         with body:
             for chunk in iter(lambda: body.read(1 << 22), b""):
@@ -98,7 +95,7 @@ class S3Store:
         try:
             return int(self.client.head_object(Bucket=bucket, Key=key)["ContentLength"])
         except Exception as error:
-            if _code(error) in ("NoSuchKey", "NoSuchBucket", "404", "NotFound"):
+            if _code(error) in (*NOT_FOUND, "NotFound"):  # head_object may say NotFound
                 return None
             raise
 

@@ -41,18 +41,17 @@ def s3_copies_verify(*, store=None) -> dict[str, int]:
             if exc.retryable:
                 copy_request_retry(copy_id=work.copy_id, message=str(exc))
                 counts["later"] += 1
-                continue
-            verdict = None
-            copy_verification_record(copy_id=work.copy_id, ok=False, problem=str(exc))
-            counts["corrupt"] += 1
-        if verdict is not None:
-            copy_verification_record(
-                copy_id=work.copy_id,
-                ok=verdict.ok,
-                missing=verdict.missing,
-                problem=verdict.problem,
-            )
-            counts["verified" if verdict.ok else "corrupt"] += 1
+            else:
+                copy_verification_record(copy_id=work.copy_id, ok=False, problem=str(exc))
+                counts["corrupt"] += 1
+            continue
+        copy_verification_record(
+            copy_id=work.copy_id,
+            ok=verdict.ok,
+            missing=verdict.missing,
+            problem=verdict.problem,
+        )
+        counts["verified" if verdict.ok else "corrupt"] += 1
     return counts
 
 

@@ -34,6 +34,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -92,7 +93,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 class Checkpointer:
-    def __init__(self, world, parts, optimizers, batches, *, storage=None):
+    def __init__(self, world, parts, optimizers, batches):
         self.world = world
         self.config = world.config
         self.settings = world.config.checkpoint
@@ -208,7 +209,7 @@ class Checkpointer:
             "time": time.time(),
             "world_size": self.world.size,
             "layout": self.config.layout.as_dict(),
-            "model": {"name": self.config.model_name, "shape": _shape(self.config.model)},
+            "model": {"name": self.config.model_name, "shape": asdict(self.config.model)},
             "data": {
                 "dataset": self.config.data.dataset,
                 "seq_len": self.config.data.seq_len,
@@ -388,10 +389,6 @@ class Checkpointer:
 def _step_of(path: Path) -> int:
     name = path.name
     return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else 1 << 62
-
-
-def _shape(shape) -> dict:
-    return {name: getattr(shape, name) for name in shape.__dataclass_fields__}
 
 
 def _encode(state: torch.Tensor) -> str:

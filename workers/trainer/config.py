@@ -250,9 +250,7 @@ def check(config: RunConfig) -> None:
         raise ConfigError(f"layout.tp {layout.tp} must divide heads and kv_heads")
     if layout.tp > 1 and config.data.seq_len % layout.tp:
         raise ConfigError("data.seq_len must split over layout.tp (sequence parallelism)")
-    stages = layout.pp * (
-        config.pipeline.stages_per_rank if config.pipeline.schedule == "interleaved_1f1b" else 1
-    )
+    stages = stage_count(config)
     if layout.pp > 1 and shape.layers % stages:
         raise ConfigError(f"the model's {shape.layers} layers do not split into {stages} stages")
     if schedule.global_batch % layout.dp:
@@ -268,6 +266,13 @@ def check(config: RunConfig) -> None:
         raise ConfigError(f"data.seq_len is longer than the model's {shape.max_seq_len}")
     if schedule.steps < 1 or config.log_every < 1:
         raise ConfigError("schedule.steps and log_every must be at least 1")
+
+
+def stage_count(config: RunConfig) -> int:
+    """Pipeline stages in all: one per pipeline rank, stages_per_rank under interleaved 1F1B."""
+    pipeline = config.pipeline
+    per_rank = pipeline.stages_per_rank if pipeline.schedule == "interleaved_1f1b" else 1
+    return config.layout.pp * per_rank
 
 
 def microbatches(config: RunConfig) -> int:

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from workers.trainer.config import RunConfig, microbatches
+from workers.trainer.config import RunConfig, microbatches, stage_count
 from workers.trainer.model import Transformer
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -167,11 +167,10 @@ def split_stages(model: Transformer, world: World) -> list[tuple[int, Transforme
     blocks. A stage is a copy of the (meta) model with the blocks and ends it
     does not own deleted, so parameter names are those of the whole model.
     """
-    layout, pipeline = world.config.layout, world.config.pipeline
+    layout = world.config.layout
     if layout.pp == 1:
         return [(0, model)]
-    per_rank = pipeline.stages_per_rank if pipeline.schedule == "interleaved_1f1b" else 1
-    stages = layout.pp * per_rank
+    stages = stage_count(world.config)
     per_stage = model.shape.layers // stages
     out = []
     for stage in range(world.pp_rank, stages, layout.pp):
@@ -198,7 +197,7 @@ def pipeline_schedule(stages: list[tuple[int, nn.Module]], world: World, loss_fn
     )
 
     config = world.config
-    count = config.layout.pp * (len(stages))
+    count = stage_count(config)
     group = world.mesh["pp"].get_group()
     built = [
         PipelineStage(

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from workers.trainer import metrics, parallelize
 from workers.trainer.checkpoint import Checkpointer
-from workers.trainer.config import RunConfig
+from workers.trainer.config import RunConfig, stage_count
 from workers.trainer.data import Batches, open_source
 from workers.trainer.model import Transformer, flops_per_token, use_attention_backend
 from workers.trainer.optim import Optimizers
@@ -61,9 +61,8 @@ class Model:
         self.schedule = None
         if config.layout.pp > 1:
             self.schedule = parallelize.pipeline_schedule(stages, world, self.loss_fn)
-            stage_count = config.layout.pp * len(stages)
             self.has_first = any(index == 0 for index, _ in stages)
-            self.has_last = any(index == stage_count - 1 for index, _ in stages)
+            self.has_last = any(index == stage_count(config) - 1 for index, _ in stages)
         else:
             self.has_first = self.has_last = True
 

@@ -5,18 +5,13 @@ workers/agent/checkpoints.py."""
 
 from apps.checkpoints import selectors, services
 from apps.fleet.api.agent import agent_endpoint
-from controlplane.errors import ApplicationError
-
-
-def _bad(field: str, message: str) -> ApplicationError:
-    return ApplicationError(f"Invalid input: {field}.", details={field: [message]})
 
 
 @agent_endpoint("POST")
 def events(request, identity, body):
     run_id = body.get("run")
     if isinstance(run_id, bool) or not isinstance(run_id, int) or not 0 < run_id < 2**63:
-        raise _bad("run", "The run's id.")
+        raise services.invalid_input("run", "The run's id.")
     return services.checkpoint_event_record(
         node_id=identity.node_id, run_id=run_id, event=body.get("event")
     )
@@ -31,7 +26,7 @@ def work(request, identity, body):
 def verification(request, identity, body, copy_id: int):
     ok = body.get("ok")
     if not isinstance(ok, bool):
-        raise _bad("ok", "true or false.")
+        raise services.invalid_input("ok", "true or false.")
     copy = services.copy_verification_record(
         copy_id=copy_id,
         ok=ok,

@@ -20,6 +20,10 @@ from apps.checkpoints.filtersets import (
 from controlplane.api import ServiceViewSet
 
 
+def _overdue_only(request) -> bool:
+    return request.query_params.get("overdue") in ("true", "True", "1")
+
+
 class CheckpointViewSet(
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
@@ -108,7 +112,7 @@ class JobCheckpointsViewSet(viewsets.ReadOnlyModelViewSet):
 
     def list(self, request, *args, **kwargs):
         jobs = self.filter_queryset(self.get_queryset())
-        if request.query_params.get("overdue") in ("true", "True", "1"):
+        if _overdue_only(request):
             # The watch needs each job's step times, so overdue is picked from every running
             # job the filters leave (a few hundred at most) before the page is cut.
             found = [r for r in selectors.job_rows(list(jobs)) if r.watch.overdue]
@@ -125,7 +129,7 @@ class JobCheckpointsViewSet(viewsets.ReadOnlyModelViewSet):
         if job is None:
             raise Http404
         rows = selectors.job_rows([job])
-        if request.query_params.get("overdue") in ("true", "True", "1"):
+        if _overdue_only(request):
             rows = [r for r in rows if r.watch.overdue]
         if not rows:
             raise Http404
