@@ -135,7 +135,8 @@ def _settle(checkpoint: Checkpoint, reason: str, *, actor: str, now) -> Checkpoi
         reason=reason[:300],
         actor_label=actor[:150],
     )
-    checkpoint.state, checkpoint.state_reason, checkpoint.state_changed_at = target, reason, now
+    checkpoint.state, checkpoint.state_changed_at = target, now
+    checkpoint.state_reason = reason[:300]  # a copy's problem can be longer than the column
     if target == C.VERIFIED:
         checkpoint.verified_at = now
     if target == C.DELETED:

@@ -95,6 +95,32 @@ def test_a_truncated_file_is_caught_and_resume_falls_back_to_the_newest_verified
     assert plan.step == 10 and plan.resume_from.endswith("step-00000010")
 
 
+def test_a_long_problem_is_cut_to_the_checkpoints_reason_column(running_job):
+    """An agent may report 500 characters (an S3 error names a URI of up to 1,024): the
+    checkpoint's reason column holds 300, so PostgreSQL would refuse the whole record."""
+    run = Run.objects.get(job=running_job)
+    keeper = agent_of(run.node)
+    path, digest = write_checkpoint(_dir(running_job), 10, job=running_job)
+    report(keeper, run, commit_event(path, digest, 10))
+    keeper.poll_once()
+    checkpoint = services.checkpoint_verify_request(
+        checkpoint=Checkpoint.objects.get(step=10), by=None
+    )
+    copy = checkpoint.copies.get()
+
+    services.copy_verification_record(
+        copy_id=copy.pk,
+        ok=False,
+        problem="__0_0.distcp does not match: " + "x" * 460,
+        node_id=copy.request_node_id,
+    )
+
+    checkpoint.refresh_from_db()
+    assert checkpoint.state == "corrupt"
+    assert len(checkpoint.state_reason) == 300
+    assert "copy corrupt: __0_0.distcp does not match" in checkpoint.state_reason
+
+
 def _requeue_and_place(job):
     from apps.jobs.dispatch import jobs_on_lost_nodes
     from apps.jobs.scheduler.run import scheduling_pass
