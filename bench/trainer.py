@@ -78,6 +78,7 @@ VARIANTS = {
     "fsdp1": {"kernels": {"single_gpu_fsdp": True}},
     "cdt": {"kernels": {"coordinate_descent_tuning": True}},
     "autotune": {"kernels": {"compile_mode": "max-autotune-no-cudagraphs"}},
+    "whole": {"kernels": {"compile_scope": "model"}},
 }
 
 
@@ -163,12 +164,12 @@ def run_trainer(args, variant: str, *, gpu: bool, config=None, nproc: int = 1) -
 # --- the baseline (its own process: python -m bench.trainer --baseline ...) ----------------------
 
 
-def baseline(args) -> dict:
+def baseline_step(args):
+    """One step of the baseline a user would write: HF's Llama, compiled, autocast to bf16."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from workers.trainer.data import Batches, SyntheticSource
-    from workers.trainer.model import flops_per_token
 
     shape = PRESETS[args.preset]
     gpu = torch.cuda.is_available()
@@ -201,21 +202,36 @@ def baseline(args) -> dict:
         dp_rank=0,
         dp_size=1,
     )
-    rates, losses = [], []
-    for step in range(1, args.warmup + args.steps + 1):
-        inputs, _ = batches.at(step)
+
+    def step(number: int) -> float:
+        inputs, _ = batches.at(number)
         inputs = inputs.to(device)
-        started = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu):
             loss = step_fn(input_ids=inputs, labels=inputs).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # a user logs the loss: one sync per step, as the trainer
-        if step > args.warmup:
+        return loss.item()  # a user logs the loss: one sync per step, as the trainer
+
+    return step
+
+
+def baseline(args) -> dict:
+    import torch
+
+    from workers.trainer.model import flops_per_token
+
+    gpu = torch.cuda.is_available()
+    step = baseline_step(args)
+    rates, losses = [], []
+    for number in range(1, args.warmup + args.steps + 1):
+        started = time.perf_counter()
+        losses.append(step(number))
+        if number > args.warmup:
             rates.append(args.batch * args.seq_len / (time.perf_counter() - started))
     tokens_per_s = statistics.median(rates)
+    shape = PRESETS[args.preset]
     return {
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops_per_token(shape, args.seq_len) / PEAK_BF16 if gpu else None,
@@ -339,6 +355,127 @@ def scaling(args, *, gpu: bool) -> int:
     return 0
 
 
+# --- where a step's GPU time goes (python -m bench.trainer --profile VARIANT) ---------------------
+
+KERNEL_KINDS = (  # (kind, substrings of the kernel's name), first match wins
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "matmul")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel", "lpnorm")),
+    ("fused (inductor)", ("triton",)),
+    ("copies", ("memcpy", "memset", "copy", "fill")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, marks in KERNEL_KINDS:
+        if any(mark in lowered for mark in marks):
+            return kind
+    return "other"
+
+
+def profile(args) -> int:
+    """Train the variant (or "baseline") here and break a few steps' GPU time down by kernel."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench.trainer --profile: needs a CUDA GPU")
+        return 1
+    variant = args.profile
+    step = baseline_step(args) if variant == "baseline" else trainer_step(args, variant)
+    for number in range(1, args.warmup + 1):
+        step(number)
+    torch.cuda.synchronize()
+    return kernel_breakdown(step, args, first=args.warmup + 1)
+
+
+def trainer_step(args, variant: str):
+    """One step of the trainer's loop (train.run's, without its metrics and checkpoints)."""
+    from workers.trainer import config as run_config
+    from workers.trainer import parallelize, train
+    from workers.trainer.data import Batches, open_source
+    from workers.trainer.optim import Optimizers
+
+    config = run_config.parse(trainer_config(args, variant, gpu=True))
+    world = parallelize.start_world(config)
+    train.use_attention_backend(config.attention_backend)
+    model = train.Model(world)
+    optimizers = Optimizers(model.parts, config.schedule)
+    source = open_source("synthetic", seq_len=args.seq_len, vocab_size=config.model.vocab_size)
+    batches = Batches(source, seed=0, global_batch=args.batch, dp_rank=0, dp_size=1)
+
+    votes: list = []  # read a step late, as train.run does
+
+    def step(number: int) -> None:
+        lr = optimizers.set_lr(number)
+        loss = model.forward_backward(*batches.at(number))
+        grad_norm = optimizers.clip()
+        optimizers.step()
+        votes.append(train.Vote(world, number, lr, loss, grad_norm, stop=False, save=False))
+        if len(votes) > 1:
+            votes.pop(0).read()
+
+    return step
+
+
+def kernel_breakdown(step, args, *, first: int, measured: int = 3) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    started = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for number in range(first, first + measured):
+            step(number)
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - started) * 1000 / measured
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in kernels) / 1000 / measured  # ms per step
+    kinds: dict[str, float] = {}
+    for event in kernels:
+        kind = kernel_kind(event.key)
+        kinds[kind] = kinds.get(kind, 0.0) + event.device_time_total / 1000 / measured
+    print(f"profile[{args.profile}]: {describe_machine()}; wall {wall_ms:.1f} ms per step")
+    for kind, ms in sorted(kinds.items(), key=lambda item: -item[1]):
+        print(f"  {kind:<18}{ms:8.1f} ms  {ms / total:6.1%}")
+    print("  top kernels (ms per step, calls per step, kind, name):")
+    for event in sorted(kernels, key=lambda e: -e.device_time_total)[:30]:
+        ms = event.device_time_total / 1000 / measured
+        calls = event.count // measured
+        print(f"  {ms:8.2f} {calls:5d}  {kernel_kind(event.key):<10} {event.key[:100]}")
+    idle_ms = report_idle(prof, measured)
+    print(
+        f"profile: variant={args.profile} wall_ms={wall_ms:.1f} gpu_ms={total:.1f} "
+        f"idle_ms={idle_ms:.1f} "
+        + " ".join(f"{kind.split()[0]}_ms={ms:.1f}" for kind, ms in sorted(kinds.items()))
+    )
+    return 0
+
+
+def report_idle(prof, measured: int) -> float:
+    """The GPU's idle time per step between the first and last kernel, and its longest gaps."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    )
+    if not spans:
+        return 0.0
+    gaps, reach, before = [], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > reach:
+            gaps.append((start - reach, before, name))
+        if end >= reach:
+            reach, before = end, name
+    idle_ms = sum(gap for gap, _, _ in gaps) / 1000 / measured
+    print(f"  GPU idle {idle_ms:.2f} ms per step in {len(gaps) // measured} gaps; the longest:")
+    for gap, after, next_kernel in sorted(gaps, reverse=True)[:12]:
+        print(f"  {gap / 1000:8.3f} ms after {after[:55]!r} before {next_kernel[:55]!r}")
+    return idle_ms
+
+
 # --- the report -----------------------------------------------------------------------------------
 
 
@@ -362,6 +499,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per process")
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile", metavar="VARIANT", help="GPU time of a few steps of VARIANT, by kernel"
+    )
     parser.add_argument("--scaling", action="store_true", help="every GPU of the host, per layout")
     parser.add_argument("--presets", default="1b,8b", help="--scaling: presets, comma-separated")
     parser.add_argument(
@@ -372,6 +512,8 @@ def main(argv=None) -> int:
     if args.baseline:
         print(json.dumps(baseline(args)), flush=True)
         return 0
+    if args.profile:
+        return profile(args)
 
     import torch
 

@@ -124,15 +124,17 @@ class Checkpointer:
 
     # --- saving --------------------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
-        """Whether a checkpoint is due after `step` (for every_minutes, rank 0's clock decides)."""
-        if not self.enabled:
-            return False
+    def due_by_steps(self, step: int) -> bool:
+        """Whether every_steps asks for a checkpoint after `step` (every rank knows alike)."""
         every = self.settings.every_steps
-        if every and step % every == 0:
-            return True
+        return bool(self.enabled and every and step % every == 0)
+
+    def due_by_time(self) -> bool:
+        """Whether every_minutes asks for one now (rank 0's clock decides; ranks vote)."""
         minutes = self.settings.every_minutes
-        return bool(minutes and time.monotonic() - self._last_saved_at >= minutes * 60)
+        return bool(
+            self.enabled and minutes and time.monotonic() - self._last_saved_at >= minutes * 60
+        )
 
     def prepare(self) -> None:
         """Before training: make the directory, clear abandoned temporaries, check it is shared."""

@@ -37,6 +37,7 @@ AC_MODES = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b")
 PRECISIONS = ("bf16", "fp32")
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+COMPILE_SCOPES = ("blocks", "model")
 
 
 class ConfigError(ValueError):
@@ -113,6 +114,8 @@ class Kernels:
     native_gqa: bool = True  # SDPA's grouped-query attention (flash, math) instead of repeating
     single_gpu_fsdp: bool = False  # one data-parallel rank: FSDP2's bf16 policy, not autocast
     compile_mode: str = "default"  # torch.compile mode for each block
+    # What one compiled graph holds: each block, or the whole model with its loss (pp 1 only).
+    compile_scope: str = "blocks"
     coordinate_descent_tuning: bool = False  # inductor tunes its generated kernels' launch sizes
 
 
@@ -242,6 +245,10 @@ def check(config: RunConfig) -> None:
         raise ConfigError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}")
     if config.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+    if config.kernels.compile_scope not in COMPILE_SCOPES:
+        raise ConfigError(f"kernels.compile_scope must be one of {', '.join(COMPILE_SCOPES)}")
+    if config.kernels.compile_scope == "model" and layout.pp > 1:
+        raise ConfigError("kernels.compile_scope model needs layout.pp 1 (stages compile by block)")
     if config.pipeline.schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}")
     if min(layout.as_dict().values()) < 1:

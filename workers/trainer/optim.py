@@ -29,11 +29,20 @@ def learning_rate(schedule: Schedule, step: int) -> float:
 class Optimizers:
     """The optimizers of this rank's model parts, stepped, clipped and scheduled together."""
 
-    def __init__(self, parts: list[nn.Module], schedule: Schedule, *, pp_group=None):
+    def __init__(self, parts: list[nn.Module], schedule: Schedule, *, pp_group=None, fused=None):
         self.parts = parts
         self.schedule = schedule
         self.pp_group = pp_group
+        # Fused AdamW is one kernel for all parameters on CUDA; foreach elsewhere.
+        on_gpu = next(parts[0].parameters()).device.type == "cuda"
+        self.fused = on_gpu if fused is None else fused
         self.optimizers = [self._adamw(part) for part in parts]
+        # Fused AdamW divides each gradient by a scale as it reads it (GradScaler's hook):
+        # clipping through that scale saves a pass over every gradient. Plain tensors only;
+        # sharded (DTensor) parameters are clipped the ordinary way.
+        self.clip_in_step = self.fused and not any(
+            isinstance(p, DTensor) for part in parts for p in part.parameters()
+        )
 
     def _adamw(self, part: nn.Module) -> torch.optim.AdamW:
         decay, exempt = [], []
@@ -43,15 +52,13 @@ class Optimizers:
             {"params": decay, "weight_decay": self.schedule.weight_decay},
             {"params": exempt, "weight_decay": 0.0},
         ]
-        on_gpu = next(part.parameters()).device.type == "cuda"
-        # Fused AdamW is one kernel for all parameters on CUDA; foreach elsewhere.
         return torch.optim.AdamW(
             groups,
             lr=self.schedule.lr,
             betas=self.schedule.betas,
             eps=self.schedule.eps,
-            fused=on_gpu or None,
-            foreach=None if on_gpu else True,
+            fused=self.fused or None,
+            foreach=None if self.fused else True,
         )
 
     def set_lr(self, step: int) -> float:
@@ -72,7 +79,12 @@ class Optimizers:
             squared = norm**2
             dist.all_reduce(squared, group=self.pp_group)
             norm = squared.sqrt()
-        if self.schedule.grad_clip > 0:
+        if self.schedule.grad_clip > 0 and self.clip_in_step:
+            # grads × min(1, clip / norm), as clip_grads_with_norm_ does, applied by the step.
+            scale = torch.clamp((norm + 1e-6) / self.schedule.grad_clip, min=1.0)
+            for optimizer in self.optimizers:
+                optimizer.grad_scale = scale
+        elif self.schedule.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.schedule.grad_clip, norm)
         return norm
 
@@ -80,3 +92,4 @@ class Optimizers:
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            optimizer.__dict__.pop("grad_scale", None)

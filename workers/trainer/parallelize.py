@@ -260,11 +260,11 @@ def parallelize(model: Transformer, world: World) -> Transformer:
         apply_tensor_parallel(model, world.mesh["tp"])
     if config.activation_checkpointing != "none":
         apply_activation_checkpointing(model, config.activation_checkpointing)
-    if config.compile:
-        if kernels.coordinate_descent_tuning:
-            import torch._inductor.config as inductor
+    if config.compile and kernels.coordinate_descent_tuning:
+        import torch._inductor.config as inductor
 
-            inductor.coordinate_descent_tuning = True
+        inductor.coordinate_descent_tuning = True
+    if config.compile and kernels.compile_scope == "blocks":  # else train.Model compiles it all
         for block in model.layers.values():
             block.compile(fullgraph=True, mode=kernels.compile_mode)
     if world.data_parallel == "fsdp":

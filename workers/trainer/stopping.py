@@ -27,8 +27,9 @@ RANKING = {"finished": 0, "preempted": 1, "collective_timeout": 2, "code_error":
 class StopSignal:
     """SIGTERM (the agent's stop or spot notice) or SIGINT asks for a checkpoint and an exit.
 
-    The handler only sets a flag; the training loop reads it at each step
-    boundary and the ranks agree on it, so they all stop after the same step.
+    The handler only sets a flag; the training loop votes it at each step
+    boundary and reads the ranks' vote a step later, so they all stop after the
+    same step: the one after the vote.
     """
 
     def __init__(self):

@@ -4,7 +4,9 @@ Each step: the learning rate for the step, forward and backward over this
 rank's share of the batch (through the pipeline schedule when there is one),
 clipping, the optimizer step, then one small all-reduce in which every rank
 adds its part of the loss and its stop flag, so all ranks see the same loss
-and agree, after the same step, whether to checkpoint and stop.
+and agree, after the same step, whether to checkpoint and stop. The host reads
+that vote one step late, once the next step is queued, so that the GPU does
+not wait for it between steps; a stop asked for lands within two steps.
 """
 
 import dataclasses
@@ -49,7 +51,9 @@ class Model:
         config = world.config
         with torch.device("meta"):
             whole = Transformer(config.model)
-        self.loss_fn = torch.compile(cross_entropy) if config.compile else cross_entropy
+        one_graph = config.compile and config.kernels.compile_scope == "model"
+        compiled_loss = config.compile and not one_graph
+        self.loss_fn = torch.compile(cross_entropy) if compiled_loss else cross_entropy
         stages = parallelize.split_stages(whole, world)
         for _, part in stages:
             parallelize.parallelize(part, world)
@@ -65,6 +69,9 @@ class Model:
             self.has_last = any(index == stage_count(config) - 1 for index, _ in stages)
         else:
             self.has_first = self.has_last = True
+        self.forward_loss = self._forward_loss
+        if one_graph:  # one graph from tokens to loss, so the compiler may fuse across blocks too
+            self.forward_loss = torch.compile(self._forward_loss, mode=config.kernels.compile_mode)
 
     def train(self) -> None:
         for part in self.parts:
@@ -101,10 +108,13 @@ class Model:
         total = torch.zeros((), device=self.world.device)
         for index, (chunk_inputs, chunk_targets) in enumerate(chunks):
             self._sync_gradients(index == len(chunks) - 1)
-            loss = self.loss_fn(self.parts[0](chunk_inputs), chunk_targets) / len(chunks)
+            loss = self.forward_loss(chunk_inputs, chunk_targets) / len(chunks)
             loss.backward()
             total += loss.detach().float()
         return total
+
+    def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.parts[0](inputs), targets)
 
     def _sync_gradients(self, sync: bool) -> None:
         """Reduce gradients only after the last microbatch of a step (FSDP2 and DDP)."""
@@ -123,28 +133,51 @@ class Agreement:
     save: bool
 
 
-def agree(world: parallelize.World, loss, grad_norm, *, stop: bool, save: bool) -> Agreement:
-    """One all-reduce over the world: the step's figures and whether to stop or save after it.
+NO_VOTES = Agreement(loss=0.0, grad_norm=0.0, stop=False, save=False)
+
+
+class Vote:
+    """One all-reduce over the world: a step's figures and whether to stop or save after it.
 
     Every rank votes to stop (its signal flag); rank 0 alone decides time-based
     saves and contributes the gradient norm (the same on every rank). The loss
     comes from the ranks that hold it and lead their tensor-parallel group
     (last pipeline stage, tp rank 0), each adding its share of the mean.
+
+    The all-reduce and the copy of its result to the host are queued behind the
+    step; read() waits for them. The loop reads a step's vote only once the next
+    step is queued, so the GPU never idles while the host catches up.
     """
-    device = world.device
-    holds_loss = world.coordinate("tp") == 0 and world.pp_rank == world.config.layout.pp - 1
-    zero = torch.zeros((), device=device)
-    values = torch.stack(
-        [
-            loss.float() / world.config.layout.dp if holds_loss else zero,
-            grad_norm.float() if world.is_logger else zero,
-            torch.tensor(float(stop), device=device),
-            torch.tensor(float(save and world.is_logger), device=device),
-        ]
-    )
-    dist.all_reduce(values)
-    mean_loss, norm, stop_votes, save_votes = values.tolist()
-    return Agreement(mean_loss, norm, stop_votes > 0, save_votes > 0)
+
+    def __init__(self, world: parallelize.World, step: int, lr: float, loss, grad_norm, *,
+                 stop: bool, save: bool):  # fmt: skip
+        self.step, self.lr = step, lr
+        device = world.device
+        holds_loss = world.coordinate("tp") == 0 and world.pp_rank == world.config.layout.pp - 1
+        zero = torch.zeros((), device=device)
+        values = torch.stack(
+            [
+                loss.float() / world.config.layout.dp if holds_loss else zero,
+                grad_norm.float() if world.is_logger else zero,
+                # torch.full fills on the device; torch.tensor would copy from the host and wait.
+                torch.full((), float(stop), device=device),
+                torch.full((), float(save and world.is_logger), device=device),
+            ]
+        )
+        dist.all_reduce(values)
+        self._done = None
+        if device.type == "cuda":  # a pinned copy, made when the stream gets there
+            self._values = values.to("cpu", non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._values = values
+
+    def read(self) -> Agreement:
+        if self._done is not None:
+            self._done.synchronize()
+        mean_loss, norm, stop_votes, save_votes = self._values.tolist()
+        return Agreement(mean_loss, norm, stop_votes > 0, save_votes > 0)
 
 
 def run(config: RunConfig, progress: Progress) -> Outcome:
@@ -184,6 +217,7 @@ def run(config: RunConfig, progress: Progress) -> Outcome:
     watchdog = StepWatchdog(config.collective_timeout_s, rank=world.rank)
     model.train()
     reason = "finished"
+    before: Vote | None = None  # the step before's vote, read once this step is queued
     try:
         while step < config.schedule.steps:
             step += 1
@@ -191,21 +225,30 @@ def run(config: RunConfig, progress: Progress) -> Outcome:
             loss = model.forward_backward(*batches.at(step))
             grad_norm = optimizers.clip()
             optimizers.step()
-            after = agree(world, loss, grad_norm, stop=stop.requested, save=checkpoints.due(step))
+            vote = Vote(world, step, lr, loss, grad_norm, stop=stop.requested,
+                        save=checkpoints.due_by_time())  # fmt: skip
             progress.step = step
             watchdog.beat(step)
+            # Every rank reads the same votes at the same points, so all decide alike: a
+            # stop or timed save voted at the step before lands after this one; a save
+            # due by step count (known to all without a vote) lands after its own step.
+            decided = _report(world, meter, before) if before else NO_VOTES
+            before = vote
             last = step == config.schedule.steps
-            if world.is_logger and (step % config.log_every == 0 or last):
-                metrics.emit(
-                    meter.step(step=step, loss=after.loss, grad_norm=after.grad_norm, lr=lr)
-                )
-            if checkpoints.enabled and (after.save or after.stop or last):
+            stopping = decided.stop
+            saving = decided.save or checkpoints.due_by_steps(step)
+            if not (last or stopping or saving):
+                continue
+            now = _report(world, meter, vote, last=last)  # wait for this step: it ends here
+            before = None
+            stopping = stopping or now.stop
+            if checkpoints.enabled and (saving or stopping or now.save or last):
                 watchdog.pause()
-                record = checkpoints.save(step, after.loss)
+                record = checkpoints.save(step, now.loss)
                 if record:
                     metrics.emit(record)
                 meter.restart_clock()
-            if after.stop:
+            if stopping:
                 reason = "preempted"
                 break
     finally:
@@ -216,6 +259,16 @@ def run(config: RunConfig, progress: Progress) -> Outcome:
     dist.barrier()
     dist.destroy_process_group()
     return Outcome(reason, step)
+
+
+def _report(world: parallelize.World, meter: metrics.StepMeter, vote: Vote, *, last=False):
+    """Read a step's vote; rank 0 prints the step's figures when they are due."""
+    agreed = vote.read()
+    if world.is_logger and (vote.step % world.config.log_every == 0 or last):
+        metrics.emit(
+            meter.step(step=vote.step, loss=agreed.loss, grad_norm=agreed.grad_norm, lr=vote.lr)
+        )
+    return agreed
 
 
 def _start_event(world: parallelize.World, step: int, resumed_from: str | None) -> dict:

@@ -1,5 +1,6 @@
 """The trainer's small parts, in one process: run.json, data order, schedule, tokenizers, status."""
 
+import dataclasses
 import json
 import math
 
@@ -10,7 +11,7 @@ torch = pytest.importorskip("torch")
 from workers.trainer import config as run_config  # noqa: E402
 from workers.trainer.data import Batches, SyntheticSource, TokenFile, read_header  # noqa: E402
 from workers.trainer.model import Transformer, flops_per_token  # noqa: E402
-from workers.trainer.optim import learning_rate  # noqa: E402
+from workers.trainer.optim import Optimizers, learning_rate  # noqa: E402
 from workers.trainer.prepare import decode_file, prepare  # noqa: E402
 from workers.trainer.presets import PRESETS  # noqa: E402
 from workers.trainer.stopping import STATUS_FILE_VARIABLE, write_status  # noqa: E402
@@ -67,6 +68,8 @@ def test_what_the_control_plane_writes_parses():
         ({"colour": "blue"}, "colour"),
         ({"model": {"preset": "nope"}}, "preset"),
         ({"data": {"seq_len": 4096}}, "seq_len"),
+        ({"kernels": {"compile_scope": "stage"}}, "compile_scope"),
+        ({"kernels": {"compile_scope": "model"}, "layout": {"pp": 2}}, "compile_scope"),
     ],
 )
 def test_impossible_settings_are_refused_by_name(change, field):
@@ -88,6 +91,40 @@ def test_warmup_then_cosine_to_the_floor():
     assert learning_rate(schedule, 110) == pytest.approx(0.1)
     rates = [learning_rate(schedule, s) for s in range(10, 111)]
     assert rates == sorted(rates, reverse=True)
+
+
+@pytest.mark.parametrize("gradient_size", [0.01, 10.0])  # under the clip, and far over it
+def test_clipping_inside_the_fused_step_matches_clipping_before_it(gradient_size):
+    # A large eps makes Adam's step depend on the gradient's size (else its first step is
+    # the same for g and 0.1·g), so a clip that was not applied would show.
+    schedule = run_config.Schedule(grad_clip=1.0, eps=1.0)
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(16, 8), torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    grads = [torch.randn_like(p) * gradient_size for p in models[0].parameters()]
+    for model in models:
+        for param, grad in zip(model.parameters(), grads, strict=True):
+            param.grad = grad.clone()
+    in_step = Optimizers([models[0]], schedule, fused=True)  # fused AdamW runs on CPUs too
+    before = Optimizers([models[1]], schedule, fused=False)
+    unclipped = Optimizers([models[2]], dataclasses.replace(schedule, grad_clip=0.0), fused=False)
+
+    norms = []
+    for optimizers in (in_step, before, unclipped):
+        norms.append(float(optimizers.clip()))
+        optimizers.step()
+
+    assert in_step.clip_in_step and not before.clip_in_step
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6) == pytest.approx(norms[2], rel=1e-6)
+    for fused, plain, free in zip(*(m.parameters() for m in models), strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+        assert fused.grad is None  # zeroed for the next step
+        if gradient_size > 1:  # clipped: the step differs from the unclipped one
+            assert not torch.allclose(fused, free)
+        else:
+            torch.testing.assert_close(fused, free, rtol=1e-5, atol=1e-6)
+    assert not hasattr(in_step.optimizers[0], "grad_scale")  # the scale lives for one step
 
 
 def test_flops_per_token_is_six_n_plus_attention():
