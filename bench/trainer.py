@@ -392,26 +392,13 @@ def profile(args) -> int:
 def trainer_step(args, variant: str):
     """One step of the trainer's loop (train.run's, without its metrics and checkpoints)."""
     from workers.trainer import config as run_config
-    from workers.trainer import parallelize, train
-    from workers.trainer.data import Batches, open_source
-    from workers.trainer.optim import Optimizers
+    from workers.trainer import train
 
-    config = run_config.parse(trainer_config(args, variant, gpu=True))
-    world = parallelize.start_world(config)
-    train.use_attention_backend(config.attention_backend)
-    model = train.Model(world)
-    optimizers = Optimizers(model.parts, config.schedule)
-    source = open_source("synthetic", seq_len=args.seq_len, vocab_size=config.model.vocab_size)
-    batches = Batches(source, seed=0, global_batch=args.batch, dp_rank=0, dp_size=1)
-
+    training = train.build(run_config.parse(trainer_config(args, variant, gpu=True)))
     votes: list = []  # read a step late, as train.run does
 
     def step(number: int) -> None:
-        lr = optimizers.set_lr(number)
-        loss = model.forward_backward(*batches.at(number))
-        grad_norm = optimizers.clip()
-        optimizers.step()
-        votes.append(train.Vote(world, number, lr, loss, grad_norm, stop=False, save=False))
+        votes.append(training.step(number))
         if len(votes) > 1:
             votes.pop(0).read()
 

@@ -62,7 +62,8 @@ class JobCheckpointsFilterSet(filters.FilterSet):
         method="_newest",
         label="Newest checkpoint",
     )
-    # Overdue needs each job's step times: running jobs here, the overdue ones picked after.
+    # Overdue needs each job's step times: running jobs here, the overdue ones picked after
+    # (selectors.job_rows(..., overdue_only=overdue_only(params))).
     overdue = filters.BooleanFilter(method="_running", label="Overdue only")
     q = filters.CharFilter(field_name="name", lookup_expr="icontains", label="Name contains")
 
@@ -86,3 +87,8 @@ class S3DestinationFilterSet(filters.FilterSet):
     class Meta:
         model = S3Destination
         fields = ["bucket"]
+
+
+def overdue_only(params) -> bool:
+    """Whether `?overdue` asks for overdue jobs only (the page's checkbox sends true)."""
+    return params.get("overdue") in ("true", "True", "on", "1")

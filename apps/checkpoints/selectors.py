@@ -213,9 +213,11 @@ class JobCheckpoints:
     watch: Watch
 
 
-def job_rows(jobs: list[Job], *, now: dt.datetime | None = None) -> list[JobCheckpoints]:
+def job_rows(
+    jobs: list[Job], *, now: dt.datetime | None = None, overdue_only: bool = False
+) -> list[JobCheckpoints]:
     """Each job's newest and newest verified checkpoint, storage used and watch, in a fixed
-    number of queries."""
+    number of queries; with overdue_only, only the jobs whose checkpoint is overdue."""
     now = now or timezone.now()
     ids = [job.pk for job in jobs]
     live = list(
@@ -256,7 +258,7 @@ def job_rows(jobs: list[Job], *, now: dt.datetime | None = None) -> list[JobChec
                 ),
             )
         )
-    return rows
+    return [row for row in rows if row.watch.overdue] if overdue_only else rows
 
 
 def _brief(checkpoint: Checkpoint | None) -> dict | None:

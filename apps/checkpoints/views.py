@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from apps.accounts.selectors import teams_visible_to
 from apps.checkpoints import selectors
-from apps.checkpoints.filtersets import JobCheckpointsFilterSet
+from apps.checkpoints.filtersets import JobCheckpointsFilterSet, overdue_only
 from apps.checkpoints.models import CheckpointState
 from apps.jobs.models import JobState
 from apps.jobs.models.jobs import FINISHED_STATES
@@ -19,15 +19,8 @@ from controlplane.exports import csv_response
 PAGE_SIZE = 50
 
 
-def _overdue_only(request) -> bool:
-    return request.GET.get("overdue") in ("true", "on", "1")
-
-
 def _rows(request, jobs) -> list[selectors.JobCheckpoints]:
-    rows = selectors.job_rows(list(jobs))
-    if _overdue_only(request):
-        rows = [row for row in rows if row.watch.overdue]
-    return rows
+    return selectors.job_rows(list(jobs), overdue_only=overdue_only(request.GET))
 
 
 def _filtered(request):
@@ -40,7 +33,7 @@ def _filtered(request):
 @login_required
 def overview(request):
     found, jobs = _filtered(request)
-    if _overdue_only(request):
+    if overdue_only(request.GET):
         # Overdue needs each job's step times: picked from every running job the filters
         # leave (a few hundred at most), then paged, so a page is never short of them.
         page = Paginator(_rows(request, jobs), PAGE_SIZE).get_page(request.GET.get("page"))

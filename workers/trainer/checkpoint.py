@@ -53,10 +53,10 @@ from workers.trainer.config import ConfigError
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-# Optimizer state keyed by parameter name, so it reshards like the model's.
 # A failed S3 upload is tried again after these pauses (seconds), then reported failed; the
 # checkpoint then stays unsecured, so retention keeps the older ones (apps/checkpoints).
 UPLOAD_RETRY_DELAYS_S = (5.0, 30.0, 120.0)
+# Optimizer state keyed by parameter name, so it reshards like the model's.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -466,32 +466,18 @@ def copy_to_s3(
     upload is tried again after each of `delays` (seconds) before it is reported failed;
     each try uploads every file again, so a half-written copy never stays half-written."""
     uri = f"s3://{s3.bucket}/{s3.prefix.strip('/') + '/' if s3.prefix else ''}{path.name}"
-    for attempt in range(1, len(delays) + 2):
+    for attempt, pause in enumerate([*delays, None], start=1):
+        outcome = {"step": step, "uri": uri, "attempts": attempt}
         try:
             _upload(path, s3, uri)
-            break
         except Exception as e:  # a failed copy must not stop training
-            if attempt > len(delays):
-                metrics.emit(
-                    {
-                        "event": "checkpoint_copy_failed",
-                        "step": step,
-                        "uri": uri,
-                        "message": str(e),
-                        "attempts": attempt,
-                    }
-                )
+            if pause is None:
+                metrics.emit({"event": "checkpoint_copy_failed", **outcome, "message": str(e)})
                 return
-            sleep(delays[attempt - 1])
-    metrics.emit(
-        {
-            "event": "checkpoint_copy",
-            "step": step,
-            "uri": uri,
-            "time": time.time(),
-            "attempts": attempt,
-        }
-    )
+            sleep(pause)
+        else:
+            metrics.emit({"event": "checkpoint_copy", **outcome, "time": time.time()})
+            return
 
 
 def _upload(path: Path, s3, uri: str) -> None:

@@ -149,8 +149,9 @@ class Vote:
     step is queued, so the GPU never idles while the host catches up.
     """
 
-    def __init__(self, world: parallelize.World, step: int, lr: float, loss, grad_norm, *,
-                 stop: bool, save: bool):  # fmt: skip
+    def __init__(
+        self, world: parallelize.World, step: int, lr: float, loss, grad_norm, *, stop, save
+    ):
         self.step, self.lr = step, lr
         device = world.device
         holds_loss = world.coordinate("tp") == 0 and world.pp_rank == world.config.layout.pp - 1
@@ -180,12 +181,28 @@ class Vote:
         return Agreement(mean_loss, norm, stop_votes > 0, save_votes > 0)
 
 
-def run(config: RunConfig, progress: Progress) -> Outcome:
+@dataclass
+class Training:
+    """What a run trains with: its world, model parts, optimizers and batches."""
+
+    world: parallelize.World
+    model: Model
+    optimizers: Optimizers
+    batches: Batches
+
+    def step(self, step: int, *, stop: bool = False, save: bool = False) -> Vote:
+        """Queue one step (forward, backward, clip, update) and its vote; nothing is read."""
+        lr = self.optimizers.set_lr(step)
+        loss = self.model.forward_backward(*self.batches.at(step))
+        grad_norm = self.optimizers.clip()
+        self.optimizers.step()
+        return Vote(self.world, step, lr, loss, grad_norm, stop=stop, save=save)
+
+
+def build(config: RunConfig) -> Training:
     world = parallelize.start_world(config)
-    stop = StopSignal()
     torch.manual_seed(config.seed)
     use_attention_backend(config.attention_backend)
-
     model = Model(world)
     pp_group = world.mesh["pp"].get_group() if config.layout.pp > 1 else None
     optimizers = Optimizers(model.parts, config.schedule, pp_group=pp_group)
@@ -199,7 +216,14 @@ def run(config: RunConfig, progress: Progress) -> Outcome:
         dp_rank=world.dp_rank,
         dp_size=config.layout.dp,
     )
-    checkpoints = Checkpointer(world, model.parts, optimizers, batches)
+    return Training(world, model, optimizers, batches)
+
+
+def run(config: RunConfig, progress: Progress) -> Outcome:
+    stop = StopSignal()
+    training = build(config)
+    world = training.world
+    checkpoints = Checkpointer(world, training.model.parts, training.optimizers, training.batches)
     checkpoints.prepare()
     step = checkpoints.resume()
     progress.step = step
@@ -215,18 +239,13 @@ def run(config: RunConfig, progress: Progress) -> Outcome:
     if world.is_logger:
         metrics.emit(_start_event(world, step, checkpoints.resumed_from))
     watchdog = StepWatchdog(config.collective_timeout_s, rank=world.rank)
-    model.train()
+    training.model.train()
     reason = "finished"
     before: Vote | None = None  # the step before's vote, read once this step is queued
     try:
         while step < config.schedule.steps:
             step += 1
-            lr = optimizers.set_lr(step)
-            loss = model.forward_backward(*batches.at(step))
-            grad_norm = optimizers.clip()
-            optimizers.step()
-            vote = Vote(world, step, lr, loss, grad_norm, stop=stop.requested,
-                        save=checkpoints.due_by_time())  # fmt: skip
+            vote = training.step(step, stop=stop.requested, save=checkpoints.due_by_time())
             progress.step = step
             watchdog.beat(step)
             # Every rank reads the same votes at the same points, so all decide alike: a

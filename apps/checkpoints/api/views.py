@@ -16,12 +16,9 @@ from apps.checkpoints.filtersets import (
     CheckpointFilterSet,
     JobCheckpointsFilterSet,
     S3DestinationFilterSet,
+    overdue_only,
 )
 from controlplane.api import ServiceViewSet
-
-
-def _overdue_only(request) -> bool:
-    return request.query_params.get("overdue") in ("true", "True", "1")
 
 
 class CheckpointViewSet(
@@ -112,10 +109,10 @@ class JobCheckpointsViewSet(viewsets.ReadOnlyModelViewSet):
 
     def list(self, request, *args, **kwargs):
         jobs = self.filter_queryset(self.get_queryset())
-        if _overdue_only(request):
+        if overdue_only(request.query_params):
             # The watch needs each job's step times, so overdue is picked from every running
             # job the filters leave (a few hundred at most) before the page is cut.
-            found = [r for r in selectors.job_rows(list(jobs)) if r.watch.overdue]
+            found = selectors.job_rows(list(jobs), overdue_only=True)
             page = self.paginate_queryset(found)
             rows = page if page is not None else found
         else:
@@ -128,9 +125,7 @@ class JobCheckpointsViewSet(viewsets.ReadOnlyModelViewSet):
         job = self.get_queryset().filter(pk=kwargs["pk"]).first()
         if job is None:
             raise Http404
-        rows = selectors.job_rows([job])
-        if _overdue_only(request):
-            rows = [r for r in rows if r.watch.overdue]
+        rows = selectors.job_rows([job], overdue_only=overdue_only(request.query_params))
         if not rows:
             raise Http404
         context = self._context(rows)
