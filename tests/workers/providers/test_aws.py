@@ -249,7 +249,11 @@ def test_the_user_data_script_runs_and_keeps_hostile_values_literal(tmp_path):
         while os.getsid(pid) != pid and time.monotonic() < deadline:
             time.sleep(0.02)
         assert os.getsid(pid) == pid, "the agent runs in a session of its own"
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        # A process in the middle of exec reads an empty environment: read until it is done.
+        environ = [b""]
+        while environ == [b""] and time.monotonic() < deadline:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            time.sleep(0.02)
         assert f"CONTROLPLANE_NODE_UUID={node_uuid}".encode() in environ
     finally:
         os.kill(pid, signal.SIGKILL)
