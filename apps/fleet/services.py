@@ -31,7 +31,7 @@ from apps.fleet.models import (
 )
 from apps.fleet.models.nodes import GONE_STATES, CapacityType, Provider
 from apps.fleet.selectors import CAPACITY_CACHE_KEY
-from controlplane.bulk import insert_rows
+from controlplane.bulk import InArray, insert_rows
 from controlplane.errors import ApplicationError
 
 S = NodeState
@@ -473,7 +473,7 @@ def _bulk_move(
         values = {"state": to, "state_reason": reason, "state_changed_at": now}
         values["suspect_from"] = state if to == S.SUSPECT else ""
         values.update(extra or {})
-        moved += Node.objects.filter(pk__in=ids, state=state).update(**values)
+        moved += Node.objects.filter(InArray("id", ids), state=state).update(**values)
     insert_rows(
         NodeEvent,
         ("node", "at", "from_state", "to_state", "reason", "actor", "actor_label"),

@@ -23,7 +23,7 @@ from apps.jobs.models import Allocation, Job, JobEvent, JobState, JobWait, TeamU
 from apps.jobs.models.jobs import NOT_STARTED_STATES, STARTED_STATES
 from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
-from controlplane.bulk import insert_rows
+from controlplane.bulk import InArray, insert_rows
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +69,18 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
     wanted = {p.job_id: p for p in placements}
     still_pending = set(
         Job.objects.select_for_update()
-        .filter(pk__in=wanted, state=JobState.PENDING)
+        .filter(InArray("id", wanted), state=JobState.PENDING)
         .values_list("id", flat=True)
     )
     node_ids = {node_id for p in placements for node_id, _ in p.node_gpus}
     nodes = {
         node_id: (state, gpus)
         for node_id, state, gpus in Node.objects.select_for_update()
-        .filter(pk__in=node_ids)
+        .filter(InArray("id", node_ids))
         .values_list("id", "state", "gpu_count")
     }
     held = dict(
-        Allocation.objects.filter(node_id__in=node_ids, ended_at__isnull=True)
+        Allocation.objects.filter(InArray("node_id", node_ids), ended_at__isnull=True)
         .values_list("node_id")
         .annotate(held=Sum("gpus"))
         .order_by()
@@ -110,14 +110,14 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
     for p in accepted:
         by_pool[(p.pool_id, p.backfilled)].append(p.job_id)
     for (pool_id, backfilled), job_ids in by_pool.items():
-        Job.objects.filter(pk__in=job_ids).update(
+        Job.objects.filter(InArray("id", job_ids)).update(
             state=JobState.ADMITTED,
             pool_id=pool_id,
             admitted_at=now,
             state_changed_at=now,
             state_reason="placed (backfilled)" if backfilled else "placed",
         )
-    JobWait.objects.filter(job_id__in=[p.job_id for p in accepted]).delete()
+    JobWait.objects.filter(InArray("job_id", [p.job_id for p in accepted])).delete()
     used = sorted({n for p in accepted for n, _ in p.node_gpus})
     # Locked above: hand over which of them are READY rather than lock them again.
     fleet.nodes_work_started(ready=[(n, nodes[n][0]) for n in used if nodes[n][0] == "ready"])
@@ -222,8 +222,11 @@ def _apply_bursts(bursts: list[plain.BurstRequest], *, now, applied: Applied) ->
 
 
 def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Applied) -> None:
-    """Write only the reasons that changed since the last pass."""
+    """Write only the reasons that changed since the last pass: first reasons with COPY,
+    changed ones with one upsert. Only the pass (under its lock) adds wait rows, so a
+    job read without one still has none here."""
     placed = set(applied.placed)
+    first: list[tuple[int, str, dt.datetime | None]] = []
     changed: list[tuple[int, str, dt.datetime | None]] = []
     for job_id, wait in waits.items():
         if job_id in placed or job_id not in ctx.reasons:
@@ -231,12 +234,16 @@ def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Appl
         # Stored to the minute, so a start that moves by seconds is not a change.
         start = None if wait.estimated_start is None else wait.estimated_start // 60 * 60
         reason = wait.reason[:300]
-        old_reason, old_start = ctx.reasons[job_id]
-        if reason != old_reason or start != (None if old_start is None else round(old_start)):
-            estimated = None if start is None else dt.datetime.fromtimestamp(start, tz=dt.UTC)
-            changed.append((job_id, reason, estimated))
+        old = ctx.reasons[job_id]
+        if old is not None:
+            old_reason, old_start = old
+            if reason == old_reason and start == (None if old_start is None else round(old_start)):
+                continue
+        estimated = None if start is None else dt.datetime.fromtimestamp(start, tz=dt.UTC)
+        (changed if old is not None else first).append((job_id, reason, estimated))
+    insert_rows(JobWait, ("job", "reason", "estimated_start"), first)
     _write_reasons(changed)
-    applied.reasons_written = len(changed)
+    applied.reasons_written = len(first) + len(changed)
 
 
 def _write_reasons(rows: list[tuple[int, str, dt.datetime | None]]) -> None:

@@ -13,6 +13,7 @@ from apps.jobs.models import Allocation, Job, JobState, JobWait, Reservation, Te
 from apps.jobs.models.jobs import HOLDING_STATES, PRIORITY_RANK, STOPPING_STATES
 from apps.jobs.models.usage import USAGE_EPOCH
 from apps.jobs.scheduler import snapshot as plain
+from controlplane.bulk import fetch_rows
 
 
 @dataclass
@@ -20,8 +21,8 @@ class ReadContext:
     """What the apply step needs besides the decisions: the reasons as they stand now."""
 
     now: dt.datetime
-    # pending job -> (reason, estimated start in epoch seconds, or None)
-    reasons: dict[int, tuple[str, float | None]]
+    # pending job -> (reason, estimated start in epoch seconds, or None), None: no row yet
+    reasons: dict[int, tuple[str, float | None] | None]
     held_by_team: dict[int, int]  # GPUs each team holds now (for the decayed usage)
 
 
@@ -69,9 +70,11 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
             gpus_free=max(gpus - held_per_node.get(node_id, 0), 0),
             schedulable=state in SCHEDULABLE_STATES,
         )
-        for node_id, pool_id, rack_id, gpus, state in Node.objects.exclude(state__in=GONE_STATES)
-        .values_list("id", "pool_id", "rack_id", "gpu_count", "state")
-        .order_by("id")
+        for node_id, pool_id, rack_id, gpus, state in fetch_rows(
+            Node.objects.exclude(state__in=GONE_STATES)
+            .values_list("id", "pool_id", "rack_id", "gpu_count", "state")
+            .order_by("id")
+        )
     )
 
     burst_gpus: dict[int, int] = defaultdict(int)
@@ -104,7 +107,7 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
     }
 
     node_gpus: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for job_id, node_id, gpus in (
+    for job_id, node_id, gpus in fetch_rows(
         Allocation.objects.filter(ended_at__isnull=True)
         .values_list("job_id", "node_id", "gpus")
         .order_by("job_id", "node_id")
@@ -112,7 +115,7 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
         node_gpus[job_id].append((node_id, gpus))
     running = []
     held_by_team: dict[int, int] = defaultdict(int)
-    for job_id, team_id, priority, pool_id, admitted_at, limit, state in (
+    for job_id, team_id, priority, pool_id, admitted_at, limit, state in fetch_rows(
         Job.objects.filter(state__in=HOLDING_STATES)
         .values_list(
             "id", "team_id", "priority_class", "pool_id", "admitted_at", "time_limit_s", "state"
@@ -140,7 +143,7 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
     pending = []
     reasons = {}
     budget_by_team: dict[int, bool] = {}
-    for row in (
+    for row in fetch_rows(
         Job.objects.filter(state=JobState.PENDING)
         .annotate(queued=Epoch("queued_at"))
         .values_list(
@@ -190,11 +193,13 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
                 budget_ok=budget_by_team[team_id],
             )
         )
-        reasons[job_id] = ("", None)  # no reason yet, unless JobWait says one
+        reasons[job_id] = None  # no wait row yet, unless JobWait has one
     # Only pending jobs have wait rows (they go when a job leaves PENDING): no join needed.
-    for job_id, reason, estimated in JobWait.objects.annotate(
-        estimated=Epoch("estimated_start")
-    ).values_list("job_id", "reason", "estimated"):
+    for job_id, reason, estimated in fetch_rows(
+        JobWait.objects.annotate(estimated=Epoch("estimated_start")).values_list(
+            "job_id", "reason", "estimated"
+        )
+    ):
         if job_id in reasons:
             reasons[job_id] = (reason, estimated)
 

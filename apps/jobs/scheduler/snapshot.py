@@ -6,6 +6,7 @@ a pending job may ask for "ANY". Priority classes are ranks: 0 low, 1 normal,
 """
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 ANY_GPU = "ANY"
 
@@ -57,8 +58,10 @@ class Running:
         return sum(g for _, g in self.node_gpus)
 
 
-@dataclass(frozen=True, slots=True)
-class Pending:
+class Pending(NamedTuple):
+    """A pending job. A named tuple, like Wait: a pass makes one per pending job (50,000),
+    and a tuple is built about seven times faster than a frozen dataclass."""
+
     job_id: int
     team_id: int
     priority: int
@@ -145,8 +148,7 @@ class BurstRequest:
     spot: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Wait:
+class Wait(NamedTuple):
     """Why a pending job is not placed, in plain words, and when it may start."""
 
     reason: str

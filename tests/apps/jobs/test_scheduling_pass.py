@@ -173,3 +173,72 @@ def test_a_burst_of_submits_asks_for_one_pass(
         for i in range(100):
             submit(team, researcher, name=f"burst-{i}")
     assert _queued_messages() - before == 1
+
+
+def test_a_changed_reason_replaces_the_stored_one(fleet_pool, team, researcher):
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    jobs = [submit(team, researcher, name=f"j{i}") for i in range(3)]
+    first = scheduling_pass()
+    assert first.reasons_written == 2
+    last = Job.objects.get(pk=jobs[2].pk)
+    before = last.pending_reason
+    assert "quota" in before
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=16, by=None)
+    second = scheduling_pass()
+    assert second.placed == 1 and second.reasons_written == 1
+    last = Job.objects.get(pk=jobs[2].pk)
+    assert last.state == JobState.PENDING
+    assert "quota" in last.pending_reason and last.pending_reason != before
+
+
+def _node_updates() -> tuple[int, int]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables "
+            "WHERE relname = 'fleet_node'"
+        )
+        return cursor.fetchone()
+
+
+@pytest.mark.postgres
+def test_nodes_marked_busy_are_rewritten_in_place(fleet_pool, quota, team, researcher):
+    """No index covers a node's state and its pages have room (fleet migration 0006),
+    so PostgreSQL updates each node in place (HOT) instead of in all its indexes."""
+    for i in range(4):
+        submit(team, researcher, name=f"whole-node-{i}")
+    updated, in_place = _node_updates()
+    report = scheduling_pass()
+    assert report.placed == 4
+    assert Node.objects.filter(pool=fleet_pool, state=NodeState.BUSY).count() == 4
+    updated_after, in_place_after = _node_updates()
+    assert updated_after - updated == 4
+    assert in_place_after - in_place == 4
+
+
+def test_a_pass_pauses_the_cycle_collector_and_restores_it(
+    fleet_pool, quota, team, researcher, monkeypatch
+):
+    import gc
+
+    from apps.jobs.scheduler import run
+
+    seen = []
+    real_plan = run.plan
+
+    def plan_watching_the_collector(snapshot):
+        seen.append(gc.isenabled())
+        return real_plan(snapshot)
+
+    monkeypatch.setattr(run, "plan", plan_watching_the_collector)
+    submit(team, researcher)
+    assert gc.isenabled()
+    scheduling_pass()
+    assert seen == [False] and gc.isenabled()
+    gc.disable()  # a caller that had it off gets it back off
+    try:
+        scheduling_pass()
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()

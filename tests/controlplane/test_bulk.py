@@ -1,0 +1,85 @@
+"""The bulk helpers the scheduler's pass is built on: InArray and fetch_rows.
+
+They run on whichever database the suite has (SQLite, or PostgreSQL in CI), and each
+must give what Django's own `__in` and `values_list` would.
+"""
+
+import datetime as dt
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+
+from apps.jobs.models import Job
+from apps.jobs.scheduler.read import Epoch
+from controlplane.bulk import InArray, fetch_rows
+from tests import factories
+from tests.apps.jobs.conftest import command_spec, fleet_pool, quota  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def jobs(fleet_pool, quota, team, researcher):  # noqa: F811 (fixtures)
+    from apps.jobs import services
+
+    made = []
+    for i in range(5):
+        spec = command_spec(team, name=f"bulk-{i}")
+        job, _ = services.job_submit(team=team, spec=spec, submitted_by=researcher)
+        made.append(job)
+    Job.objects.filter(pk__in=[made[1].pk, made[3].pk]).update(max_cost_usd=Decimal("12.50"))
+    return made
+
+
+def test_in_array_selects_updates_and_deletes_what_in_would(jobs):
+    ids = [jobs[0].id, jobs[2].id, jobs[4].id, 10**12]  # one id that matches nothing
+    assert sorted(Job.objects.filter(InArray("id", ids)).values_list("id", flat=True)) == sorted(
+        Job.objects.filter(pk__in=ids).values_list("id", flat=True)
+    )
+    assert Job.objects.filter(InArray("id", ids)).update(state_reason="picked") == 3
+    assert set(Job.objects.filter(state_reason="picked").values_list("id", flat=True)) == {
+        jobs[0].id,
+        jobs[2].id,
+        jobs[4].id,
+    }
+    # On a foreign key's column, combined with other conditions.
+    team_id = jobs[0].team_id
+    assert Job.objects.filter(InArray("team_id", {team_id}), state_reason="picked").count() == 3
+    assert Job.objects.filter(InArray("id", ids[:1])).delete()[1]["jobs.Job"] == 1
+    assert Job.objects.count() == 4
+
+
+def test_in_array_of_nothing_matches_nothing(jobs):
+    assert list(Job.objects.filter(InArray("id", []))) == []
+    assert Job.objects.filter(InArray("id", [])).update(state_reason="none") == 0
+
+
+def test_in_array_sends_one_parameter_on_postgresql(jobs):
+    if connection.vendor != "postgresql":
+        pytest.skip("the array form is PostgreSQL's")
+    sql, params = Job.objects.filter(InArray("id", [j.id for j in jobs])).query.sql_with_params()
+    assert "= ANY(%s::bigint[])" in sql
+    assert params == ([j.id for j in jobs],)
+
+
+def test_fetch_rows_gives_the_rows_values_list_gives(jobs):
+    factories.make_node()  # a second table, and a datetime that may be NULL
+    query = (
+        Job.objects.annotate(queued=Epoch("queued_at"))
+        .values_list("id", "team_id", "queued", "spot_allowed", "max_cost_usd", "admitted_at")
+        .order_by("id")
+    )
+    rows = fetch_rows(query)
+    assert rows == list(query)
+    assert [row[4] for row in rows] == [None, Decimal("12.50"), None, Decimal("12.50"), None]
+    assert all(isinstance(row[2], float) for row in rows)
+    assert abs(rows[0][2] - jobs[0].queued_at.timestamp()) < 1e-3
+    assert (
+        fetch_rows(
+            Job.objects.filter(queued_at__lt=dt.datetime(2000, 1, 1, tzinfo=dt.UTC)).values_list(
+                "id"
+            )
+        )
+        == []
+    )
