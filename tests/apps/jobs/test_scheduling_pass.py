@@ -242,3 +242,17 @@ def test_a_pass_pauses_the_cycle_collector_and_restores_it(
         assert seen == [False, False] and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_deleted_job_takes_its_wait_row_along(fleet_pool, team, researcher):
+    """JobWait has no foreign key in the database (migration jobs 0006); Django's
+    CASCADE still removes a job's wait row with the job."""
+    from apps.jobs.models import JobWait
+
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    submit(team, researcher, name="placed")
+    waiting = submit(team, researcher, name="waiting")
+    scheduling_pass()
+    assert JobWait.objects.filter(job=waiting).exists()
+    Job.objects.filter(pk=waiting.pk).delete()
+    assert not JobWait.objects.filter(job_id=waiting.pk).exists()
