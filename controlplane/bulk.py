@@ -99,16 +99,20 @@ def update_rows(
 
 
 def fetch_rows(queryset: models.QuerySet) -> list[tuple]:
-    """A values_list queryset's rows, read in one fetch on PostgreSQL.
+    """A values_list queryset's rows (tuples, not flat), read in one fetch on PostgreSQL.
 
     Django reads 100 rows per fetch and passes each through its converters; for the
     scheduler's 50,000 pending jobs that costs more than the query. psycopg's own types
     (int, str, float, bool, Decimal, aware datetime) are what those converters would
-    return on PostgreSQL; other databases keep Django's path.
+    return on PostgreSQL for these columns (not for JSON ones: keep those on Django's
+    path); other databases keep Django's path.
     """
     if connection.vendor != "postgresql":
-        return list(queryset)
-    sql, params = queryset.query.sql_with_params()
+        return [tuple(row) for row in queryset]
+    try:
+        sql, params = queryset.query.sql_with_params()
+    except EmptyResultSet:  # e.g. filter(pk__in=[]): Django answers [] without a query
+        return []
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.fetchall()

@@ -83,3 +83,4 @@ def test_fetch_rows_gives_the_rows_values_list_gives(jobs):
         )
         == []
     )
+    assert fetch_rows(Job.objects.filter(pk__in=[]).values_list("id")) == []
