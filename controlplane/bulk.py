@@ -7,10 +7,11 @@ tuples in the order of `fields`; model defaults are not applied, so give every
 column the table needs.
 """
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 
 from django.core.exceptions import EmptyResultSet
-from django.db import connection, models
+from django.db import connection, models, transaction
 from django.db.models import BooleanField, F, Func
 
 
@@ -96,6 +97,68 @@ def update_rows(
     objects = [model(**dict(zip(attnames, row, strict=True))) for row in rows]
     model.objects.bulk_update(objects, attnames[n:], batch_size=500)
     return len(objects)
+
+
+def insert_with(
+    first: models.Model, rest: Callable[[models.Model], Sequence[models.Model]]
+) -> list[models.Model]:
+    """Insert a new row and the rows that record it (`rest(first)`, built once `first`
+    has its id and its insert-time values) as one unit: a job, its first event and its
+    audit row.
+
+    On PostgreSQL `first` takes its id from its table's sequence, then all rows go in
+    one statement (each INSERT but the last in a WITH): two round trips, and outside a
+    transaction the statement commits by itself, so no BEGIN and COMMIT either. Ids
+    the database fills for the other rows are not read back. Elsewhere the rows are
+    saved one by one in a transaction.
+    """
+    if connection.vendor != "postgresql":
+        with transaction.atomic():
+            first.save(force_insert=True)
+            others = list(rest(first))
+            for obj in others:
+                obj.save(force_insert=True)
+        return [first, *others]
+    meta = first._meta
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT nextval(pg_get_serial_sequence(%s, %s))", [meta.db_table, meta.pk.column]
+        )
+        first.pk = cursor.fetchone()[0]
+    inserts = [_insert_sql(first)]  # first: its auto_now_add values are set before rest()
+    objects = [first, *rest(first)]
+    inserts += [_insert_sql(obj) for obj in objects[1:]]
+    chained = ", ".join(f"w{i} AS ({sql})" for i, (sql, _) in enumerate(inserts[:-1]))
+    sql = f"WITH {chained} {inserts[-1][0]}" if chained else inserts[-1][0]
+    params = [value for _, values in inserts for value in values]
+    # Inside a caller's transaction, a savepoint: a failed insert (a lost race on a unique
+    # key) must leave the caller's transaction usable.
+    unit = transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext()
+    try:
+        with unit, connection.cursor() as cursor:
+            cursor.execute(sql, params)
+    except Exception:
+        first.pk = None  # nothing was inserted: the reserved id stays unused
+        raise
+    for obj in objects:
+        obj._state.adding = False
+        obj._state.db = connection.alias
+    return objects
+
+
+def _insert_sql(obj: models.Model) -> tuple[str, list]:
+    """INSERT of one new instance, its values as Model.save() would prepare them."""
+    fields = [
+        f
+        for f in obj._meta.concrete_fields
+        if not (f.primary_key and getattr(obj, f.attname) is None)
+    ]
+    values = [f.get_db_prep_save(f.pre_save(obj, add=True), connection) for f in fields]
+    quote = connection.ops.quote_name
+    columns = ", ".join(quote(f.column) for f in fields)
+    placeholders = ", ".join(["%s"] * len(fields))
+    table = quote(obj._meta.db_table)
+    return f"INSERT INTO {table} ({columns}) VALUES ({placeholders})", values  # noqa: S608
 
 
 def fetch_rows(queryset: models.QuerySet) -> list[tuple]:

@@ -80,7 +80,14 @@ def _actor_label(actor) -> str:
     return origin.label or "system"
 
 
-def audit_record(
+def audit_record(**change) -> AuditEvent:
+    """Record one change now: audit_event's row (same arguments), saved."""
+    event = audit_event(**change)
+    event.save(force_insert=True)
+    return event
+
+
+def audit_event(
     *,
     actor,
     action: str,
@@ -89,8 +96,10 @@ def audit_record(
     after: dict | None = None,
     team: Team | None = None,
 ) -> AuditEvent:
+    """The audit row audit_record saves, unsaved: for a caller that inserts it together
+    with the change it records (controlplane.bulk.insert_with)."""
     origin = current_origin()
-    return AuditEvent.objects.create(
+    return AuditEvent(
         actor=actor if actor is not None and actor.pk else None,
         actor_label=_actor_label(actor)[:150],
         channel=origin.channel,

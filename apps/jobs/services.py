@@ -17,7 +17,7 @@ from django.utils import timezone
 from apps.accounts.models import TeamSecret
 from apps.accounts.secrets import decrypt, encrypt
 from apps.accounts.selectors import quota_limits, roles_of
-from apps.accounts.services import audit_record, snapshot
+from apps.accounts.services import audit_event, audit_record, snapshot
 from apps.costs import selectors as costs
 from apps.costs.money import money_text
 from apps.fleet import services as fleet
@@ -36,6 +36,7 @@ from apps.jobs.models import (
 )
 from apps.jobs.models.jobs import FINISHED_STATES, HOLDING_STATES, NOT_STARTED_STATES
 from apps.tuning import services as tuning
+from controlplane.bulk import insert_with
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -194,28 +195,33 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
         idempotency_key=idempotency_key,
         queued_at=now,
     )
-    try:
-        with transaction.atomic():
-            job.save()
-            Job.wait.related.set_cached_value(job, None)  # a new job waits for its first pass
-            JobEvent.objects.create(
+
+    def records(job: Job) -> list:
+        return [
+            JobEvent(
                 job=job,
                 from_state="",
                 to_state=J.PENDING,
                 reason="submitted",
                 actor=job.submitted_by,
                 actor_label=_label(submitted_by),
-            )
-            audit_record(
+            ),
+            audit_event(
                 actor=submitted_by, action="job.submit", obj=job, after=snapshot(job), team=team
-            )
-            schedule_soon()
+            ),
+        ]
+
+    try:
+        # The job, its event and its audit row in one statement (one unit, one round trip).
+        insert_with(job, records)
     except IntegrityError:
         # A concurrent retry with the same key won the race: answer with its job.
         existing = Job.objects.filter(team=team, idempotency_key=idempotency_key).first()
         if idempotency_key and existing is not None:
             return _same_request(existing, spec), False
         raise
+    Job.wait.related.set_cached_value(job, None)  # a new job waits for its first pass
+    schedule_soon()  # after the commit (at once when the insert committed by itself)
     return job, True
 
 

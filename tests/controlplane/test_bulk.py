@@ -8,11 +8,11 @@ import datetime as dt
 from decimal import Decimal
 
 import pytest
-from django.db import connection
+from django.db import IntegrityError, connection
 
 from apps.jobs.models import Job
 from apps.jobs.scheduler.read import Epoch
-from controlplane.bulk import InArray, fetch_rows
+from controlplane.bulk import InArray, fetch_rows, insert_with
 from tests import factories
 from tests.apps.jobs.conftest import command_spec, fleet_pool, quota  # noqa: F401 (fixtures)
 
@@ -84,3 +84,85 @@ def test_fetch_rows_gives_the_rows_values_list_gives(jobs):
         == []
     )
     assert fetch_rows(Job.objects.filter(pk__in=[]).values_list("id")) == []
+
+
+def _job_records(job):
+    from apps.accounts.services import audit_event, snapshot
+    from apps.jobs.models import JobEvent
+
+    return [
+        JobEvent(job=job, from_state="", to_state="pending", reason="submitted"),
+        audit_event(actor=None, action="job.submit", obj=job, after=snapshot(job)),
+    ]
+
+
+def _unsaved_job(team, name="together", key=""):
+    return Job(
+        name=name,
+        team=team,
+        kind="command",
+        spec={"argv": ["true"]},
+        gpu_type="H100",
+        nodes=1,
+        gpus_per_node=8,
+        dp_shard=8,
+        placement="owned",
+        time_limit_s=600,
+        idempotency_key=key,
+        queued_at=dt.datetime(2026, 12, 1, tzinfo=dt.UTC),
+    )
+
+
+def _inserted_as_one_unit(team):
+    from apps.accounts.models import AuditEvent
+    from apps.jobs.models import JobEvent
+
+    job = _unsaved_job(team)
+    objects = insert_with(job, _job_records)
+    assert objects[0] is job and job.pk is not None and not job._state.adding
+    stored = Job.objects.get(pk=job.pk)
+    assert stored.name == "together" and stored.spec == {"argv": ["true"]}
+    assert stored.submitted_at is not None  # auto_now_add, as save() would set it
+    event = JobEvent.objects.get(job=job)
+    assert (event.to_state, event.reason) == ("pending", "submitted") and event.at is not None
+    audit = AuditEvent.objects.get(action="job.submit", object_id=str(job.pk))
+    assert audit.object_repr == f"together (#{job.pk})"
+    # The audit row's snapshot was taken with the job's id and insert-time values.
+    assert audit.after["id"] == job.pk and audit.after["submitted_at"] is not None
+    return job
+
+
+def test_insert_with_writes_a_row_and_its_records_together(team):
+    _inserted_as_one_unit(team)
+
+
+def test_a_failed_insert_with_leaves_nothing_and_the_transaction_usable(team):
+    from apps.jobs.models import JobEvent
+
+    insert_with(_unsaved_job(team, name="first", key="k-1"), _job_records)
+    clash = _unsaved_job(team, name="second", key="k-1")  # the same idempotency key
+    with pytest.raises(IntegrityError):
+        insert_with(clash, _job_records)
+    assert clash.pk is None
+    # The caller's transaction goes on: the clash left no job, event or audit row.
+    assert list(Job.objects.values_list("name", flat=True)) == ["first"]
+    assert JobEvent.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_insert_with_commits_by_itself_outside_a_transaction(team):
+    assert not connection.in_atomic_block
+    job = _inserted_as_one_unit(team)
+    if connection.vendor == "postgresql":
+        # Seen from a second connection: committed, with no BEGIN or COMMIT of ours.
+        import psycopg
+
+        settings = connection.settings_dict
+        with psycopg.connect(
+            host=settings["HOST"],
+            port=settings["PORT"] or 5432,
+            user=settings["USER"],
+            dbname=settings["NAME"],
+        ) as other:
+            count = other.execute("SELECT count(*) FROM jobs_job WHERE id = %s", [job.pk])
+            assert count.fetchone()[0] == 1

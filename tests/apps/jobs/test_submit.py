@@ -359,3 +359,36 @@ def test_a_quota_change_applies_to_the_next_submit_at_once(
     refused = submit(client, big)
     assert refused.status_code == 400, refused.content
     assert "resources" in str(refused.json()["error"]["details"])
+
+
+def test_a_retry_that_loses_the_race_answers_with_the_winners_job(
+    fleet_pool, quota, team, researcher, monkeypatch
+):
+    """Two submits with one Idempotency-Key, the second inserting between the first's
+    look-up and its insert: the first's insert fails on the key and it answers with the
+    winner's job, leaving one job, one event and one audit row."""
+    from apps.accounts.models import AuditEvent
+    from apps.jobs import services
+
+    real_check = services.specs.check_command
+    raced = []
+
+    def check_then_lose_the_race(command, errors):
+        real_check(command, errors)
+        if not raced:
+            raced.append(None)  # the winner's own check passes straight through
+            raced[0] = services.job_submit(
+                team=team,
+                spec=command_spec(team),
+                submitted_by=researcher,
+                idempotency_key="ci-race",
+            )[0]
+
+    monkeypatch.setattr(services.specs, "check_command", check_then_lose_the_race)
+    job, created = services.job_submit(
+        team=team, spec=command_spec(team), submitted_by=researcher, idempotency_key="ci-race"
+    )
+    assert not created and job.pk == raced[0].pk
+    assert Job.objects.count() == 1
+    assert JobEvent.objects.filter(job=job).count() == 1
+    assert AuditEvent.objects.filter(action="job.submit").count() == 1
