@@ -171,7 +171,7 @@ def fetch_rows(queryset: models.QuerySet) -> list[tuple]:
     path); other databases keep Django's path.
     """
     if connection.vendor != "postgresql":
-        return [tuple(row) for row in queryset]
+        return list(queryset)  # values_list rows are tuples already
     try:
         sql, params = queryset.query.sql_with_params()
     except EmptyResultSet:  # e.g. filter(pk__in=[]): Django answers [] without a query

@@ -1,7 +1,9 @@
-"""The bulk helpers the scheduler's pass is built on: InArray and fetch_rows.
+"""The bulk helpers of controlplane/bulk.py: InArray and fetch_rows (the scheduler's
+pass), insert_with (a job submit's three rows in one statement).
 
-They run on whichever database the suite has (SQLite, or PostgreSQL in CI), and each
-must give what Django's own `__in` and `values_list` would.
+They run on whichever database the suite has (SQLite, or PostgreSQL in CI): InArray
+and fetch_rows must give what Django's own `__in` and `values_list` would, and
+insert_with what saving each row in one transaction would.
 """
 
 import datetime as dt
