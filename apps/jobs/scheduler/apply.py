@@ -291,12 +291,25 @@ def _advance_usage(ctx: ReadContext) -> None:
     if not rows:
         return
     table = TeamUsage._meta.db_table
+    add = (
+        "ON CONFLICT (team_id) DO UPDATE SET "
+        f"scaled_gpu_seconds = {table}.scaled_gpu_seconds + excluded.scaled_gpu_seconds, "
+        "updated_at = excluded.updated_at"
+    )
     with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            # One statement from two arrays: a thousand teams' upserts one by one cost a
+            # tenth of a steady pass.
+            teams, added = [row[0] for row in rows], [row[1] for row in rows]
+            cursor.execute(
+                f"INSERT INTO {table} (team_id, scaled_gpu_seconds, updated_at) "  # noqa: S608
+                f"SELECT t, s, %s FROM unnest(%s::bigint[], %s::float8[]) AS v(t, s) {add}",
+                [now, teams, added],
+            )
+            return
         cursor.executemany(
             f"INSERT INTO {table} (team_id, scaled_gpu_seconds, updated_at) "  # noqa: S608
-            "VALUES (%s, %s, %s) ON CONFLICT (team_id) DO UPDATE SET "
-            f"scaled_gpu_seconds = {table}.scaled_gpu_seconds + excluded.scaled_gpu_seconds, "
-            "updated_at = excluded.updated_at",
+            f"VALUES (%s, %s, %s) {add}",
             rows,
         )
 
@@ -320,9 +333,17 @@ def _dispatch_soon(job_ids: list[int], batch: int = 200) -> None:
     """Hand the placed jobs to the dispatch task (the reconcile sweep covers a lost message)."""
     from controlplane.celery import app
 
-    for start in range(0, len(job_ids), batch):
-        try:
-            app.send_task("jobs.dispatch", args=[job_ids[start : start + batch]])
-        except Exception:
-            log.warning("could not enqueue dispatch of %d jobs", len(job_ids), exc_info=True)
-            return
+    try:
+        # One broker connection for every message, and a short argsrepr: Celery would
+        # otherwise format each batch of ids for the message's headers.
+        with app.producer_or_acquire() as producer:
+            for start in range(0, len(job_ids), batch):
+                ids = job_ids[start : start + batch]
+                app.send_task(
+                    "jobs.dispatch",
+                    args=[ids],
+                    producer=producer,
+                    argsrepr=f"[{len(ids)} job ids from {ids[0]}]",
+                )
+    except Exception:
+        log.warning("could not enqueue dispatch of %d jobs", len(job_ids), exc_info=True)

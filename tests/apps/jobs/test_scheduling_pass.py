@@ -7,6 +7,7 @@ from apps.fleet.models import Node, NodeState
 from apps.fleet.services import node_drain
 from apps.jobs import services
 from apps.jobs.models import Allocation, Job, JobEvent, JobState, TeamUsage
+from apps.jobs.scheduler.apply import _dispatch_soon
 from apps.jobs.scheduler.run import scheduling_pass
 from tests.apps.jobs.conftest import command_spec
 
@@ -256,3 +257,56 @@ def test_a_deleted_job_takes_its_wait_row_along(fleet_pool, team, researcher):
     assert JobWait.objects.filter(job=waiting).exists()
     Job.objects.filter(pk=waiting.pk).delete()
     assert not JobWait.objects.filter(job_id=waiting.pk).exists()
+
+
+def test_placed_jobs_reach_the_broker_in_batches_of_ids():
+    """What the dispatch hand-off puts on the real broker: every placed id once, in
+    batches, each message with a short argsrepr rather than its ids. (The filesystem
+    broker may hand back messages sent in the same millisecond in another order.)"""
+    from controlplane.celery import app
+
+    ids = list(range(10_001, 10_451))
+    _dispatch_soon(ids, batch=200)
+    batches = []
+    with app.connection_for_read() as connection:
+        queue = connection.SimpleQueue("celery")
+        try:
+            while True:
+                message = queue.get(timeout=2)
+                message.ack()
+                if message.headers.get("task") == "jobs.dispatch":
+                    args, _, _ = message.decode()
+                    batches.append((args[0], message.headers["argsrepr"]))
+        except queue.Empty:
+            pass
+        finally:
+            queue.close()
+    assert sorted(batches) == [
+        (ids[:200], "[200 job ids from 10001]"),
+        (ids[200:400], "[200 job ids from 10201]"),
+        (ids[400:], "[50 job ids from 10401]"),
+    ]
+
+
+def test_usage_adds_what_each_team_held_since_the_last_pass(team, other_team):
+    import datetime as dt
+
+    from django.core.cache import cache
+    from django.utils import timezone
+
+    from apps.jobs.scheduler.apply import LAST_PASS_KEY, _advance_usage
+    from apps.jobs.scheduler.read import ReadContext, decay_scale
+
+    now = timezone.now()
+    held = {team.pk: 8, other_team.pk: 16}
+    cache.set(LAST_PASS_KEY, (now - dt.timedelta(seconds=100)).timestamp())
+    _advance_usage(ReadContext(now=now, reasons={}, held_by_team=held))
+    later = now + dt.timedelta(seconds=50)
+    _advance_usage(ReadContext(now=later, reasons={}, held_by_team={team.pk: 8}))
+    stored = dict(TeamUsage.objects.values_list("team_id", "scaled_gpu_seconds"))
+    # Stored scaled to the epoch: ÷ the scale at each moment gives GPU-seconds then.
+    assert stored[team.pk] == pytest.approx(
+        8 * 100 * decay_scale(now) + 8 * 50 * decay_scale(later)
+    )
+    assert stored[other_team.pk] == pytest.approx(16 * 100 * decay_scale(now))
+    assert TeamUsage.objects.get(team=team).updated_at == later
