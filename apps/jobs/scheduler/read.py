@@ -1,11 +1,13 @@
 """Read the scheduler's snapshot in a few bulk queries: no query per node or per job."""
 
 import datetime as dt
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import FloatField, Func, Sum
+from django.db import connection
+from django.db.models import CharField, FloatField, Func
 
 from apps.accounts.models import TeamQuota
 from apps.fleet.models import GONE_STATES, SCHEDULABLE_STATES, Node, NodePool
@@ -13,7 +15,7 @@ from apps.jobs.models import Allocation, Job, JobState, JobWait, Reservation, Te
 from apps.jobs.models.jobs import HOLDING_STATES, PRIORITY_RANK, STOPPING_STATES
 from apps.jobs.models.usage import USAGE_EPOCH
 from apps.jobs.scheduler import snapshot as plain
-from controlplane.bulk import fetch_rows
+from controlplane.bulk import InArray, fetch_rows
 
 
 @dataclass
@@ -54,21 +56,177 @@ def decay_scale(now: dt.datetime) -> float:
     return 2.0 ** ((now - USAGE_EPOCH).total_seconds() / settings.FAIR_SHARE_HALF_LIFE_S)
 
 
-def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, ReadContext]:
-    held_per_node = dict(
-        Allocation.objects.filter(ended_at__isnull=True)
-        .values_list("node_id")
-        .annotate(held=Sum("gpus"))
+PENDING_COLUMNS = (
+    "id",
+    "team_id",
+    "priority_class",
+    "queued",
+    "gpu_type",
+    "nodes",
+    "gpus_per_node",
+    "placement",
+    "spot_allowed",
+    "time_limit_s",
+    "max_cost_usd",
+)
+
+
+class KeptPending:
+    """The pending jobs as the last pass read them, kept by this process, each with the
+    version of its row (RowVersion: the transaction that wrote it, and where).
+
+    A pass then reads only (id, version) of every pending job, and whole rows only for
+    those it has not seen in that version: a queue of 50,000 that moved by a few hundred
+    costs a few hundred rows, not 50,000. A changed row is a new version, and a version
+    a rolled-back transaction wrote is never seen, so what is kept is never stale; it
+    is still dropped after MAX_AGE_S, and whenever the database is another one.
+    Elsewhere than PostgreSQL every pass reads every row.
+    """
+
+    MAX_AGE_S = 600.0
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.database = None
+        self.read_at = 0.0  # when every row was last read
+        self.jobs: dict[int, plain.Pending] = {}
+        self.versions: dict[int, str] = {}  # job id -> its row's version when read
+        self.max_costs: dict[int, object] = {}  # job id -> max_cost_usd (for the budget)
+        self.rows_read = 0  # whole rows the last read fetched
+
+    def read(self, budget_allows) -> list[plain.Pending]:
+        versioned = connection.vendor == "postgresql"
+        database = (connection.alias, connection.settings_dict["NAME"])
+        started = time.monotonic()
+        if not versioned or database != self.database or started - self.read_at > self.MAX_AGE_S:
+            self.clear()
+        try:
+            if self.jobs:
+                self._refresh()
+            else:
+                self._keep(fetch_rows(_pending_rows(versioned=versioned)), versioned)
+                self.database, self.read_at = database, started
+        except BaseException:
+            self.clear()
+            raise
+        return self._with_budgets(budget_allows)
+
+    def _refresh(self) -> None:
+        now = dict(fetch_rows(_pending_versions()))
+        versions = self.versions
+        for gone in versions.keys() - now.keys():
+            self._drop(gone)
+        unseen = [job_id for job_id, version in now.items() if versions.get(job_id) != version]
+        for job_id in unseen:
+            self._drop(job_id)  # read again below, unless it has left the queue since
+        self.rows_read = 0
+        if unseen:
+            self._keep(
+                fetch_rows(_pending_rows(versioned=True).filter(InArray("id", unseen))), True
+            )
+
+    def _drop(self, job_id: int) -> None:
+        self.jobs.pop(job_id, None)
+        self.versions.pop(job_id, None)
+        self.max_costs.pop(job_id, None)
+
+    def _keep(self, rows, versioned: bool) -> None:
+        # Built positionally (Pending._make) in its field order: 50,000 keyword
+        # constructions cost three times as much. Budgets are filled in per pass.
+        make = plain.Pending._make
+        jobs, versions, max_costs = self.jobs, self.versions, self.max_costs
+        for row in rows:
+            job_id = row[0]
+            jobs[job_id] = make((job_id, row[1], PRIORITY_RANK[row[2]], *row[3:10], True))
+            max_costs[job_id] = row[10]
+            if versioned:
+                versions[job_id] = row[11]
+        self.rows_read = len(rows)
+
+    def _with_budgets(self, budget_allows) -> list[plain.Pending]:
+        """The kept jobs with this pass's answer to the costs app's budget question, asked
+        once per team (the answer is about the team's spend), with one of its jobs.
+        Unordered: the planner orders the queue itself (class, score, age, then id)."""
+        asking: dict[int, plain.Pending] = {}
+        for job in self.jobs.values():
+            asking.setdefault(job.team_id, job)
+        answers = {
+            team_id: budget_allows(
+                team=team_id,
+                gpus=job.nodes * job.gpus_per_node,
+                time_limit_s=job.time_limit_s,
+                max_cost_usd=self.max_costs[job.job_id],
+            )
+            for team_id, job in asking.items()
+        }
+        jobs = self.jobs
+        for job_id, job in jobs.items():
+            if job.budget_ok != answers[job.team_id]:
+                jobs[job_id] = job._replace(budget_ok=answers[job.team_id])
+        return list(jobs.values())
+
+
+_kept = KeptPending()
+
+
+class RowVersion(Func):
+    """Which version of the queried row this is, on PostgreSQL: the transaction that
+    wrote it (xmin) and where it lies (ctid), as text. Every UPDATE writes a new version
+    under a new transaction id or, within one transaction, at another place."""
+
+    output_field = CharField()
+
+    def __init__(self):
+        super().__init__()
+
+    def as_sql(self, compiler, connection, **extra):
+        table = compiler.quote_name_unless_alias(compiler.query.get_initial_alias())
+        return f"{table}.xmin::text || {table}.ctid::text", []
+
+
+def _pending_rows(*, versioned: bool):
+    """Pending jobs in Pending's field order (the priority as its class), then
+    max_cost_usd, then the row's version on PostgreSQL."""
+    jobs = Job.objects.filter(state=JobState.PENDING).annotate(queued=Epoch("queued_at"))
+    if versioned:
+        jobs = jobs.annotate(version=RowVersion())
+        return jobs.values_list(*PENDING_COLUMNS, "version").order_by()
+    return jobs.values_list(*PENDING_COLUMNS).order_by()
+
+
+def _pending_versions():
+    return (
+        Job.objects.filter(state=JobState.PENDING)
+        .annotate(version=RowVersion())
+        .values_list("id", "version")
         .order_by()
     )
+
+
+def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, ReadContext]:
+    # Current allocations, once: what each running job holds, and so what each node has left.
+    node_gpus: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    held_per_node: dict[int, int] = defaultdict(int)
+    for job_id, node_id, gpus in fetch_rows(
+        Allocation.objects.filter(ended_at__isnull=True)
+        .values_list("job_id", "node_id", "gpus")
+        .order_by("job_id", "node_id")
+    ):
+        node_gpus[job_id].append((node_id, gpus))
+        held_per_node[node_id] += gpus
+    slot = plain.NodeSlot._make  # (id, pool, rack, GPUs, free GPUs, schedulable)
     nodes = tuple(
-        plain.NodeSlot(
-            id=node_id,
-            pool_id=pool_id,
-            rack_id=rack_id,
-            gpus_total=gpus,
-            gpus_free=max(gpus - held_per_node.get(node_id, 0), 0),
-            schedulable=state in SCHEDULABLE_STATES,
+        slot(
+            (
+                node_id,
+                pool_id,
+                rack_id,
+                gpus,
+                max(gpus - held_per_node.get(node_id, 0), 0),
+                state in SCHEDULABLE_STATES,
+            )
         )
         for node_id, pool_id, rack_id, gpus, state in fetch_rows(
             Node.objects.exclude(state__in=GONE_STATES)
@@ -106,26 +264,20 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
         )
     }
 
-    node_gpus: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for job_id, node_id, gpus in fetch_rows(
-        Allocation.objects.filter(ended_at__isnull=True)
-        .values_list("job_id", "node_id", "gpus")
-        .order_by("job_id", "node_id")
-    ):
-        node_gpus[job_id].append((node_id, gpus))
     running = []
     held_by_team: dict[int, int] = defaultdict(int)
     for job_id, team_id, priority, pool_id, admitted_at, limit, state in fetch_rows(
         Job.objects.filter(state__in=HOLDING_STATES)
+        .annotate(admitted=Epoch("admitted_at"))
         .values_list(
-            "id", "team_id", "priority_class", "pool_id", "admitted_at", "time_limit_s", "state"
+            "id", "team_id", "priority_class", "pool_id", "admitted", "time_limit_s", "state"
         )
         .order_by("id")
     ):
         if pool_id is None or pool_id not in pools:
             continue
         held = tuple(node_gpus.get(job_id, ()))
-        started = admitted_at or now
+        started = _epoch(now) if admitted_at is None else admitted_at
         running.append(
             plain.Running(
                 job_id=job_id,
@@ -134,44 +286,13 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
                 priority=PRIORITY_RANK[priority],
                 pool_id=pool_id,
                 node_gpus=held,
-                expected_end=_epoch(started) + limit,
+                expected_end=started + limit,
                 preemptible=state not in STOPPING_STATES,
             )
         )
         held_by_team[team_id] += sum(g for _, g in held)
 
-    # Built positionally (Pending._make) from rows in its field order: 50,000 keyword
-    # constructions cost three times as much. Unordered: the planner orders the queue
-    # itself (class, score, age, then id), so a sort here would be work thrown away.
-    make = plain.Pending._make
-    pending = []
-    budget_by_team: dict[int, bool] = {}
-    # Rows in Pending's field order, but for the priority's rank and the budget's answer.
-    for row in fetch_rows(
-        Job.objects.filter(state=JobState.PENDING)
-        .annotate(queued=Epoch("queued_at"))
-        .values_list(
-            "id",
-            "team_id",
-            "priority_class",
-            "queued",
-            "gpu_type",
-            "nodes",
-            "gpus_per_node",
-            "placement",
-            "spot_allowed",
-            "time_limit_s",
-            "max_cost_usd",
-        )
-        .order_by()
-    ):
-        team_id = row[1]
-        budget_ok = budget_by_team.get(team_id)
-        if budget_ok is None:
-            budget_ok = budget_by_team[team_id] = budget_allows(
-                team=team_id, gpus=row[5] * row[6], time_limit_s=row[9], max_cost_usd=row[10]
-            )
-        pending.append(make((row[0], team_id, PRIORITY_RANK[row[2]], *row[3:10], budget_ok)))
+    pending = _kept.read(budget_allows)
     # None: no wait row yet, unless JobWait has one.
     reasons: dict[int, tuple[str, float | None] | None] = dict.fromkeys(p[0] for p in pending)
     # Only pending jobs have wait rows (they go when a job leaves PENDING): no join needed.

@@ -16,9 +16,9 @@ OWNED_THEN_CLOUD = "owned_then_cloud"
 CLOUD = "cloud"
 
 
-@dataclass(frozen=True, slots=True)
-class NodeSlot:
-    """A node as the planner sees it: how many GPUs it has and how many are free now."""
+class NodeSlot(NamedTuple):
+    """A node as the planner sees it: how many GPUs it has and how many are free now.
+    A named tuple, like Pending: a pass reads one per node (10,000)."""
 
     id: int
     pool_id: int
@@ -40,9 +40,8 @@ class PoolInfo:
     gpus_per_node: int = 8  # what a burst node of this pool has (its instance type)
 
 
-@dataclass(frozen=True, slots=True)
-class Running:
-    """A job holding GPUs now (ADMITTED through RUNNING)."""
+class Running(NamedTuple):
+    """A job holding GPUs now (ADMITTED through RUNNING). A named tuple, like Pending."""
 
     job_id: int
     team_id: int

@@ -119,7 +119,7 @@ def snap(nodes, pending, *, pools=None, running=(), **kw) -> Snapshot:
     for r in running:
         for node_id, gpus in r.node_gpus:
             held[node_id] = held.get(node_id, 0) + gpus
-    nodes = tuple(replace(n, gpus_free=max(n.gpus_total - held.get(n.id, 0), 0)) for n in nodes)
+    nodes = tuple(n._replace(gpus_free=max(n.gpus_total - held.get(n.id, 0), 0)) for n in nodes)
     if pools is None:
         pools = {pid: owned(pid) for pid in sorted({n.pool_id for n in nodes})}
     return Snapshot(
@@ -684,7 +684,7 @@ def snapshots(draw) -> Snapshot:
                 preemptible=draw(st.integers(0, 4)) > 0,
             )
         )
-    nodes = [replace(n, gpus_free=free[n.id]) for n in nodes]
+    nodes = [n._replace(gpus_free=free[n.id]) for n in nodes]
     pending = [
         Pending(
             job_id=job_id,

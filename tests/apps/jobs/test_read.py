@@ -1,0 +1,99 @@
+"""The snapshot's pending jobs, kept between passes on PostgreSQL (scheduler/read.py,
+KeptPending): what a pass reads from what it kept must be what reading every row gives."""
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+
+from apps.jobs import services
+from apps.jobs.models import Job
+from apps.jobs.scheduler import read
+from apps.jobs.scheduler.read import read_snapshot
+from tests.apps.jobs.conftest import command_spec
+
+pytestmark = [pytest.mark.django_db, pytest.mark.postgres]
+
+
+def always(**_):
+    return True
+
+
+@pytest.fixture
+def kept():
+    read._kept.clear()
+    yield read._kept
+    read._kept.clear()
+
+
+def pending(budget_allows=always) -> set:
+    snapshot, _ = read_snapshot(now=timezone.now(), budget_allows=budget_allows)
+    return set(snapshot.pending)
+
+
+def pending_read_whole(budget_allows=always) -> set:
+    read._kept.clear()
+    return pending(budget_allows)
+
+
+def submit(team, user, name):
+    job, _ = services.job_submit(team=team, spec=command_spec(team, name=name), submitted_by=user)
+    return job
+
+
+def test_a_pass_reads_only_new_and_changed_rows(kept, fleet_pool, quota, team, researcher):
+    jobs = [submit(team, researcher, f"j{i}") for i in range(6)]
+    # Written twice by one transaction (the test's), before and after the first read: the
+    # two versions share their xmin and differ in where they lie.
+    Job.objects.filter(pk=jobs[4].pk).update(time_limit_s=1800)
+    first = pending()
+    assert {j.job_id for j in first} == {j.pk for j in jobs}
+    assert kept.rows_read == 6
+
+    added = submit(team, researcher, "added")
+    services.job_cancel(job=jobs[0], by=researcher)
+    services.job_hold(job=jobs[1], by=researcher)
+    Job.objects.filter(pk=jobs[2].pk).update(priority_class="urgent")  # same transaction
+    Job.objects.filter(pk=jobs[3].pk).update(time_limit_s=7200)
+    Job.objects.filter(pk=jobs[4].pk).update(time_limit_s=5400)
+    now = pending()
+    assert kept.rows_read == 4  # the new job and the three changed ones
+    assert now == pending_read_whole()
+    by_id = {j.job_id: j for j in now}
+    assert set(by_id) == {added.pk, jobs[2].pk, jobs[3].pk, jobs[4].pk, jobs[5].pk}
+    assert by_id[jobs[2].pk].priority == 3 and by_id[jobs[3].pk].time_limit_s == 7200
+    assert by_id[jobs[4].pk].time_limit_s == 5400
+
+    services.job_release(job=jobs[1], by=researcher)
+    assert {j.job_id for j in pending()} == set(by_id) | {jobs[1].pk}
+    assert kept.rows_read == 1
+
+
+def test_a_change_rolled_back_is_not_kept(kept, fleet_pool, quota, team, researcher):
+    job = submit(team, researcher, "steady")
+    pending()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        Job.objects.filter(pk=job.pk).update(nodes=2)
+        assert {j.nodes for j in pending()} == {2}  # read inside the change's transaction
+        raise RuntimeError("roll it back")
+    assert {j.nodes for j in pending()} == {1}
+    assert pending() == pending_read_whole()
+
+
+def test_each_pass_asks_the_budget_question_again(kept, fleet_pool, quota, team, researcher):
+    submit(team, researcher, "a")
+    submit(team, researcher, "b")
+    assert {j.budget_ok for j in pending()} == {True}
+    assert {j.budget_ok for j in pending(lambda **_: False)} == {False}
+    assert kept.rows_read == 0  # the answer changed, not the rows
+    assert {j.budget_ok for j in pending()} == {True}
+
+
+def test_what_is_kept_is_read_whole_again_after_a_while(kept, fleet_pool, quota, team, researcher):
+    submit(team, researcher, "a")
+    submit(team, researcher, "b")
+    pending()
+    pending()
+    assert kept.rows_read == 0
+    kept.read_at -= kept.MAX_AGE_S + 1
+    pending()
+    assert kept.rows_read == 2
