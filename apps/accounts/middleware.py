@@ -5,7 +5,7 @@ from django.conf import settings
 from apps.accounts.context import Origin, acting_from
 
 
-def _client_address(request) -> str | None:
+def client_address(request) -> str | None:
     if getattr(settings, "TRUST_X_FORWARDED_FOR", False):
         forwarded = request.META.get("HTTP_X_FORWARDED_FOR", "")
         if forwarded:
@@ -26,6 +26,6 @@ class RequestContextMiddleware:
         self.get_response = get_response
 
     def __call__(self, request):
-        origin = Origin(channel=_channel(request.path), address=_client_address(request))
+        origin = Origin(channel=_channel(request.path), address=client_address(request))
         with acting_from(origin):
             return self.get_response(request)

@@ -4,33 +4,25 @@ Plain Django views rather than DRF: heartbeats are the busiest endpoint of the
 control plane and need none of DRF's negotiation. They answer with the API's
 one error shape. The protocol is described in workers/agent/agent.py.
 
-Heartbeats can take a shorter road still: `heartbeat_fast_path` wraps the WSGI
-application (controlplane/wsgi.py) and lands a plain, valid heartbeat without
-Django's middleware, URL resolution and request signals, which cost more than
-the heartbeat itself (bench/heartbeats.py, bench/RESULTS.md). Sessions, CSRF,
-messages and user authentication mean nothing to an agent. Anything else (a
+Heartbeats can take a shorter road still: `heartbeat_fast_path` lands a plain,
+valid heartbeat in front of Django's middleware and URL resolution, which cost
+more than the heartbeat itself (controlplane/shortroads.py). Anything else (a
 missing or unknown token, a body that is not a JSON object, a host Django would
 refuse, a failure) is handed to Django, which answers it through the view below,
 so the answers and their error shape are the same on both roads.
 """
 
 import functools
-import io
 import json
 import logging
-import time
 
-from django.conf import settings
-from django.core.exceptions import DisallowedHost
-from django.core.handlers.wsgi import WSGIHandler, WSGIRequest
-from django.core.signals import request_started
 from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from apps.fleet import agents
 from controlplane.api import error_body
 from controlplane.errors import ApplicationError
-from controlplane.observability import LATENCY, REQUESTS
+from controlplane.shortroads import Answer, bearer_token, short_road
 
 log = logging.getLogger(__name__)
 
@@ -97,73 +89,32 @@ def heartbeat(request, identity, body):
 
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
 HEARTBEAT_ROUTE = "agent-heartbeat"  # the URL's name: the route label of the request metrics
-FAST_BODY_BYTES = 256 * 1024  # a heartbeat is about 2 KiB; anything larger goes the long way
 _OK = json.dumps({"ok": True}).encode()
-# What the heartbeat view's answer carries once through the middleware (security headers).
-_OK_HEADERS = [
-    ("Content-Type", "application/json"),
-    ("Content-Length", str(len(_OK))),
-    ("X-Content-Type-Options", "nosniff"),
-    ("X-Frame-Options", "DENY"),
-    ("Referrer-Policy", "same-origin"),
-    ("Cross-Origin-Opener-Policy", "same-origin"),
-]
 
 
 def heartbeat_fast_path(application):
-    """Wrap a WSGI application: plain valid heartbeats are landed here, the rest go on.
-
-    Only POST /api/v1/agent/heartbeat is looked at, and only a request that the
-    view would answer 200 is answered here, with the same body and headers, and
-    counted in the same request metrics.
-    """
-
-    def fast_path(environ, start_response):
-        if environ.get("PATH_INFO") == HEARTBEAT_PATH and environ.get("REQUEST_METHOD") == "POST":
-            started = time.perf_counter()
-            if _land_plain_heartbeat(environ):
-                start_response("200 OK", list(_OK_HEADERS))
-                REQUESTS.labels("POST", HEARTBEAT_ROUTE, "200").inc()
-                LATENCY.labels(HEARTBEAT_ROUTE).observe(time.perf_counter() - started)
-                return [_OK]
-        return application(environ, start_response)
-
-    return fast_path
+    """Wrap a WSGI application: plain valid heartbeats are landed in front of it
+    (controlplane/shortroads.py), with the view's answer; the rest go on."""
+    return short_road(
+        application,
+        method="POST",
+        path=HEARTBEAT_PATH,
+        route=HEARTBEAT_ROUTE,
+        road=_land_plain_heartbeat,
+    )
 
 
-def _land_plain_heartbeat(environ) -> bool:
-    """Land the heartbeat and return True if it is a plain, valid one. False leaves the
-    request to Django (its body, when read, put back for it)."""
+def _land_plain_heartbeat(request) -> Answer | None:
+    """Land the heartbeat if it is a plain, valid one; None leaves it to the view."""
+    raw = bearer_token(request)
+    identity = agents.agent_identity(raw) if raw is not None else None
+    if identity is None:
+        return None  # the view answers 401
     try:
-        length = int(environ.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        return False
-    if not 0 <= length <= FAST_BODY_BYTES:
-        return False
-    # What Django does at the start of each request: among its receivers, the one that
-    # closes a database connection past its age or broken (a token look-up that misses
-    # the cache opens one). Sent, not called, so a test client can disconnect it.
-    request_started.send(sender=WSGIHandler, environ=environ)
-    try:
-        request = WSGIRequest(environ)
-        request.get_host()  # the ALLOWED_HOSTS check
-        if settings.SECURE_SSL_REDIRECT and not request.is_secure():
-            return False  # SecurityMiddleware redirects it
-        identity = _identity(environ.get("HTTP_AUTHORIZATION", ""))
-        if identity is None:
-            return False  # the view answers 401
-        raw = request.body
-        environ["wsgi.input"] = io.BytesIO(raw)
-        try:
-            report = json.loads(raw or b"{}")
-        except (ValueError, UnicodeDecodeError):
-            return False  # the view answers 400
-        if not isinstance(report, dict):
-            return False  # the view answers 400
-        agents.node_heartbeat_land(identity=identity, report=report)
-    except DisallowedHost:
-        return False  # Django answers 400
-    except Exception:
-        log.warning("heartbeat short road failed; Django answers instead", exc_info=True)
-        return False
-    return True
+        report = json.loads(request.body or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        return None  # the view answers 400
+    if not isinstance(report, dict):
+        return None  # the view answers 400
+    agents.node_heartbeat_land(identity=identity, report=report)
+    return Answer(200, _OK)

@@ -48,19 +48,10 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     )
     def create(self, request, *args, **kwargs):
         """Submit a job. 201 with the new job, or 200 with the first one for a reused key."""
-        body = s.JobSubmitSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        key = request.headers.get("Idempotency-Key", "").strip()
-        if len(key) > 200 or (key and not key.isprintable()):
-            raise ApplicationError(
-                "The Idempotency-Key header is too long or not printable.",
-                details={"Idempotency-Key": ["At most 200 printable characters."]},
-            )
-        reject_unstorable_text(key)
-        spec = dict(body.validated_data)
-        team = _team_visible(request.user, spec.pop("team"))
-        job, created = services.job_submit(
-            team=team, spec=_jsonable(spec), submitted_by=request.user, idempotency_key=key
+        job, created = submit_request(
+            user=request.user,
+            data=request.data,
+            idempotency_key=request.headers.get("Idempotency-Key", ""),
         )
         answer = s.JobSerializer(job, context=self.get_serializer_context()).data
         return Response(answer, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
@@ -121,6 +112,27 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             "state": job.state,
         }
         return Response(s.JobLogSerializer(answer).data)
+
+
+def submit_request(*, user, data, idempotency_key: str):
+    """A submit request (its body and Idempotency-Key header) checked and queued:
+    (job, created). Raises ValidationError or ApplicationError, before anything is
+    written, for a request refused. Both roads call it: the view above and the short
+    one (apps/jobs/api/submit.py)."""
+    body = s.JobSubmitSerializer(data=data)
+    body.is_valid(raise_exception=True)
+    key = idempotency_key.strip()
+    if len(key) > 200 or (key and not key.isprintable()):
+        raise ApplicationError(
+            "The Idempotency-Key header is too long or not printable.",
+            details={"Idempotency-Key": ["At most 200 printable characters."]},
+        )
+    reject_unstorable_text(key)
+    spec = dict(body.validated_data)
+    team = _team_visible(user, spec.pop("team"))
+    return services.job_submit(
+        team=team, spec=_jsonable(spec), submitted_by=user, idempotency_key=key
+    )
 
 
 def _team_visible(user, team_id: int):

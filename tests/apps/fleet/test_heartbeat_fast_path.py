@@ -1,13 +1,10 @@
 """The heartbeats' short road (controlplane/wsgi.py): the view's own answer, or it hands over."""
 
-import io
 import json
 
 import pytest
 from django.core.cache import cache
-from django.core.handlers.wsgi import WSGIHandler
-from django.core.signals import request_finished, request_started
-from django.db import close_old_connections, connection
+from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from apps.fleet import agents, services
@@ -15,6 +12,7 @@ from apps.fleet.api.agent import heartbeat_fast_path
 from apps.fleet.models import Node, NodeState
 from controlplane.observability import REQUESTS
 from tests import factories
+from tests.shortroads import call, django_and_road
 
 pytestmark = pytest.mark.django_db
 S = NodeState
@@ -27,59 +25,10 @@ def ready_node():
     return node
 
 
-def call(
-    app,
-    *,
-    token=None,
-    body=b'{"seq": 3}',
-    method="POST",
-    path="/api/v1/agent/heartbeat",
-    host="testserver",
-):
-    environ = {
-        "REQUEST_METHOD": method,
-        "PATH_INFO": path,
-        "SCRIPT_NAME": "",
-        "QUERY_STRING": "",
-        "SERVER_NAME": "testserver",
-        "SERVER_PORT": "80",
-        "HTTP_HOST": host,
-        "SERVER_PROTOCOL": "HTTP/1.1",
-        "REMOTE_ADDR": "127.0.0.1",
-        "CONTENT_TYPE": "application/json",
-        "CONTENT_LENGTH": str(len(body)),
-        "wsgi.input": io.BytesIO(body),
-        "wsgi.url_scheme": "http",
-        "wsgi.errors": io.StringIO(),
-        "wsgi.multithread": False,
-        "wsgi.multiprocess": True,
-        "wsgi.run_once": False,
-        "wsgi.version": (1, 0),
-    }
-    if token is not None:
-        environ["HTTP_AUTHORIZATION"] = f"Bearer {token}"
-    got = {}
-
-    def start_response(status, headers, exc_info=None):
-        got["status"], got["headers"] = int(status[:3]), dict(headers)
-
-    out = app(environ, start_response)
-    content = b"".join(out)
-    if hasattr(out, "close"):
-        out.close()
-    return got["status"], got["headers"], content
-
-
 @pytest.fixture
 def apps():
-    # As Django's test client does: a request's start and end would otherwise
-    # close the test's connection, which holds the test's open transaction.
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
-    django_app = WSGIHandler()
-    yield django_app, heartbeat_fast_path(django_app)
-    request_started.connect(close_old_connections)
-    request_finished.connect(close_old_connections)
+    with django_and_road(heartbeat_fast_path) as both:
+        yield both
 
 
 def test_a_valid_heartbeat_is_landed_without_a_query_and_answered_as_the_view_does(apps):
