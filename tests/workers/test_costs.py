@@ -67,10 +67,12 @@ def test_metering_reads_the_jobs_allocations_and_attributes_them(
 
     assert result["rows"] >= 5  # the job's half of one node, its idle half, three idle nodes
     rows = UsageEntry.objects.filter(node_id=held.node_id, start__gte=held.started_at)
-    mine = rows.get(job=job)
-    assert (mine.team_id, mine.gpus, mine.node_gpus) == (team.pk, 4, 8)
-    assert mine.amount == Decimal("12.121644") / 2
-    assert rows.get(kind="idle").gpus == 4
+    # Rows never cross a local midnight: within an hour of one, the hour is two rows.
+    mine = list(rows.filter(job=job))
+    assert {(m.team_id, m.gpus, m.node_gpus) for m in mine} == {(team.pk, 4, 8)}
+    assert len(mine) in (1, 2)
+    assert abs(sum(m.amount for m in mine) - Decimal("12.121644") / 2) <= Decimal("0.000001")
+    assert set(rows.filter(kind="idle").values_list("gpus", flat=True)) == {4}
 
 
 def test_the_meter_task_runs_one_at_a_time(fleet_pool):  # noqa: F811
