@@ -14,7 +14,6 @@ so the answers and their error shape are the same on both roads.
 
 import functools
 import json
-import logging
 
 from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -24,8 +23,6 @@ from controlplane.api import error_body
 from controlplane.errors import ApplicationError
 from controlplane.shortroads import Answer, bearer_token, short_road
 
-log = logging.getLogger(__name__)
-
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
@@ -33,9 +30,10 @@ def _error(status: int, code: str, message: str, details=None) -> JsonResponse:
     return JsonResponse(error_body(code, message, details), status=status)
 
 
-def _identity(authorization: str) -> agents.AgentIdentity | None:
-    scheme, _, raw = authorization.partition(" ")
-    return agents.agent_identity(raw.strip()) if scheme.lower() == "bearer" else None
+def _identity(request) -> agents.AgentIdentity | None:
+    """The node a `Bearer cpn_...` header stands for, on both roads."""
+    raw = bearer_token(request)
+    return agents.agent_identity(raw) if raw is not None else None
 
 
 def agent_endpoint(*methods: str):
@@ -48,7 +46,7 @@ def agent_endpoint(*methods: str):
             if request.method not in methods:
                 return _error(405, "method_not_allowed", f"Use {' or '.join(methods)}.")
             # META, not request.headers, which would build a dict of every header first.
-            identity = _identity(request.META.get("HTTP_AUTHORIZATION", ""))
+            identity = _identity(request)
             if identity is None:
                 response = _error(401, "not_authenticated", "A valid node token is required.")
                 response["WWW-Authenticate"] = 'Bearer realm="agent"'
@@ -106,8 +104,7 @@ def heartbeat_fast_path(application):
 
 def _land_plain_heartbeat(request) -> Answer | None:
     """Land the heartbeat if it is a plain, valid one; None leaves it to the view."""
-    raw = bearer_token(request)
-    identity = agents.agent_identity(raw) if raw is not None else None
+    identity = _identity(request)
     if identity is None:
         return None  # the view answers 401
     try:

@@ -76,10 +76,6 @@ def test_a_plain_submit_gets_the_views_answer_without_django(apps, fleet_pool, q
     }
 
 
-def bad(team, **overrides):
-    return command_spec(team, **overrides)
-
-
 @pytest.mark.parametrize(
     ("case", "status"),
     [
