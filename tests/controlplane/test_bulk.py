@@ -10,11 +10,19 @@ import datetime as dt
 from decimal import Decimal
 
 import pytest
-from django.db import IntegrityError, connection
+from django.db import DataError, IntegrityError, connection, transaction
+from django.utils import timezone
 
-from apps.jobs.models import Job
+from apps.jobs.models import Job, JobEvent
 from apps.jobs.scheduler.read import Epoch
-from controlplane.bulk import InArray, fetch_rows, insert_with
+from controlplane.bulk import (
+    InArray,
+    fetch_rows,
+    insert_rows,
+    insert_with,
+    int_array,
+    update_rows,
+)
 from tests import factories
 from tests.apps.jobs.conftest import command_spec, fleet_pool, quota  # noqa: F401 (fixtures)
 
@@ -62,7 +70,32 @@ def test_in_array_sends_one_parameter_on_postgresql(jobs):
         pytest.skip("the array form is PostgreSQL's")
     sql, params = Job.objects.filter(InArray("id", [j.id for j in jobs])).query.sql_with_params()
     assert "= ANY(%s::bigint[])" in sql
-    assert params == ([j.id for j in jobs],)
+    # The integers as the array's text form: psycopg would dump them one by one.
+    assert params == ("{" + ",".join(str(j.id) for j in jobs) + "}",)
+
+
+def test_int_array_is_the_text_form_and_takes_only_numbers():
+    assert int_array([1, 22, 333]) == "{1,22,333}"
+    assert int_array([]) == "{}"
+    for bad in (["1}"], ["1,2"], [None], [object()]):
+        with pytest.raises(TypeError):
+            int_array(bad)
+
+
+def test_update_rows_sets_each_rows_values_nulls_among_integers_included(jobs, fleet_pool):  # noqa: F811
+    rows = [
+        (jobs[0].id, fleet_pool.id, "first"),
+        (jobs[1].id, None, "second"),  # an integer column with a NULL: not the literal form
+        (jobs[2].id, fleet_pool.id, "third"),
+    ]
+    assert update_rows(Job, ("pool", "state_reason"), rows) == 3
+    got = {
+        job_id: (pool_id, reason)
+        for job_id, pool_id, reason in Job.objects.values_list("id", "pool_id", "state_reason")
+    }
+    for job_id, pool_id, reason in rows:
+        assert got[job_id] == (pool_id, reason)
+    assert got[jobs[3].id][1] != "first"  # rows not named are left alone
 
 
 def test_fetch_rows_gives_the_rows_values_list_gives(jobs):
@@ -132,6 +165,56 @@ def _inserted_as_one_unit(team):
     # The audit row's snapshot was taken with the job's id and insert-time values.
     assert audit.after["id"] == job.pk and audit.after["submitted_at"] is not None
     return job
+
+
+EVENT_FIELDS = ("job", "at", "from_state", "to_state", "reason", "actor", "actor_label")
+
+
+def _events(label: str) -> set[tuple]:
+    return set(
+        JobEvent.objects.filter(actor_label=label).values_list(
+            "job_id", "at", "from_state", "to_state", "reason", "actor_id", "actor_label"
+        )
+    )
+
+
+def _without_time(rows) -> set[tuple]:
+    return {(row[0], *row[2:]) for row in rows}
+
+
+def test_insert_rows_writes_the_rows_it_is_given_whatever_their_shape(jobs, researcher):
+    at = timezone.now().replace(microsecond=123456)
+    shapes = {
+        # Only the ids vary.
+        "ids": [(j.id, at, "pending", "admitted", "placed", None, "ids") for j in jobs],
+        # A text column varies too.
+        "text": [
+            (j.id, at, "pending", "held", f"held {i}", None, "text") for i, j in enumerate(jobs)
+        ],
+        # One row: every column is the same in every row.
+        "one": [(jobs[0].id, at, "pending", "held", "just one", None, "one")],
+        # An integer column with a NULL among its values.
+        "null": [
+            (j.id, at, "held", "pending", "released", researcher.id if i % 2 else None, "null")
+            for i, j in enumerate(jobs)
+        ],
+    }
+    for label, rows in shapes.items():
+        assert insert_rows(JobEvent, EVENT_FIELDS, rows) == len(rows)
+        if connection.vendor == "postgresql":
+            assert _events(label) == set(rows), label
+        else:  # bulk_create gives `at` (auto_now_add) the time of the insert
+            assert _without_time(_events(label)) == _without_time(rows), label
+
+
+def test_insert_rows_refuses_a_value_too_long_for_its_column_as_django_would(jobs):
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite does not enforce a column's length")
+    too_long = "x" * 301  # reason is varchar(300)
+    rows = [(j.id, timezone.now(), "pending", "held", too_long, None, "long") for j in jobs]
+    with pytest.raises(DataError), transaction.atomic():  # Django's error, not psycopg's
+        insert_rows(JobEvent, EVENT_FIELDS, rows)
+    assert not _events("long")
 
 
 def test_insert_with_writes_a_row_and_its_records_together(team):

@@ -5,6 +5,7 @@ import uuid
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.db.models import Q
 
 from apps.accounts.models import GPU_TYPES
 from apps.fleet.models.catalogue import InstanceType
@@ -158,13 +159,25 @@ class NodeEvent(models.Model):
     from_state = models.CharField(max_length=20, choices=NodeState.choices, blank=True)
     to_state = models.CharField(max_length=20, choices=NodeState.choices)
     reason = models.CharField(max_length=300)
+    # Indexed only where a person acted (Meta): the system's events, most of them, are
+    # never looked up by actor and need not pay for the index.
     actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        db_index=False,
     )
     actor_label = models.CharField(max_length=150)
 
     class Meta:
         ordering = ["-at", "-id"]
+        indexes = [
+            models.Index(
+                fields=["actor"], condition=Q(actor__isnull=False), name="node_events_by_people"
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.node}: {self.from_state} → {self.to_state}"

@@ -207,17 +207,25 @@ class JobEvent(models.Model):
     from_state = models.CharField(max_length=20, blank=True)
     to_state = models.CharField(max_length=20, choices=JobState.choices)
     reason = models.CharField(max_length=300)
+    # Indexed only where a person acted (Meta): the scheduler's events, most of them,
+    # are never looked up by actor and need not pay for the index.
     actor = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         null=True,
         blank=True,
         on_delete=models.SET_NULL,
         related_name="+",
+        db_index=False,
     )
     actor_label = models.CharField(max_length=150)
 
     class Meta:
         ordering = ["at", "id"]
+        indexes = [
+            models.Index(
+                fields=["actor"], condition=Q(actor__isnull=False), name="job_events_by_people"
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.job_id}: {self.from_state or '·'} → {self.to_state}"

@@ -23,7 +23,7 @@ from apps.jobs.models import Allocation, Job, JobEvent, JobState, JobWait, TeamU
 from apps.jobs.models.jobs import NOT_STARTED_STATES, STARTED_STATES
 from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
-from controlplane.bulk import InArray, insert_rows
+from controlplane.bulk import InArray, insert_rows, int_array
 
 log = logging.getLogger(__name__)
 
@@ -221,26 +221,38 @@ def _apply_bursts(bursts: list[plain.BurstRequest], *, now, applied: Applied) ->
         log.exception("burst requests failed; the next pass asks again")
 
 
+_NOT_PENDING = object()  # a job the read did not find pending: the pass keeps no reason for it
+
+
 def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Applied) -> None:
     """Write only the reasons that changed since the last pass: first reasons with COPY,
     changed ones with one upsert. Only the pass (under its lock) adds wait rows, so a
     job read without one still has none here."""
     placed = set(applied.placed)
+    stored = ctx.reasons
     first: list[tuple[int, str, dt.datetime | None]] = []
     changed: list[tuple[int, str, dt.datetime | None]] = []
+    # Many jobs share one Wait (one per wording): its stored form is worked out once.
+    forms: dict[int, tuple[str, int | None, dt.datetime | None]] = {}
     for job_id, wait in waits.items():
-        if job_id in placed or job_id not in ctx.reasons:
+        if job_id in placed:
             continue
-        # Stored to the minute, so a start that moves by seconds is not a change.
-        start = None if wait.estimated_start is None else wait.estimated_start // 60 * 60
-        reason = wait.reason[:300]
-        old = ctx.reasons[job_id]
-        if old is not None:
-            old_reason, old_start = old
-            if reason == old_reason and start == (None if old_start is None else round(old_start)):
-                continue
-        estimated = None if start is None else dt.datetime.fromtimestamp(start, tz=dt.UTC)
-        (changed if old is not None else first).append((job_id, reason, estimated))
+        old = stored.get(job_id, _NOT_PENDING)
+        if old is _NOT_PENDING:
+            continue
+        form = forms.get(id(wait))
+        if form is None:
+            # Stored to the minute, so a start that moves by seconds is not a change.
+            start = None if wait.estimated_start is None else wait.estimated_start // 60 * 60
+            estimated = None if start is None else dt.datetime.fromtimestamp(start, tz=dt.UTC)
+            form = forms[id(wait)] = (wait.reason[:300], start, estimated)
+        reason, start, estimated = form
+        if old is None:
+            first.append((job_id, reason, estimated))
+            continue
+        old_reason, old_start = old
+        if reason != old_reason or start != (None if old_start is None else round(old_start)):
+            changed.append((job_id, reason, estimated))
     insert_rows(JobWait, ("job", "reason", "estimated_start"), first)
     _write_reasons(changed)
     applied.reasons_written = len(first) + len(changed)
@@ -259,7 +271,7 @@ def _write_reasons(rows: list[tuple[int, str, dt.datetime | None]]) -> None:
                 "SELECT * FROM unnest(%s::bigint[], %s::varchar[], %s::timestamptz[]) "
                 "ON CONFLICT (job_id) DO UPDATE "
                 "SET reason = EXCLUDED.reason, estimated_start = EXCLUDED.estimated_start",
-                [ids, reasons, starts],
+                [int_array(ids), reasons, starts],
             )
         return
     JobWait.objects.bulk_create(
@@ -304,7 +316,7 @@ def _advance_usage(ctx: ReadContext) -> None:
             cursor.execute(
                 f"INSERT INTO {table} (team_id, scaled_gpu_seconds, updated_at) "  # noqa: S608
                 f"SELECT t, s, %s FROM unnest(%s::bigint[], %s::float8[]) AS v(t, s) {add}",
-                [now, teams, added],
+                [now, int_array(teams), added],
             )
             return
         cursor.executemany(
