@@ -190,9 +190,12 @@ def _insert_sql(obj: models.Model) -> tuple[str, list]:
     values = [f.get_db_prep_save(f.pre_save(obj, add=True), connection) for f in fields]
     quote = connection.ops.quote_name
     columns = ", ".join(quote(f.column) for f in fields)
-    placeholders = ", ".join(["%s"] * len(fields))
+    # NULLs written as such, not sent: a job's three rows then take fewer than the 50
+    # parameters up to which psycopg keeps a statement's parsed form (bench/RESULTS.md).
+    placeholders = ", ".join(["NULL" if value is None else "%s" for value in values])
     table = quote(obj._meta.db_table)
-    return f"INSERT INTO {table} ({columns}) VALUES ({placeholders})", values  # noqa: S608
+    sql = f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"  # noqa: S608
+    return sql, [value for value in values if value is not None]
 
 
 def fetch_rows(queryset: models.QuerySet) -> list[tuple]:

@@ -158,6 +158,7 @@ def _inserted_as_one_unit(team):
     stored = Job.objects.get(pk=job.pk)
     assert stored.name == "together" and stored.spec == {"argv": ["true"]}
     assert stored.submitted_at is not None  # auto_now_add, as save() would set it
+    assert stored.pool_id is None and stored.admitted_at is None  # NULLs stay NULL
     event = JobEvent.objects.get(job=job)
     assert (event.to_state, event.reason) == ("pending", "submitted") and event.at is not None
     audit = AuditEvent.objects.get(action="job.submit", object_id=str(job.pk))
@@ -219,6 +220,24 @@ def test_insert_rows_refuses_a_value_too_long_for_its_column_as_django_would(job
 
 def test_insert_with_writes_a_row_and_its_records_together(team):
     _inserted_as_one_unit(team)
+
+
+def test_insert_with_sends_a_job_in_few_enough_parameters_for_psycopg_to_keep(team):
+    if connection.vendor != "postgresql":
+        pytest.skip("one statement on PostgreSQL only")
+    sent = []
+
+    def record(execute, sql, params, many, context):
+        sent.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(record):
+        _inserted_as_one_unit(team)
+    insert = [params for sql, params in sent if sql.startswith("WITH w0 AS (INSERT")]
+    assert len(insert) == 1
+    # psycopg keeps the parsed form of statements of up to 50 parameters; NULLs go as
+    # literals, never as parameters.
+    assert len(insert[0]) <= 50 and None not in insert[0]
 
 
 def test_a_failed_insert_with_leaves_nothing_and_the_transaction_usable(team):
