@@ -21,7 +21,7 @@ INTEGER_TYPES = frozenset({"smallint", "integer", "bigint"})
 def int_array(values: Sequence[int]) -> str:
     """PostgreSQL's text form of an integer array, `{1,2,3}`, to pass as one parameter
     cast to `bigint[]`: psycopg would dump the list element by element, which for the
-    9,000 node ids of a scheduling pass costs six times as much. `%d` refuses anything
+    10,000 node ids of a first scheduling pass costs six times as much. `%d` refuses anything
     that is not a number, so a value can never change the literal's shape."""
     return "{%s}" % ",".join(["%d"] * len(values)) % tuple(values)  # noqa: UP031
 
