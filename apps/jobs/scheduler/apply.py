@@ -233,7 +233,7 @@ def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Appl
     first: list[tuple[int, str, dt.datetime | None]] = []
     changed: list[tuple[int, str, dt.datetime | None]] = []
     # Many jobs share one Wait (one per wording): its stored form is worked out once.
-    forms: dict[int, tuple[str, int | None, dt.datetime | None]] = {}
+    forms: dict[int, tuple[str, float | None, dt.datetime | None]] = {}
     for job_id, wait in waits.items():
         if job_id in placed:
             continue
