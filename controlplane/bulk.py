@@ -43,32 +43,31 @@ def insert_rows(model: type[models.Model], fields: Sequence[str], rows: Iterable
         return 0
     meta = model._meta
     if connection.vendor == "postgresql":
-        table = connection.ops.quote_name(meta.db_table)
+        from psycopg.types.json import Jsonb
+
+        json_positions = [
+            i for i, name in enumerate(fields) if isinstance(meta.get_field(name), models.JSONField)
+        ]
         columns = ", ".join(connection.ops.quote_name(meta.get_field(f).column) for f in fields)
+        table = connection.ops.quote_name(meta.db_table)
         # COPY goes by the raw cursor: its errors become Django's (DataError...) here.
-        with connection.cursor() as cursor, connection.wrap_database_errors:
-            _copy(cursor.cursor, table, columns, meta, fields, rows)
+        with (
+            connection.cursor() as cursor,
+            connection.wrap_database_errors,
+            cursor.cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy,
+        ):
+            for row in rows:
+                if json_positions:
+                    row = list(row)
+                    for i in json_positions:
+                        row[i] = None if row[i] is None else Jsonb(row[i])
+                copy.write_row(row)
         return len(rows)
     attnames = [meta.get_field(f).attname for f in fields]
     model.objects.bulk_create(
         [model(**dict(zip(attnames, row, strict=True))) for row in rows], batch_size=500
     )
     return len(rows)
-
-
-def _copy(cursor, table: str, columns: str, meta, fields: Sequence[str], rows: list) -> None:
-    from psycopg.types.json import Jsonb
-
-    json_positions = [
-        i for i, name in enumerate(fields) if isinstance(meta.get_field(name), models.JSONField)
-    ]
-    with cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
-        for row in rows:
-            if json_positions:
-                row = list(row)
-                for i in json_positions:
-                    row[i] = None if row[i] is None else Jsonb(row[i])
-            copy.write_row(row)
 
 
 def update_rows(

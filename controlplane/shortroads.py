@@ -107,6 +107,7 @@ def _take(road: Road, environ) -> Answer | None:
 
 def bearer_token(request: WSGIRequest, keywords: tuple[str, ...] = ("bearer",)) -> str | None:
     """The token of an `Authorization: Bearer <token>` header, or None."""
+    # META, not request.headers, which would build a dict of every header first.
     scheme, _, raw = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
     raw = raw.strip()
     if scheme.lower() not in keywords or not raw or " " in raw:

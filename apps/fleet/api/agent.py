@@ -45,7 +45,6 @@ def agent_endpoint(*methods: str):
         def endpoint(request, *args, **kwargs):
             if request.method not in methods:
                 return _error(405, "method_not_allowed", f"Use {' or '.join(methods)}.")
-            # META, not request.headers, which would build a dict of every header first.
             identity = _identity(request)
             if identity is None:
                 response = _error(401, "not_authenticated", "A valid node token is required.")

@@ -21,6 +21,7 @@ import logging
 from rest_framework.exceptions import ValidationError
 from rest_framework.renderers import JSONRenderer
 
+from apps.accounts.authentication import KEYWORDS
 from apps.accounts.context import Origin, acting_from
 from apps.accounts.middleware import client_address
 from apps.accounts.models import TokenScope
@@ -57,7 +58,7 @@ def _submit_plain(request) -> Answer | None:
         return None  # ?format=..., or a body DRF would not parse: the view answers
     if meta.get("HTTP_ACCEPT", "") not in PLAIN_ACCEPT:
         return None
-    raw = bearer_token(request, keywords=("bearer", "token"))
+    raw = bearer_token(request, keywords=KEYWORDS)
     if raw is None:
         return None
     try:

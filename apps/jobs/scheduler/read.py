@@ -180,31 +180,30 @@ class RowVersion(Func):
 
     output_field = CharField()
 
-    def __init__(self):
-        super().__init__()
-
     def as_sql(self, compiler, connection, **extra):
         table = compiler.quote_name_unless_alias(compiler.query.get_initial_alias())
         return f"{table}.xmin::text || {table}.ctid::text", []
 
 
+def _pending(*columns: str):
+    """The pending jobs' `columns` (queued: queued_at as an epoch; version: RowVersion),
+    unordered."""
+    return (
+        Job.objects.filter(state=JobState.PENDING)
+        .annotate(queued=Epoch("queued_at"), version=RowVersion())
+        .values_list(*columns)
+        .order_by()
+    )
+
+
 def _pending_rows(*, versioned: bool):
     """Pending jobs in Pending's field order (the priority as its class), then
     max_cost_usd, then the row's version on PostgreSQL."""
-    jobs = Job.objects.filter(state=JobState.PENDING).annotate(queued=Epoch("queued_at"))
-    if versioned:
-        jobs = jobs.annotate(version=RowVersion())
-        return jobs.values_list(*PENDING_COLUMNS, "version").order_by()
-    return jobs.values_list(*PENDING_COLUMNS).order_by()
+    return _pending(*PENDING_COLUMNS, "version") if versioned else _pending(*PENDING_COLUMNS)
 
 
 def _pending_versions():
-    return (
-        Job.objects.filter(state=JobState.PENDING)
-        .annotate(version=RowVersion())
-        .values_list("id", "version")
-        .order_by()
-    )
+    return _pending("id", "version")
 
 
 def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, ReadContext]:
