@@ -17,7 +17,7 @@ from apps.jobs.models import (
     StepMetric,
     Webhook,
 )
-from apps.jobs.models.jobs import ACTIVE_STATES, FINISHED_STATES
+from apps.jobs.models.jobs import ACTIVE_STATES, FINISHED_STATES, last_pass_read_at
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 
 
@@ -38,6 +38,7 @@ def queue_for(*, user) -> list[dict]:
     """
     roles = roles_of(user)
     order = cache.get("jobs:queue-order") or []
+    last_pass_at = last_pass_read_at()
     position = {job_id: i + 1 for i, job_id in enumerate(order)}
     rows = []
     for job in (
@@ -60,7 +61,9 @@ def queue_for(*, user) -> list[dict]:
         if mine:
             row.update(
                 name=job.name,
-                reason=job.pending_reason if job.state == JobState.PENDING else job.state_reason,
+                reason=job.pending_reason_given(last_pass_at)
+                if job.state == JobState.PENDING
+                else job.state_reason,
                 submitted_at=job.submitted_at,
                 submitted_by_id=job.submitted_by_id,
             )

@@ -154,7 +154,13 @@ class NodeEvent(models.Model):
     """One state change of a node: append-only."""
 
     id = models.BigAutoField(primary_key=True)
-    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="events")
+    # No foreign-key constraint in the database: the scheduler's first pass over a fleet
+    # writes one event per node it starts using (10,000), each checked at commit. Every
+    # writer is a service that has just locked the node's row; Django's CASCADE removes a
+    # node's events with it.
+    node = models.ForeignKey(
+        Node, on_delete=models.CASCADE, related_name="events", db_constraint=False
+    )
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     from_state = models.CharField(max_length=20, choices=NodeState.choices, blank=True)
     to_state = models.CharField(max_length=20, choices=NodeState.choices)

@@ -20,7 +20,7 @@ from apps.fleet import cloud
 from apps.fleet import services as fleet
 from apps.fleet.models import SCHEDULABLE_STATES, Node
 from apps.jobs.models import Allocation, Job, JobEvent, JobState, JobWait, TeamUsage
-from apps.jobs.models.jobs import NOT_STARTED_STATES, STARTED_STATES
+from apps.jobs.models.jobs import LAST_PASS_KEY, NOT_STARTED_STATES, STARTED_STATES
 from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
 from controlplane.bulk import InArray, insert_rows, int_array
@@ -227,11 +227,16 @@ _NOT_PENDING = object()  # a job the read did not find pending: the pass keeps n
 def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Applied) -> None:
     """Write only the reasons that changed since the last pass: first reasons with COPY,
     changed ones with one upsert. Only the pass (under its lock) adds wait rows, so a
-    job read without one still has none here."""
+    job read without one still has none here.
+
+    Jobs past the backfill depth (plain.BEYOND, most of a long queue) keep no row: a
+    pending job without one reads as that reason once a pass has read it
+    (Job.pending_reason). A job that falls past the depth loses the row it had."""
     placed = set(applied.placed)
     stored = ctx.reasons
     first: list[tuple[int, str, dt.datetime | None]] = []
     changed: list[tuple[int, str, dt.datetime | None]] = []
+    unexamined: list[int] = []
     # Many jobs share one Wait (one per wording): its stored form is worked out once.
     forms: dict[int, tuple[str, float | None, dt.datetime | None]] = {}
     for job_id, wait in waits.items():
@@ -239,6 +244,10 @@ def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Appl
             continue
         old = stored.get(job_id, _NOT_PENDING)
         if old is _NOT_PENDING:
+            continue
+        if wait is plain.BEYOND:
+            if old is not None:
+                unexamined.append(job_id)
             continue
         form = forms.get(id(wait))
         if form is None:
@@ -255,7 +264,9 @@ def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Appl
             changed.append((job_id, reason, estimated))
     insert_rows(JobWait, ("job", "reason", "estimated_start"), first)
     _write_reasons(changed)
-    applied.reasons_written = len(first) + len(changed)
+    if unexamined:
+        JobWait.objects.filter(InArray("job_id", unexamined)).delete()
+    applied.reasons_written = len(first) + len(changed) + len(unexamined)
 
 
 def _write_reasons(rows: list[tuple[int, str, dt.datetime | None]]) -> None:
@@ -283,14 +294,13 @@ def _write_reasons(rows: list[tuple[int, str, dt.datetime | None]]) -> None:
     )
 
 
-LAST_PASS_KEY = "jobs:last-pass-at"  # noqa: S105 (a cache key)
-
-
 def _advance_usage(ctx: ReadContext) -> None:
     """Add what each team held since the last pass (scaled; decay needs no write)."""
     now = ctx.now
     last = cache.get(LAST_PASS_KEY)
-    cache.set(LAST_PASS_KEY, now.timestamp(), timeout=None)
+    # Once committed: a pass rolled back added no usage, and its reasons are not there to
+    # be read (Job.pending_reason reads this key too).
+    transaction.on_commit(lambda: cache.set(LAST_PASS_KEY, now.timestamp(), timeout=None))
     if last is None:
         return  # the first pass (or the cache was lost): nothing to add yet
     elapsed = max(now.timestamp() - last, 0.0)

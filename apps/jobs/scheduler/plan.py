@@ -27,6 +27,7 @@ from bisect import bisect_left, bisect_right, insort
 from apps.jobs.scheduler.priority import queue_order
 from apps.jobs.scheduler.snapshot import (
     ANY_GPU,
+    BEYOND,
     CLOUD,
     OWNED,
     OWNED_THEN_CLOUD,
@@ -46,7 +47,6 @@ from apps.jobs.scheduler.snapshot import (
 CLASS_NAMES = {0: "low", 1: "normal", 2: "high", 3: "urgent"}
 INFINITY = float("inf")
 NO_NODES: frozenset[int] = frozenset()
-BEYOND_DEPTH = "beyond the backfill depth: waiting for higher jobs"
 KINDS_FOR = {OWNED: ("owned",), CLOUD: ("cloud",), OWNED_THEN_CLOUD: ("owned", "cloud")}
 
 
@@ -531,7 +531,7 @@ class _Pass:
         limits = self.limits
         depth = self.depth
         shapes: dict[tuple, tuple] = {}
-        beyond = Wait(reason=BEYOND_DEPTH)
+        beyond = BEYOND
         quota_waits = self.quota_waits
         quotas = self.quotas
         for job in order:

@@ -154,6 +154,13 @@ class Wait(NamedTuple):
     estimated_start: float | None = None
 
 
+BEYOND_DEPTH = "beyond the backfill depth: waiting for higher jobs"
+# The one Wait of every job the pass did not try (past the backfill depth): most of a
+# long queue. No wait row is stored for it; a pending job without one that was already
+# pending when the last pass read the queue reads as this (Job.pending_reason).
+BEYOND = Wait(reason=BEYOND_DEPTH)
+
+
 @dataclass
 class Decisions:
     placements: list[Placement] = field(default_factory=list)

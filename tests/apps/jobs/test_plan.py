@@ -9,10 +9,11 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from apps.jobs.scheduler.plan import BEYOND_DEPTH, clock, plan
+from apps.jobs.scheduler.plan import clock, plan
 from apps.jobs.scheduler.priority import fair_share_factors, queue_order
 from apps.jobs.scheduler.snapshot import (
     ANY_GPU,
+    BEYOND_DEPTH,
     CLOUD,
     OWNED,
     OWNED_THEN_CLOUD,

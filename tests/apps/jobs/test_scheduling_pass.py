@@ -95,11 +95,31 @@ def test_a_second_pass_rewrites_only_changed_reasons(fleet_pool, team, researche
     assert second.reasons_written == 0
 
 
-def test_usage_accumulates_for_fair_share(fleet_pool, quota, team, researcher):
+def test_usage_accumulates_for_fair_share(
+    fleet_pool, quota, team, researcher, django_capture_on_commit_callbacks
+):
     submit(team, researcher)
-    scheduling_pass()
+    with django_capture_on_commit_callbacks(execute=True):  # as each pass commits
+        scheduling_pass()
+    assert not TeamUsage.objects.filter(team=team).exists()  # nothing held before it
     scheduling_pass()
     assert TeamUsage.objects.filter(team=team).exists()
+
+
+def test_a_rolled_back_pass_leaves_the_last_pass_time_alone(fleet_pool, quota, team, researcher):
+    """The next pass adds usage since the last pass that committed, and a job's reason
+    is read against it (Job.pending_reason): a pass rolled back must not move it."""
+    from django.core.cache import cache
+    from django.db import transaction
+
+    from apps.jobs.models.jobs import LAST_PASS_KEY
+
+    cache.set(LAST_PASS_KEY, 1.0)
+    submit(team, researcher)
+    with pytest.raises(RuntimeError), transaction.atomic():
+        scheduling_pass()
+        raise RuntimeError("the pass's transaction fails after the apply")
+    assert cache.get(LAST_PASS_KEY) == 1.0
 
 
 def test_a_held_job_is_never_placed(fleet_pool, quota, team, researcher):
@@ -259,12 +279,37 @@ def test_a_deleted_job_takes_its_wait_row_along(fleet_pool, team, researcher):
     assert not JobWait.objects.filter(job_id=waiting.pk).exists()
 
 
+def test_jobs_and_nodes_with_allocations_are_still_protected(
+    fleet_pool, quota, team, researcher, ops_user
+):
+    """Allocations and node events have no foreign keys in the database (jobs and fleet
+    migrations 0008): Django's PROTECT and CASCADE still hold."""
+    from django.db.models import ProtectedError
+
+    from apps.fleet.models import NodeEvent
+
+    job = submit(team, researcher)
+    scheduling_pass()
+    allocation = Allocation.objects.get(job=job)
+    with pytest.raises(ProtectedError):
+        Job.objects.filter(pk=job.pk).delete()
+    with pytest.raises(ProtectedError):
+        Node.objects.filter(pk=allocation.node_id).delete()
+    idle = Node.objects.filter(pool=fleet_pool).exclude(pk=allocation.node_id).first()
+    node_drain(node=idle, by=ops_user, reason="maintenance")
+    assert NodeEvent.objects.filter(node=idle).exists()
+    Node.objects.filter(pk=idle.pk).delete()
+    assert not NodeEvent.objects.filter(node_id=idle.pk).exists()
+
+
 def test_placed_jobs_reach_the_broker_in_batches_of_ids():
     """What the dispatch hand-off puts on the real broker: every placed id once, in
     batches, each message with a short argsrepr rather than its ids. (The filesystem
     broker may hand back messages sent in the same millisecond in another order.)"""
     from controlplane.celery import app
 
+    with app.connection_for_write() as connection:
+        connection.SimpleQueue("celery").clear()  # what earlier tests' passes handed over
     ids = list(range(10_001, 10_451))
     _dispatch_soon(ids, batch=200)
     batches = []
@@ -288,7 +333,9 @@ def test_placed_jobs_reach_the_broker_in_batches_of_ids():
     ]
 
 
-def test_usage_adds_what_each_team_held_since_the_last_pass(team, other_team):
+def test_usage_adds_what_each_team_held_since_the_last_pass(
+    team, other_team, django_capture_on_commit_callbacks
+):
     import datetime as dt
 
     from django.core.cache import cache
@@ -300,7 +347,8 @@ def test_usage_adds_what_each_team_held_since_the_last_pass(team, other_team):
     now = timezone.now()
     held = {team.pk: 8, other_team.pk: 16}
     cache.set(LAST_PASS_KEY, (now - dt.timedelta(seconds=100)).timestamp())
-    _advance_usage(ReadContext(now=now, reasons={}, held_by_team=held))
+    with django_capture_on_commit_callbacks(execute=True):  # the pass's time, once committed
+        _advance_usage(ReadContext(now=now, reasons={}, held_by_team=held))
     later = now + dt.timedelta(seconds=50)
     _advance_usage(ReadContext(now=later, reasons={}, held_by_team={team.pk: 8}))
     stored = dict(TeamUsage.objects.values_list("team_id", "scaled_gpu_seconds"))
@@ -310,3 +358,48 @@ def test_usage_adds_what_each_team_held_since_the_last_pass(team, other_team):
     )
     assert stored[other_team.pk] == pytest.approx(16 * 100 * decay_scale(now))
     assert TeamUsage.objects.get(team=team).updated_at == later
+
+
+def test_jobs_past_the_backfill_depth_keep_no_wait_row_and_read_as_such(
+    settings, fleet_pool, team, researcher, api_for, django_capture_on_commit_callbacks
+):
+    """Most of a long queue lies past the backfill depth: the pass stores no reason for
+    those jobs, a job that falls past it loses the row it had, and readers (model, API,
+    queue) still say why each waits."""
+    from apps.jobs.models import JobWait
+    from apps.jobs.models.jobs import NOT_YET_PLANNED
+    from apps.jobs.scheduler.snapshot import BEYOND_DEPTH
+    from apps.jobs.selectors import queue_for
+
+    settings.BACKFILL_DEPTH = 1
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=64, by=None)
+    whole = {"gpu_type": "H100", "nodes": 4, "gpus_per_node": 8}
+    # Fills the four nodes; urgent, so nothing preempts it.
+    submit(team, researcher, name="whole", resources=whole, priority="urgent")
+    waiting = [submit(team, researcher, name=f"w{i}") for i in range(4)]
+    with django_capture_on_commit_callbacks(execute=True):
+        report = scheduling_pass()
+    assert report.placed == 1
+    # The first blocked job and one more are tried; the other two are not.
+    assert report.reasons_written == 2
+    rows = set(JobWait.objects.values_list("job_id", flat=True))
+    assert rows == {waiting[0].pk, waiting[1].pk}
+    for job in waiting[2:]:
+        job.refresh_from_db()
+        assert job.pending_reason == BEYOND_DEPTH
+    late = submit(team, researcher, name="late")
+    assert late.pending_reason == NOT_YET_PLANNED
+
+    # A high job goes first: w1, tried before, is now past the depth.
+    high = submit(team, researcher, name="high", priority="high")
+    with django_capture_on_commit_callbacks(execute=True):
+        second = scheduling_pass()
+    rows = set(JobWait.objects.values_list("job_id", flat=True))
+    assert rows == {high.pk, waiting[0].pk}
+    assert second.reasons_written == 2  # the high job's first reason; w1's row gone
+    answer = api_for(researcher).get("/api/v1/jobs/", {"state": "pending"}).json()
+    reasons = {job["name"]: job["pending_reason"] for job in answer["results"]}
+    assert reasons["w1"] == reasons["w3"] == reasons["late"] == BEYOND_DEPTH
+    assert {reasons["high"], reasons["w0"]}.isdisjoint({BEYOND_DEPTH, NOT_YET_PLANNED})
+    queued = {row["name"]: row["reason"] for row in queue_for(user=researcher)}
+    assert queued["w2"] == BEYOND_DEPTH and queued["w0"] == reasons["w0"]
