@@ -44,20 +44,28 @@ def _collector_paused():
 
 
 def scheduling_pass() -> PassReport:
+    with _collector_paused():
+        # The snapshot and the decisions are dropped before the collector resumes: its
+        # first collection then walks what the pass keeps, not everything it made.
+        report, queue = _read_plan_apply()
+    # Queue positions for the API and pages, without writing 50,000 rows a pass.
+    cache.set(QUEUE_ORDER_KEY, queue, timeout=3600)
+    return report
+
+
+def _read_plan_apply() -> tuple[PassReport, list[int]]:
     from apps.jobs.services import budget_allows
 
-    with _collector_paused():
-        started = time.perf_counter()
-        snapshot, ctx = read_snapshot(now=timezone.now(), budget_allows=budget_allows)
-        read_done = time.perf_counter()
-        decisions = plan(snapshot)
-        plan_done = time.perf_counter()
-        applied = decisions_apply(decisions, ctx)
-        done = time.perf_counter()
-    # Queue positions for the API and pages, without writing 50,000 rows a pass.
+    started = time.perf_counter()
+    snapshot, ctx = read_snapshot(now=timezone.now(), budget_allows=budget_allows)
+    read_done = time.perf_counter()
+    decisions = plan(snapshot)
+    plan_done = time.perf_counter()
+    applied = decisions_apply(decisions, ctx)
+    done = time.perf_counter()
     placed = set(applied.placed)
-    cache.set(QUEUE_ORDER_KEY, [j for j in decisions.order if j not in placed], timeout=3600)
-    return PassReport(
+    queue = [j for j in decisions.order if j not in placed]
+    report = PassReport(
         pending=len(snapshot.pending),
         placed=len(applied.placed),
         skipped=len(applied.skipped),
@@ -68,3 +76,4 @@ def scheduling_pass() -> PassReport:
         plan_ms=(plan_done - read_done) * 1000,
         apply_ms=(done - plan_done) * 1000,
     )
+    return report, queue
