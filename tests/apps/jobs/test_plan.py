@@ -155,6 +155,31 @@ def test_priority_class_comes_before_fair_share_and_age():
     assert plan(s).order == [2, 1]
 
 
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 3),  # class
+            st.integers(1, 3),  # team: few, so scores tie
+            st.sampled_from([60.0, 3600.0, 30 * 86400.0, 60 * 86400.0]),  # waited (ages cap)
+        ),
+        max_size=40,
+    ),
+    st.dictionaries(st.integers(1, 3), st.sampled_from([0.0, 100.0, 400.0])),
+)
+def test_queue_order_is_class_then_score_then_age_then_id(rows, usage):
+    """The two sorts and the tie walk give exactly the order of one sort on the whole key."""
+    from apps.jobs.scheduler.priority import priority_scores
+
+    pending = [
+        job(job_id, priority=c, team=team, waited=waited)
+        for job_id, (c, team, waited) in zip(range(100, 0, -1), rows, strict=False)
+    ]
+    s = snap([node(1)], pending, usage=usage)
+    score = priority_scores(s)
+    expected = sorted(pending, key=lambda j: (-j.priority, -score[j.job_id], j.queued_at, j.job_id))
+    assert [j.job_id for j in queue_order(s)] == [j.job_id for j in expected]
+
+
 def test_fair_share_factor_is_slurms_classic_formula():
     factors = fair_share_factors(usage={1: 300.0, 2: 100.0}, shares={1: 1, 2: 1}, teams={1, 2, 3})
     # U1 = 0.75, S1 = 1/3: F = 2^-(2.25); U3 = 0 -> 1.
