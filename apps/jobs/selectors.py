@@ -38,7 +38,7 @@ def queue_for(*, user) -> list[dict]:
     """
     roles = roles_of(user)
     order = cache.get("jobs:queue-order") or []
-    last_pass_at = last_pass_read_at()
+    last_pass_at = last_pass_read_at()  # once, for every job's reason
     position = {job_id: i + 1 for i, job_id in enumerate(order)}
     rows = []
     for job in (
@@ -46,6 +46,7 @@ def queue_for(*, user) -> list[dict]:
         .select_related("team", "wait")
         .order_by("queued_at", "id")
     ):
+        job.last_pass_at = last_pass_at
         mine = roles.sees_every_team or job.team_id in roles.team_ids
         row = {
             "id": job.pk if mine else None,
@@ -61,9 +62,7 @@ def queue_for(*, user) -> list[dict]:
         if mine:
             row.update(
                 name=job.name,
-                reason=job.pending_reason_given(last_pass_at)
-                if job.state == JobState.PENDING
-                else job.state_reason,
+                reason=job.pending_reason if job.state == JobState.PENDING else job.state_reason,
                 submitted_at=job.submitted_at,
                 submitted_by_id=job.submitted_by_id,
             )

@@ -221,6 +221,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
             return _same_request(existing, spec), False
         raise
     Job.wait.related.set_cached_value(job, None)  # a new job waits for its first pass
+    job.last_pass_at = None  # which no pass has read yet: its reason needs no look-up
     schedule_soon()  # after the commit (at once when the insert committed by itself)
     return job, True
 

@@ -14,7 +14,7 @@ from apps.accounts.selectors import teams_visible_to
 from apps.fleet.models import Node
 from apps.jobs.extensions import job_detail_part
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
-from apps.jobs.models.jobs import ANY_GPU, JobState, last_pass_read_at
+from apps.jobs.models.jobs import ANY_GPU
 from apps.jobs.selectors import job_cost, job_nccl_environments, jobs_visible_to
 from controlplane.api import (
     ScopedPrimaryKeyField,
@@ -220,24 +220,12 @@ class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
     gpus = serializers.IntegerField(read_only=True)
     pool = serializers.CharField(source="pool.slug", read_only=True, default=None)
     spec = serializers.SerializerMethodField()
-    pending_reason = serializers.SerializerMethodField(
-        help_text="Why a pending job waits, from the last scheduling pass."
+    pending_reason = serializers.CharField(
+        read_only=True, help_text="Why a pending job waits, from the last scheduling pass."
     )
     estimated_start = serializers.DateTimeField(
         read_only=True, allow_null=True, help_text="When a pending job may start, if known."
     )
-
-    def get_pending_reason(self, job: Job) -> str:
-        # A job without a wait row needs the last pass's time: read once per answer (a
-        # list's rows share the root serializer's context), and only when needed.
-        context = self.context
-        if (
-            "last_pass_at" not in context
-            and job.state == JobState.PENDING
-            and job.wait_row() is None
-        ):
-            context["last_pass_at"] = last_pass_read_at()
-        return job.pending_reason_given(context.get("last_pass_at"))
 
     class Meta:
         model = Job

@@ -85,8 +85,4 @@ def _submit_plain(request) -> Answer | None:
             log.exception("Internal Server Error: %s (short road)", JOBS_PATH)
             body = error_body("server_error", "Internal error; it has been logged.")
             return Answer(500, _render(body))
-    # A job just made has been through no pass: its reason needs no look-up.
-    context = {"last_pass_at": None} if created else {}
-    return Answer(
-        201 if created else 200, _render(s.JobSerializer(job, context=context).data), ALLOW
-    )
+    return Answer(201 if created else 200, _render(s.JobSerializer(job).data), ALLOW)

@@ -11,7 +11,7 @@ from apps.accounts.selectors import team_for_submission
 from apps.jobs import selectors, services
 from apps.jobs.api import serializers as s
 from apps.jobs.filtersets import JobFilterSet, ReservationFilterSet
-from apps.jobs.models.jobs import FINISHED_STATES
+from apps.jobs.models.jobs import FINISHED_STATES, jobs_note_last_pass
 from controlplane.api import ServiceViewSet, reject_unstorable_text
 from controlplane.errors import ApplicationError
 
@@ -40,6 +40,12 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
 
     def get_serializer_class(self):
         return s.JobDetailSerializer if self.action == "retrieve" else s.JobSerializer
+
+    def paginate_queryset(self, queryset):
+        page = super().paginate_queryset(queryset)
+        if page is not None:
+            jobs_note_last_pass(page)  # one cache read for the page's reasons
+        return page
 
     @extend_schema(
         request=s.JobSubmitSerializer,

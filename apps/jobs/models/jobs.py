@@ -15,6 +15,9 @@ ANY_GPU = "ANY"
 JOB_GPU_TYPES = [*GPU_TYPES, (ANY_GPU, "Any")]
 
 
+ASK_CACHE = object()  # Job.last_pass_at not known on the instance: read it from the cache
+
+
 class JobState(models.TextChoices):
     PENDING = "pending", "Pending"
     HELD = "held", "Held"
@@ -162,13 +165,19 @@ class Job(models.Model):
         except JobWait.DoesNotExist:
             return None
 
+    # When the last committed pass read the queue, as pending_reason needs it for a job
+    # without a wait row: asked of the cache unless set on the instance, as a page of jobs
+    # does once for all of them (jobs_note_last_pass) and a submit does for its new job
+    # (None: no pass has read it yet).
+    last_pass_at: float | object | None = ASK_CACHE
+
+    def refresh_from_db(self, *args, **kwargs):
+        super().refresh_from_db(*args, **kwargs)
+        self.__dict__.pop("last_pass_at", None)  # passes since may have read it: ask again
+
     @property
     def pending_reason(self) -> str:
-        """Why a pending job waits, as the last scheduling pass put it."""
-        return self.pending_reason_given(last_pass_read_at())
-
-    def pending_reason_given(self, last_pass_at: float | None) -> str:
-        """pending_reason, with the last pass's time read once for a whole list of jobs.
+        """Why a pending job waits, as the last scheduling pass put it.
 
         No wait row: the last pass did not try the job. If it was already pending when
         that pass read the queue, it was past the backfill depth (the pass stores no row
@@ -180,6 +189,9 @@ class Job(models.Model):
         wait = self.wait_row()
         if wait is not None:
             return wait.reason
+        last_pass_at = self.last_pass_at
+        if last_pass_at is ASK_CACHE:
+            last_pass_at = last_pass_read_at()
         if last_pass_at is not None and self.state_changed_at.timestamp() < last_pass_at:
             return BEYOND_DEPTH
         return NOT_YET_PLANNED
@@ -197,6 +209,13 @@ LAST_PASS_KEY = "jobs:last-pass-at"  # noqa: S105 (a cache key): when the last p
 def last_pass_read_at() -> float | None:
     """When the last committed scheduling pass read the queue (epoch seconds), if known."""
     return cache.get(LAST_PASS_KEY)
+
+
+def jobs_note_last_pass(jobs) -> None:
+    """Read the last pass's time once for a list of jobs about to show their reasons."""
+    last_pass_at = last_pass_read_at()
+    for job in jobs:
+        job.last_pass_at = last_pass_at
 
 
 class JobWait(models.Model):
