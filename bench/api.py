@@ -27,6 +27,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
+from bench import interpreter_ms
+
 ROOT = Path(__file__).resolve().parents[1]
 SECONDS = int(os.environ.get("BENCH_SECONDS", "20"))
 CONNECTIONS = int(os.environ.get("BENCH_CONNECTIONS", "16"))
@@ -56,6 +58,7 @@ def main() -> None:
     if not shutil.which("wrk"):
         sys.exit("bench.api needs wrk: apt-get install wrk")
     url = bench_database_url()
+    speed = interpreter_ms()
     var = Path(tempfile.mkdtemp(prefix="controlplane-bench-"))
     env = {
         **os.environ,
@@ -122,7 +125,8 @@ def main() -> None:
     p99 = _ms(re.search(r"99%\s+([\d.]+\w+)", result).group(1))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", result)
     print(
-        f"python {platform.python_version()}, {os.cpu_count()} CPUs, gunicorn {WORKERS} "
+        f"python {platform.python_version()}, {os.cpu_count()} CPUs (sum(range(10**6)) in "
+        f"{speed:.1f} ms), gunicorn {WORKERS} "
         f"workers, {CONNECTIONS} connections, {SECONDS} s; jobs made: {made}; "
         f"non-2xx: {errors.group(1) if errors else 0}; cache: "
         f"{'Redis' if os.environ.get('REDIS_URL') else 'database'}; a 404 (no view, no "

@@ -33,6 +33,8 @@ from django.db import connection  # noqa: E402
 from django.test.utils import setup_test_environment  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
+from bench import interpreter_ms  # noqa: E402
+
 NODES = int(os.environ.get("BENCH_NODES", "10000"))
 JOBS = int(os.environ.get("BENCH_JOBS", "50000"))
 TEAMS = int(os.environ.get("BENCH_TEAMS", "1000"))
@@ -158,6 +160,7 @@ def main() -> None:
             flush=True,
         )
         worker_warm_up()
+        speed = interpreter_ms()
         first_started = time.perf_counter()
         first = scheduling_pass()
         first_s = time.perf_counter() - first_started
@@ -183,7 +186,8 @@ def main() -> None:
     finally:
         connection.creation.destroy_test_db(old_name, verbosity=0)
     print(
-        f"python {platform.python_version()}, database {connection.vendor}, {os.cpu_count()} CPUs"
+        f"python {platform.python_version()}, database {connection.vendor}, {os.cpu_count()} "
+        f"CPUs, sum(range(10**6)) in {speed:.1f} ms"
     )
     print(
         f"scheduler: pass_ms={statistics.median(steady):.0f} "
