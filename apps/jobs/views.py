@@ -4,6 +4,7 @@ import json
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
@@ -17,6 +18,7 @@ from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
 from workers.trainer.presets import PRESETS
 
+QUEUE_PAGE_SIZE = 100
 QUEUE_COLUMNS = [
     "position",
     "id",
@@ -49,7 +51,11 @@ def _filtered(rows: list[dict], request) -> list[dict]:
 @login_required
 def queue(request):
     everything = selectors.queue_for(user=request.user)
-    rows = _filtered(everything, request)
+    # A page at a time: a queue of 50,000 jobs is not one page (the CSV has every row).
+    page = Paginator(_filtered(everything, request), QUEUE_PAGE_SIZE).get_page(
+        request.GET.get("page")
+    )
+    rows = page.object_list
     team_ids = dict(
         Team.objects.filter(slug__in={r["team"] for r in rows}).values_list("slug", "id")
     )
@@ -59,11 +65,15 @@ def queue(request):
             team_id=team_ids.get(row["team"], -1),
             submitted_by_id=row.get("submitted_by_id"),
         )
+    query = request.GET.copy()
+    query.pop("page", None)
     return render(
         request,
         "jobs/queue.html",
         {
             "rows": rows,
+            "page": page,
+            "querystring": query.urlencode(),
             "states": sorted({r["state"] for r in everything}),
             "teams": sorted({r["team"] for r in everything}),
             "filters": {"state": request.GET.get("state", ""), "team": request.GET.get("team", "")},

@@ -77,6 +77,31 @@ def test_the_queue_filters_by_team(
     assert html.count("<tr data-job=") == 1
 
 
+def test_the_queue_is_shown_a_page_at_a_time_with_its_filters_kept(
+    client, monkeypatch, fleet_pool, quota, team, researcher, other_team, other_member
+):
+    from apps.jobs import views
+
+    monkeypatch.setattr(views, "QUEUE_PAGE_SIZE", 2)
+    for n in range(5):
+        submit(team, researcher, name=f"alpha-{n}")
+    submit(other_team, other_member, name="beta-secret-run")
+    logged_in(client, researcher)
+
+    first = client.get("/jobs/", {"team": "alpha"}).content.decode()
+    assert first.count("<tr data-job=") == 2
+    assert "5 active jobs match these filters" in first
+    assert "Page 1 of 3" in first and "team=alpha&amp;page=2" in first
+    last = client.get("/jobs/", {"team": "alpha", "page": 3}).content.decode()
+    assert last.count("<tr data-job=") == 1 and "← Ahead in the queue" in last
+    shown = []
+    for page in (1, 2, 3):
+        html = client.get("/jobs/", {"team": "alpha", "page": page}).content.decode()
+        shown += re.findall(r">(alpha-\d)<", html)
+    assert sorted(shown) == [f"alpha-{n}" for n in range(5)]  # each on exactly one page
+    assert client.get("/jobs/", {"page": "junk"}).status_code == 200  # the first page
+
+
 def test_the_queue_csv_has_a_header_and_one_row_per_job(
     client, fleet_pool, quota, team, researcher, other_team, other_member
 ):
