@@ -192,9 +192,7 @@ class Job(models.Model):
         last_pass_at = self.last_pass_at
         if last_pass_at is ASK_CACHE:
             last_pass_at = last_pass_read_at()
-        if last_pass_at is not None and self.state_changed_at.timestamp() < last_pass_at:
-            return BEYOND_DEPTH
-        return NOT_YET_PLANNED
+        return waiting_reason(None, self.state_changed_at, last_pass_at)
 
     @property
     def estimated_start(self):
@@ -209,6 +207,16 @@ LAST_PASS_KEY = "jobs:last-pass-at"  # noqa: S105 (a cache key): when the last p
 def last_pass_read_at() -> float | None:
     """When the last committed scheduling pass read the queue (epoch seconds), if known."""
     return cache.get(LAST_PASS_KEY)
+
+
+def waiting_reason(stored: str | None, state_changed_at, last_pass_at: float | None) -> str:
+    """A pending job's reason: its wait row's, or, without one, whether the last pass
+    read it (then it lay past the backfill depth) or not (Job.pending_reason)."""
+    if stored is not None:
+        return stored
+    if last_pass_at is not None and state_changed_at.timestamp() < last_pass_at:
+        return BEYOND_DEPTH
+    return NOT_YET_PLANNED
 
 
 def jobs_note_last_pass(jobs) -> None:
