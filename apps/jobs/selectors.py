@@ -1,6 +1,7 @@
 """Reads of jobs and the queue, scoped to what the user may see."""
 
 from django.core.cache import cache
+from django.core.paginator import Page, Paginator
 from django.db.models import Q, QuerySet
 
 from apps.accounts.selectors import roles_of
@@ -35,19 +36,46 @@ def jobs_visible_to(*, user) -> QuerySet[Job]:
     return jobs.filter(team_id__in=roles.team_ids)
 
 
-def queue_for(*, user) -> list[dict]:
-    """Every active job, in queue order; other teams' jobs as anonymous rows.
+QUEUE_COLUMNS = (
+    "id",
+    "team_id",
+    "team__slug",
+    "name",
+    "state",
+    "state_reason",
+    "priority_class",
+    "nodes",
+    "gpus_per_node",
+    "gpu_type",
+    "submitted_at",
+    "submitted_by_id",
+    "state_changed_at",
+    "wait__reason",
+    "wait__estimated_start",
+)
 
-    An anonymous row says only team, GPUs, state, priority and estimated start:
-    no name, spec, logs or cost. Built from one query's plain rows, not model
-    instances: a queue at design size is 50,000 jobs.
-    """
+
+def _active(*, state: str = "", team: str = "") -> QuerySet[Job]:
+    jobs = Job.objects.filter(state__in=ACTIVE_STATES)
+    if state:
+        jobs = jobs.filter(state=state)
+    if team:
+        jobs = jobs.filter(team__slug=team)
+    return jobs.order_by("queued_at", "id")
+
+
+def _queue_order() -> dict[int, int]:
+    """Job id -> its place among the pending jobs, as the last scheduling pass ordered them."""
+    return {job_id: i + 1 for i, job_id in enumerate(cache.get("jobs:queue-order") or [])}
+
+
+def _queue_rows(jobs: QuerySet[Job], *, user, position: dict[int, int]) -> dict[int, dict]:
+    """Job id -> its queue row, in the query's order, from plain values rather than model
+    instances (a queue at design size is 50,000 jobs); other teams' jobs anonymous."""
     roles = roles_of(user)
-    order = cache.get("jobs:queue-order") or []
-    position = {job_id: i + 1 for i, job_id in enumerate(order)}
     last_pass_at = last_pass_read_at()  # once, for every job's reason
     pending = JobState.PENDING
-    rows = []
+    rows = {}
     for (
         job_id,
         team_id,
@@ -64,27 +92,7 @@ def queue_for(*, user) -> list[dict]:
         changed_at,
         wait_reason,
         wait_start,
-    ) in (
-        Job.objects.filter(state__in=ACTIVE_STATES)
-        .values_list(
-            "id",
-            "team_id",
-            "team__slug",
-            "name",
-            "state",
-            "state_reason",
-            "priority_class",
-            "nodes",
-            "gpus_per_node",
-            "gpu_type",
-            "submitted_at",
-            "submitted_by_id",
-            "state_changed_at",
-            "wait__reason",
-            "wait__estimated_start",
-        )
-        .order_by("queued_at", "id")
-    ):
+    ) in jobs.values_list(*QUEUE_COLUMNS):
         mine = roles.sees_every_team or team_id in roles.team_ids
         row = {
             "id": job_id if mine else None,
@@ -106,9 +114,48 @@ def queue_for(*, user) -> list[dict]:
                 submitted_at=submitted_at,
                 submitted_by_id=submitted_by_id,
             )
-        rows.append(row)
-    rows.sort(key=lambda r: (r["position"] is None, r["position"] or 0))
+        rows[job_id] = row
     return rows
+
+
+def _in_queue_order(ids, position: dict[int, int]) -> list[int]:
+    """Pending jobs by their place in the queue, then the rest (already by age)."""
+    return sorted(ids, key=lambda i: (position.get(i) is None, position.get(i, 0)))
+
+
+def queue_for(*, user, state: str = "", team: str = "") -> list[dict]:
+    """Every active job, in queue order; other teams' jobs as anonymous rows.
+
+    An anonymous row says only team, GPUs, state, priority and estimated start:
+    no name, spec, logs or cost.
+    """
+    position = _queue_order()
+    rows = _queue_rows(_active(state=state, team=team), user=user, position=position)
+    return [rows[job_id] for job_id in _in_queue_order(rows, position)]
+
+
+def queue_page(*, user, state: str = "", team: str = "", page, per_page: int) -> Page:
+    """One page of queue_for's rows: every active job's id is ordered, only the page's
+    rows are read whole."""
+    position = _queue_order()
+    ids = _in_queue_order(_active(state=state, team=team).values_list("id", flat=True), position)
+    shown = Paginator(ids, per_page).get_page(page)
+    rows = _queue_rows(
+        Job.objects.filter(id__in=shown.object_list).order_by(), user=user, position=position
+    )
+    shown.object_list = [rows[job_id] for job_id in shown.object_list if job_id in rows]
+    return shown
+
+
+def queue_choices() -> tuple[list[str], list[str]]:
+    """The states and the teams among the active jobs, for the Queue's filters."""
+    pairs = set(
+        Job.objects.filter(state__in=ACTIVE_STATES)
+        .values_list("state", "team__slug")
+        .distinct()
+        .order_by()
+    )
+    return sorted({state for state, _ in pairs}), sorted({team for _, team in pairs})
 
 
 def reservations_visible() -> QuerySet[Reservation]:

@@ -4,7 +4,6 @@ import json
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.paginator import Paginator
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
@@ -34,26 +33,16 @@ QUEUE_COLUMNS = [
 ]
 
 
-def _filtered_queue(request) -> list[dict]:
-    return _filtered(selectors.queue_for(user=request.user), request)
-
-
-def _filtered(rows: list[dict], request) -> list[dict]:
-    state = request.GET.get("state")
-    team = request.GET.get("team")
-    if state:
-        rows = [r for r in rows if r["state"] == state]
-    if team:
-        rows = [r for r in rows if r["team"] == team]
-    return rows
+def _filters(request) -> dict[str, str]:
+    return {"state": request.GET.get("state", ""), "team": request.GET.get("team", "")}
 
 
 @login_required
 def queue(request):
-    everything = selectors.queue_for(user=request.user)
+    filters = _filters(request)
     # A page at a time: a queue of 50,000 jobs is not one page (the CSV has every row).
-    page = Paginator(_filtered(everything, request), QUEUE_PAGE_SIZE).get_page(
-        request.GET.get("page")
+    page = selectors.queue_page(
+        user=request.user, **filters, page=request.GET.get("page"), per_page=QUEUE_PAGE_SIZE
     )
     rows = page.object_list
     team_ids = dict(
@@ -67,6 +56,7 @@ def queue(request):
         )
     query = request.GET.copy()
     query.pop("page", None)
+    states, teams = selectors.queue_choices()
     return render(
         request,
         "jobs/queue.html",
@@ -74,16 +64,16 @@ def queue(request):
             "rows": rows,
             "page": page,
             "querystring": query.urlencode(),
-            "states": sorted({r["state"] for r in everything}),
-            "teams": sorted({r["team"] for r in everything}),
-            "filters": {"state": request.GET.get("state", ""), "team": request.GET.get("team", "")},
+            "states": states,
+            "teams": teams,
+            "filters": filters,
         },
     )
 
 
 @login_required
 def queue_csv(request):
-    rows = _filtered_queue(request)
+    rows = selectors.queue_for(user=request.user, **_filters(request))
     return csv_response(
         "queue.csv", QUEUE_COLUMNS, ([row.get(c, "") for c in QUEUE_COLUMNS] for row in rows)
     )

@@ -94,11 +94,18 @@ def test_the_queue_is_shown_a_page_at_a_time_with_its_filters_kept(
     assert "Page 1 of 3" in first and "team=alpha&amp;page=2" in first
     last = client.get("/jobs/", {"team": "alpha", "page": 3}).content.decode()
     assert last.count("<tr data-job=") == 1 and "← Ahead in the queue" in last
+    from apps.jobs.scheduler.run import scheduling_pass
+    from apps.jobs.selectors import queue_for
+
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    scheduling_pass()  # one placed, the rest ordered by the pass
     shown = []
     for page in (1, 2, 3):
         html = client.get("/jobs/", {"team": "alpha", "page": page}).content.decode()
-        shown += re.findall(r">(alpha-\d)<", html)
-    assert sorted(shown) == [f"alpha-{n}" for n in range(5)]  # each on exactly one page
+        shown += [int(i) for i in re.findall(r'<tr data-job="(\d+)"', html)]
+    # Each job on exactly one page, in the order of the whole queue.
+    assert shown == [row["id"] for row in queue_for(user=researcher, team="alpha")]
+    assert len(set(shown)) == 5
     assert client.get("/jobs/", {"page": "junk"}).status_code == 200  # the first page
 
 
