@@ -21,6 +21,7 @@ from apps.jobs.models import (
 from apps.jobs.models.jobs import (
     ACTIVE_STATES,
     FINISHED_STATES,
+    QUEUE_ORDER_KEY,
     last_pass_read_at,
     waiting_reason,
 )
@@ -66,7 +67,7 @@ def _active(*, state: str = "", team: str = "") -> QuerySet[Job]:
 
 def _queue_order() -> dict[int, int]:
     """Job id -> its place among the pending jobs, as the last scheduling pass ordered them."""
-    return {job_id: i + 1 for i, job_id in enumerate(cache.get("jobs:queue-order") or [])}
+    return {job_id: i + 1 for i, job_id in enumerate(cache.get(QUEUE_ORDER_KEY) or [])}
 
 
 def _queue_rows(jobs: QuerySet[Job], *, user, position: dict[int, int]) -> dict[int, dict]:

@@ -201,7 +201,9 @@ class Job(models.Model):
 
 
 NOT_YET_PLANNED = "waiting for the next scheduling pass"
+# What each committed scheduling pass publishes in the cache for the pages and the API.
 LAST_PASS_KEY = "jobs:last-pass-at"  # noqa: S105 (a cache key): when the last pass read
+QUEUE_ORDER_KEY = "jobs:queue-order"  # the pending jobs' ids in queue order
 
 
 def last_pass_read_at() -> float | None:

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from django.core.cache import cache
 from django.utils import timezone
 
+from apps.jobs.models.jobs import QUEUE_ORDER_KEY
 from apps.jobs.scheduler.apply import decisions_apply
 from apps.jobs.scheduler.plan import plan
 from apps.jobs.scheduler.read import read_snapshot
-
-QUEUE_ORDER_KEY = "jobs:queue-order"
 
 
 @dataclass
