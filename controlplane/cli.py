@@ -261,7 +261,22 @@ def cmd_cancel(client, args):
 
 
 def cmd_queue(client, args):
-    rows = client.request("GET", "queue/")
+    """The front of the queue (`--limit`, 0 for every job), filtered by state and team."""
+    query = {"state": args.state, "team": args.team, "page_size": min(args.limit or 1000, 1000)}
+    rows: list[dict] = []
+    page = 1
+    while True:
+        answer = client.request("GET", "queue/", query={**query, "page": page})
+        rows += answer["results"]
+        if not answer["next"] or (args.limit and len(rows) >= args.limit):
+            break
+        page += 1
+    rows = rows[: args.limit or None]
+    if len(rows) < answer["count"]:
+        print(
+            f"cpctl: the first {len(rows)} of {answer['count']} jobs (--limit 0 for all)",
+            file=sys.stderr,
+        )
     for row in rows:
         row["name"] = row.get("name") or "(another team's job)"
         row["id"] = row["id"] or ""
@@ -307,6 +322,14 @@ def cmd_nccl_lint(client, args):
             file=sys.stderr,
         )
     return 1 if answer["counts"]["error"] else 0
+
+
+def count(text: str) -> int:
+    """A non-negative whole number (argparse names it in its error)."""
+    number = int(text)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{text} is below 0")
+    return number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -358,7 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("job", type=int)
     cancel.add_argument("--reason")
     cancel.set_defaults(run=cmd_cancel)
-    sub.add_parser("queue", help="the queue, in order").set_defaults(run=cmd_queue)
+    queue = sub.add_parser("queue", help="the queue, in order")
+    queue.add_argument("--state", help="only jobs in this state (pending, held, running…)")
+    queue.add_argument("--team", help="only this team's jobs (its slug)")
+    queue.add_argument(
+        "--limit", type=count, default=100, help="show the first N jobs (default 100; 0 for all)"
+    )
+    queue.set_defaults(run=cmd_queue)
     lint = sub.add_parser(
         "nccl-lint", help="lint an NCCL environment block: exit 1 when any variable is an error"
     )

@@ -122,3 +122,33 @@ def _wait_for_job(model, name, timeout_s=20.0):
             return job
         time.sleep(0.1)
     raise AssertionError(f"no job {name} was submitted")
+
+
+def test_queue_shows_its_front_filtered_and_says_how_much_is_left_out(
+    live_server, team, other_team, researcher
+):
+    from apps.accounts import services as accounts
+    from apps.jobs import services as jobs
+    from tests.apps.jobs.conftest import command_spec
+
+    ready_node(pool=factories.make_owned_pool(slug="cli-queue-pool"), name="cli-queue-node")
+    for slug in (team, other_team):
+        accounts.team_quota_set(team=slug, gpu_type="H100", max_gpus=8, by=None)
+    for n in range(3):
+        jobs.job_submit(team=team, spec=command_spec(team, name=f"q-{n}"), submitted_by=researcher)
+    stranger = factories.make_member(team=other_team, role="researcher")
+    jobs.job_submit(team=other_team, spec=command_spec(other_team), submitted_by=stranger)
+    token = token_of(researcher)
+
+    front = cpctl(live_server, token, "-o", "json", "queue", "--limit", "2")
+    assert front.returncode == 0, front.stderr
+    assert [row["name"] for row in json.loads(front.stdout)] == ["q-0", "q-1"]  # by age
+    assert "the first 2 of 4 jobs" in front.stderr
+    whole = cpctl(live_server, token, "-o", "json", "queue", "--limit", "0")
+    assert len(json.loads(whole.stdout)) == 4 and whole.stderr == ""
+    theirs = cpctl(live_server, token, "-o", "json", "queue", "--team", other_team.slug)
+    assert [(r["team"], r["name"]) for r in json.loads(theirs.stdout)] == [
+        (other_team.slug, "(another team's job)")
+    ]
+    refused = cpctl(live_server, token, "queue", "--state", "finished")
+    assert refused.returncode == 1 and "state" in refused.stderr

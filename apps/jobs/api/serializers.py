@@ -14,7 +14,7 @@ from apps.accounts.selectors import teams_visible_to
 from apps.fleet.models import Node
 from apps.jobs.extensions import job_detail_part
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
-from apps.jobs.models.jobs import ANY_GPU
+from apps.jobs.models.jobs import ACTIVE_STATES, ANY_GPU
 from apps.jobs.selectors import job_cost, job_nccl_environments, jobs_visible_to
 from controlplane.api import (
     ScopedPrimaryKeyField,
@@ -350,6 +350,15 @@ class QueueRowSerializer(StrictSerializer):
     name = serializers.CharField(required=False)
     reason = serializers.CharField(required=False)
     submitted_at = serializers.DateTimeField(required=False)
+
+
+class QueueQuerySerializer(serializers.Serializer):
+    """The queue's filters (its pages are `page` and `page_size`, as every list's)."""
+
+    state = serializers.ChoiceField(
+        choices=sorted(ACTIVE_STATES), required=False, help_text="Only jobs in this state."
+    )
+    team = serializers.SlugField(required=False, help_text="Only this team's jobs (its slug).")
 
 
 class ReservationSerializer(StrictModelSerializer):

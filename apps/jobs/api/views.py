@@ -1,10 +1,9 @@
 """API views for jobs, the queue and reservations."""
 
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import mixins, status, viewsets
+from rest_framework import generics, mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from apps.accounts.models import TokenScope
 from apps.accounts.selectors import team_for_submission
@@ -165,13 +164,24 @@ def _jsonable(value):
     return value
 
 
-class QueueView(APIView):
-    """Every active job in queue order; other teams' jobs are anonymous rows."""
+class QueueView(generics.ListAPIView):
+    """Every active job in queue order, a page at a time (`?page=N&page_size=M`), filtered by
+    state and team; other teams' jobs are anonymous rows."""
 
-    @extend_schema(responses=s.QueueRowSerializer(many=True))
-    def get(self, request):
-        rows = selectors.queue_for(user=request.user)
-        return Response(s.QueueRowSerializer(rows, many=True).data)
+    serializer_class = s.QueueRowSerializer
+    filter_backends = []  # the queue's own filters, below: its order is not a queryset's
+
+    @extend_schema(parameters=[s.QueueQuerySerializer])
+    def get(self, request, *args, **kwargs):
+        return super().get(request, *args, **kwargs)
+
+    def list(self, request, *args, **kwargs):
+        query = s.QueueQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        ids, position = selectors.queue_ids(**query.validated_data)
+        page = self.paginate_queryset(ids)
+        rows = selectors.queue_rows(page, user=request.user, position=position)
+        return self.get_paginated_response(self.get_serializer(rows, many=True).data)
 
 
 class ReservationViewSet(ServiceViewSet):

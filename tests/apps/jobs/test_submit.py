@@ -274,13 +274,51 @@ def test_other_teams_jobs_are_404_and_anonymous_in_the_queue(
     client = api_for(researcher)
     assert client.get(f"/api/v1/jobs/{theirs['id']}/").status_code == 404
     assert [j["id"] for j in client.get("/api/v1/jobs/").json()["results"]] == [mine["id"]]
-    rows = client.get("/api/v1/queue/").json()
+    rows = client.get("/api/v1/queue/").json()["results"]
     anonymous = [r for r in rows if r["anonymous"]]
     assert len(anonymous) == 1
     assert anonymous[0]["id"] is None and anonymous[0]["team"] == other_team.slug
     assert "name" not in anonymous[0] and "secret-project" not in str(rows)
     own = next(r for r in rows if not r["anonymous"])
     assert own["name"] == "mine" and own["reason"]
+
+
+def test_the_queue_api_gives_the_whole_queue_a_page_at_a_time_with_filters(
+    fleet_pool, quota, team, other_team, researcher, api_for
+):
+    from apps.accounts import services as accounts
+    from apps.jobs.scheduler.run import scheduling_pass
+    from apps.jobs.selectors import queue_for
+
+    stranger = factories.make_member(team=other_team, role="researcher")
+    accounts.team_quota_set(team=other_team, gpu_type="H100", max_gpus=32, by=None)
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    client = api_for(researcher)
+    for n in range(5):
+        assert submit(client, command_spec(team, name=f"mine-{n}")).status_code == 201
+    assert submit(api_for(stranger), command_spec(other_team)).status_code == 201
+    scheduling_pass()  # one of mine placed, the rest ordered by the pass
+
+    pages, url = [], "/api/v1/queue/?page_size=2"
+    while url:
+        answer = client.get(url).json()
+        assert answer["count"] == 6
+        pages.append(answer["results"])
+        url = answer["next"]
+    assert [len(p) for p in pages] == [2, 2, 2]
+    whole = [(r["id"], r["state"], r["position"]) for p in pages for r in p]
+    assert whole == [(r["id"], r["state"], r["position"]) for r in queue_for(user=researcher)]
+
+    placed = client.get("/api/v1/queue/", {"state": "admitted"}).json()["results"]
+    assert sorted(r["team"] for r in placed) == sorted([team.slug, other_team.slug])
+    mine = client.get("/api/v1/queue/", {"state": "pending", "team": team.slug}).json()
+    assert mine["count"] == 4 and [r["position"] for r in mine["results"]] == [1, 2, 3, 4]
+    theirs = client.get("/api/v1/queue/", {"team": other_team.slug}).json()["results"]
+    assert len(theirs) == 1 and theirs[0]["anonymous"] and theirs[0]["id"] is None
+    for bad, field in (({"state": "finished"}, "state"), ({"team": "no such/slug"}, "team")):
+        refused = client.get("/api/v1/queue/", bad)
+        assert refused.status_code == 400 and field in refused.json()["error"]["details"]
+    assert client.get("/api/v1/queue/", {"page": 99}).status_code == 404
 
 
 def test_reconcile_requeues_a_job_stuck_preempting(
