@@ -9,10 +9,11 @@ column the table needs.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
 from django.core.exceptions import EmptyResultSet
-from django.db import connection, models, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, models, transaction
 from django.db.models import BooleanField, F, Func
 
 INTEGER_TYPES = frozenset({"smallint", "integer", "bigint"})
@@ -152,49 +153,59 @@ def insert_with(
             for obj in others:
                 obj.save(force_insert=True)
         return [first, *others]
+    db = connections[DEFAULT_DB_ALIAS]  # the wrapper itself: each use of the proxy costs a look-up
     meta = first._meta
-    with connection.cursor() as cursor:
+    with db.cursor() as cursor:
         cursor.execute(
             "SELECT nextval(pg_get_serial_sequence(%s, %s))", [meta.db_table, meta.pk.column]
         )
         first.pk = cursor.fetchone()[0]
-    inserts = [_insert_sql(first)]  # first: its auto_now_add values are set before rest()
+    inserts = [_insert_sql(first, db)]  # first: its auto_now_add values are set before rest()
     objects = [first, *rest(first)]
-    inserts += [_insert_sql(obj) for obj in objects[1:]]
+    inserts += [_insert_sql(obj, db) for obj in objects[1:]]
     chained = ", ".join(f"w{i} AS ({sql})" for i, (sql, _) in enumerate(inserts[:-1]))
     sql = f"WITH {chained} {inserts[-1][0]}" if chained else inserts[-1][0]
     params = [value for _, values in inserts for value in values]
     # Inside a caller's transaction, a savepoint: a failed insert (a lost race on a unique
     # key) must leave the caller's transaction usable.
-    unit = transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext()
+    unit = transaction.atomic() if db.in_atomic_block else contextlib.nullcontext()
     try:
-        with unit, connection.cursor() as cursor:
+        with unit, db.cursor() as cursor:
             cursor.execute(sql, params)
     except Exception:
         first.pk = None  # nothing was inserted: the reserved id stays unused
         raise
     for obj in objects:
         obj._state.adding = False
-        obj._state.db = connection.alias
+        obj._state.db = db.alias
     return objects
 
 
-def _insert_sql(obj: models.Model) -> tuple[str, list]:
+def _insert_sql(obj: models.Model, db) -> tuple[str, list]:
     """INSERT of one new instance, its values as Model.save() would prepare them."""
-    fields = [
-        f
-        for f in obj._meta.concrete_fields
-        if not (f.primary_key and getattr(obj, f.attname) is None)
-    ]
-    values = [f.get_db_prep_save(f.pre_save(obj, add=True), connection) for f in fields]
-    quote = connection.ops.quote_name
-    columns = ", ".join(quote(f.column) for f in fields)
+    fields = _insert_fields(type(obj), obj.pk is None)
+    values = [f.get_db_prep_save(f.pre_save(obj, add=True), db) for f in fields]
     # NULLs written as such, not sent: a job's three rows then take fewer than the 50
     # parameters up to which psycopg keeps a statement's parsed form (bench/RESULTS.md).
-    placeholders = ", ".join(["NULL" if value is None else "%s" for value in values])
-    table = quote(obj._meta.db_table)
-    sql = f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"  # noqa: S608
+    sql = _insert_text(type(obj), obj.pk is None, tuple(value is None for value in values))
     return sql, [value for value in values if value is not None]
+
+
+@functools.cache
+def _insert_fields(model: type[models.Model], pk_from_database: bool) -> tuple:
+    return tuple(f for f in model._meta.concrete_fields if not (f.primary_key and pk_from_database))
+
+
+@functools.cache
+def _insert_text(model: type[models.Model], pk_from_database: bool, nulls: tuple) -> str:
+    """The INSERT's text for these fields, with NULL where a value is None (made once per
+    model and pattern of NULLs: a few per model)."""
+    quote = connections[DEFAULT_DB_ALIAS].ops.quote_name
+    fields = _insert_fields(model, pk_from_database)
+    columns = ", ".join(quote(f.column) for f in fields)
+    placeholders = ", ".join(["NULL" if null else "%s" for null in nulls])
+    table = quote(model._meta.db_table)
+    return f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"  # noqa: S608
 
 
 def fetch_rows(queryset: models.QuerySet) -> list[tuple]:

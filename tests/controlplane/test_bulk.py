@@ -240,6 +240,25 @@ def test_insert_with_sends_a_job_in_few_enough_parameters_for_psycopg_to_keep(te
     assert len(insert[0]) <= 50 and None not in insert[0]
 
 
+def test_insert_with_writes_each_rows_own_nulls_and_values_one_after_another(team, researcher):
+    """The statement's text is kept per pattern of NULLs: rows alternating between
+    patterns must each get their own values in their own columns."""
+    made = []
+    for n in range(4):
+        job = _unsaved_job(team, name=f"pattern-{n}")
+        if n % 2:
+            job.submitted_by, job.max_cost_usd = researcher, Decimal("12.50")
+        insert_with(job, _job_records)
+        made.append(job.pk)
+    stored = Job.objects.filter(pk__in=made).order_by("pk")
+    assert [(j.name, j.submitted_by_id, j.max_cost_usd) for j in stored] == [
+        ("pattern-0", None, None),
+        ("pattern-1", researcher.pk, Decimal("12.50")),
+        ("pattern-2", None, None),
+        ("pattern-3", researcher.pk, Decimal("12.50")),
+    ]
+
+
 def test_a_failed_insert_with_leaves_nothing_and_the_transaction_usable(team):
     from apps.jobs.models import JobEvent
 

@@ -44,7 +44,12 @@ _render = JSONRenderer().render
 def submit_fast_path(application):
     """Wrap a WSGI application: plain job submissions are answered in front of it."""
     return short_road(
-        application, method="POST", path=JOBS_PATH, route=JOBS_ROUTE, road=_submit_plain
+        application,
+        method="POST",
+        path=JOBS_PATH,
+        route=JOBS_ROUTE,
+        road=_submit_plain,
+        queries=True,  # a job written, or an earlier one read for its idempotency key
     )
 
 

@@ -181,3 +181,40 @@ def test_other_requests_go_to_django(apps, fleet_pool, quota, team, token):
     assert listed[0] == 200 and json.loads(listed[2])["count"] == 1
     assert post(fast, command_spec(team), token=token, host="evil.example")[0] == 400
     assert post(fast, command_spec(team), token=token, QUERY_STRING="format=json")[0] == 201
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_connection_the_road_just_used_skips_the_health_check_and_an_idle_dead_one_is_replaced(
+    fleet_pool, quota, team, token, monkeypatch
+):
+    """CONN_HEALTH_CHECKS sends `SELECT 1` before a request's first query; within
+    ALIVE_BYPASS_S of a submit that the database answered, the next one skips it. Past
+    that, a connection that died while idle is found out and replaced, as without the
+    road."""
+    import psycopg
+    from django.core.handlers.wsgi import WSGIHandler
+    from django.db import connection
+
+    from controlplane import shortroads
+
+    app = submit_fast_path(WSGIHandler())  # close_old_connections stays connected
+    checks = []
+    is_usable = connection.is_usable
+    monkeypatch.setattr(connection, "is_usable", lambda: checks.append(1) or is_usable())
+    assert post(app, command_spec(team, name="first"), token=token)[0] == 201
+    checked = len(checks)
+    assert post(app, command_spec(team, name="soon-after"), token=token)[0] == 201
+    assert len(checks) == checked  # vouched for by the first: no SELECT 1
+
+    monkeypatch.setattr(shortroads, "ALIVE_BYPASS_S", 0.0)  # as if idle past the window
+    pid = connection.connection.info.backend_pid
+    db = connection.settings_dict
+    with psycopg.connect(
+        host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], dbname=db["NAME"]
+    ) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+    answer = post(app, command_spec(team, name="after-a-restart"), token=token)
+    assert answer[0] == 201, answer
+    assert len(checks) > checked and connection.connection.info.backend_pid != pid
+    assert Job.objects.filter(name="after-a-restart").count() == 1
