@@ -14,6 +14,8 @@ change cannot put the old answer back there either. A cache that fails is
 skipped: the database answers, as it would without one.
 """
 
+import contextlib
+import contextvars
 import logging
 import threading
 import uuid
@@ -25,6 +27,40 @@ log = logging.getLogger(__name__)
 
 RECHECK = "recheck"
 
+# Keys read ahead in one round trip (read_ahead) → their values (None: not cached).
+_ahead: contextvars.ContextVar[dict | None] = contextvars.ContextVar("read_ahead", default=None)
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def read_ahead(keys):
+    """Read these cache keys in one round trip (a hot request that will look up several,
+    one after another); inside the block, the first cache_get of each is answered from
+    what was read. A cache that fails reads nothing ahead: each get then asks it again."""
+    keys = [key for key in keys if key]
+    try:
+        found = cache.get_many(keys) if keys else {}
+    except Exception:
+        log.warning("cache unreachable; not reading ahead", exc_info=True)
+        yield
+        return
+    token = _ahead.set({key: found.get(key) for key in keys})
+    try:
+        yield
+    finally:
+        _ahead.reset(token)
+
+
+def cache_get(key: str):
+    """cache.get(key), answered by an enclosing read_ahead if it read this key (once: a
+    second get of the key asks the cache, which may have been written since)."""
+    ahead = _ahead.get()
+    if ahead is not None:
+        value = ahead.pop(key, _MISSING)
+        if value is not _MISSING:
+            return value
+    return cache.get(key)
+
 
 class ExactCache:
     def __init__(self, prefix: str, *, max_timeout_s: float):
@@ -35,6 +71,10 @@ class ExactCache:
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}:{name}"
+
+    def key_of(self, name: str) -> str:
+        """The cache key recall(name) reads first: for read_ahead."""
+        return self._key(name)
 
     def _generations(self) -> dict[str, str]:
         if not hasattr(self._seen, "generations"):
@@ -48,7 +88,7 @@ class ExactCache:
         if self.max_timeout_s <= 0:
             return None
         try:
-            value = cache.get(self._key(name))
+            value = cache_get(self._key(name))
             if isinstance(value, str) and value.startswith(RECHECK):
                 generation = value.partition(":")[2]
                 if not generation:  # a marker without one: ask the database, cache nothing

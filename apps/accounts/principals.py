@@ -13,6 +13,11 @@ from controlplane.exactcache import ExactCache
 _tokens = ExactCache("auth:token", max_timeout_s=settings.AUTH_CACHE_S)
 
 
+def cache_key(digest: str) -> str:
+    """Where recall(digest) looks first (for controlplane.exactcache.read_ahead)."""
+    return _tokens.key_of(digest)
+
+
 def recall(digest: str):
     """(token, roles) as cached, or None when the database must answer."""
     return _tokens.recall(digest)

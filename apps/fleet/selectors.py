@@ -16,6 +16,7 @@ from apps.fleet.models import (
     Rack,
     Site,
 )
+from controlplane.exactcache import cache_get
 
 
 def nodes_for_listing() -> QuerySet[Node]:
@@ -153,7 +154,7 @@ def pools_capacity(*, cached: bool = False) -> list[PoolCapacity]:
     `cached=True` answers from Django's cache for up to CAPACITY_CACHE_S seconds.
     """
     if cached:
-        hit = cache.get(CAPACITY_CACHE_KEY)
+        hit = cache_get(CAPACITY_CACHE_KEY)  # read ahead by a submission
         if hit is not None:
             return hit
     sizes: dict[int, list[tuple[int, int]]] = {}

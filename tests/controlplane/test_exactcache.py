@@ -89,3 +89,76 @@ def test_an_uncommitted_change_marks_nothing(exact, django_capture_on_commit_cal
         exact.forget(["k"])  # rolled back: its callbacks never run
     assert look_up(exact, database) == "v1"
     assert database.reads == 1
+
+
+class CountingCache:
+    """Django's cache, counting its round trips."""
+
+    def __init__(self, real):
+        self.real, self.gets, self.get_manys = real, 0, 0
+
+    def get(self, key, *args, **kwargs):
+        self.gets += 1
+        return self.real.get(key, *args, **kwargs)
+
+    def get_many(self, keys, *args, **kwargs):
+        self.get_manys += 1
+        return self.real.get_many(keys, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    from controlplane import exactcache
+
+    counting = CountingCache(exactcache.cache)
+    monkeypatch.setattr(exactcache, "cache", counting)
+    return counting
+
+
+def test_keys_read_ahead_answer_their_first_look_up_in_one_round_trip(exact, counted):
+    from controlplane.exactcache import cache_get, read_ahead
+
+    other = ExactCache(f"{exact.prefix}-other", max_timeout_s=60)
+    look_up(exact, Database("a"))
+    look_up(other, Database("b"))
+    counted.gets = 0
+    with read_ahead([exact.key_of("k"), other.key_of("k"), f"{exact.prefix}:absent"]):
+        assert counted.get_manys == 1
+        assert (exact.recall("k"), other.recall("k")) == ("a", "b")
+        assert cache_get(f"{exact.prefix}:absent") is None  # read ahead: not there
+        assert counted.gets == 0
+        counted.real.set(exact.key_of("k"), "written since", 60)
+        assert exact.recall("k") == "written since"  # a second look-up asks the cache
+        assert counted.gets == 1
+    assert other.recall("k") == "b" and counted.gets == 2  # outside the block: the cache
+
+
+def test_a_marker_read_ahead_still_sends_the_reader_to_the_database(
+    exact, counted, django_capture_on_commit_callbacks
+):
+    from controlplane.exactcache import read_ahead
+
+    database = Database("v1")
+    look_up(exact, database)
+    database.value = "v2"
+    with django_capture_on_commit_callbacks(execute=True):
+        exact.forget(["k"])
+    with read_ahead([exact.key_of("k")]):
+        assert look_up(exact, database) == "v2" and database.reads == 2
+    assert look_up(exact, database) == "v2" and database.reads == 2  # cached under the marker
+
+
+def test_a_cache_that_fails_reads_nothing_ahead(exact, counted, monkeypatch):
+    from controlplane.exactcache import cache_get, read_ahead
+
+    look_up(exact, Database("a"))
+
+    def broken(keys, *args, **kwargs):
+        raise ConnectionError("cache down")
+
+    monkeypatch.setattr(counted, "get_many", broken)
+    with read_ahead([exact.key_of("k")]):
+        assert cache_get(exact.key_of("k")) == "a"  # asked again, and answered

@@ -21,15 +21,19 @@ import logging
 from rest_framework.exceptions import ValidationError
 from rest_framework.renderers import JSONRenderer
 
+from apps.accounts import principals
 from apps.accounts.authentication import KEYWORDS
 from apps.accounts.context import Origin, acting_from
 from apps.accounts.middleware import client_address
 from apps.accounts.models import TokenScope
-from apps.accounts.services import TokenRejected, api_token_use, token_allows
+from apps.accounts.selectors import team_cache_key
+from apps.accounts.services import TokenRejected, api_token_use, token_allows, token_digest
+from apps.fleet.selectors import CAPACITY_CACHE_KEY
 from apps.jobs.api import serializers as s
 from apps.jobs.api.views import submit_request
 from controlplane.api import error_body
 from controlplane.errors import ApplicationError
+from controlplane.exactcache import read_ahead
 from controlplane.shortroads import Answer, bearer_token, short_road
 
 log = logging.getLogger(__name__)
@@ -67,15 +71,29 @@ def _submit_plain(request) -> Answer | None:
     if raw is None:
         return None
     try:
+        data = json.loads(request.body.decode("utf-8"), parse_constant=_refuse_constant)
+    except ValueError:  # UnicodeDecodeError included
+        return None  # the view answers 400
+    # The three cache entries a submission looks up, in one round trip rather than three.
+    team_id = data.get("team") if isinstance(data, dict) else None
+    with read_ahead(
+        [
+            principals.cache_key(token_digest(raw)),
+            team_cache_key(team_id) if type(team_id) is int else "",
+            CAPACITY_CACHE_KEY,
+        ]
+    ):
+        return _submit_as(request, raw, data)
+
+
+def _submit_as(request, raw: str, data) -> Answer | None:
+    meta = request.META
+    try:
         token = api_token_use(raw=raw)
     except TokenRejected:
         return None  # the view answers 401
     if not token_allows(token, TokenScope.SUBMIT):
         return None  # the view answers 403
-    try:
-        data = json.loads(request.body.decode("utf-8"), parse_constant=_refuse_constant)
-    except ValueError:  # UnicodeDecodeError included
-        return None  # the view answers 400
     origin = Origin(channel="api", address=client_address(request))
     with acting_from(origin):
         try:

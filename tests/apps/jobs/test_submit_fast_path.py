@@ -218,3 +218,18 @@ def test_a_connection_the_road_just_used_skips_the_health_check_and_an_idle_dead
     assert answer[0] == 201, answer
     assert len(checks) > checked and connection.connection.info.backend_pid != pid
     assert Job.objects.filter(name="after-a-restart").count() == 1
+
+
+def test_a_submit_reads_its_token_team_and_pools_from_the_cache_in_one_round_trip(
+    apps, fleet_pool, quota, team, token, monkeypatch
+):
+    from controlplane import exactcache
+    from tests.controlplane.test_exactcache import CountingCache
+
+    _, fast = apps
+    assert post(fast, command_spec(team, name="fills-the-cache"), token=token)[0] == 201
+    counting = CountingCache(exactcache.cache)
+    monkeypatch.setattr(exactcache, "cache", counting)
+    assert post(fast, command_spec(team, name="cached"), token=token)[0] == 201
+    assert (counting.get_manys, counting.gets) == (1, 0)
+    assert Job.objects.filter(name="cached").count() == 1
