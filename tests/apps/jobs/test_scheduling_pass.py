@@ -302,6 +302,28 @@ def test_jobs_and_nodes_with_allocations_are_still_protected(
     assert not NodeEvent.objects.filter(node_id=idle.pk).exists()
 
 
+def test_a_jobs_events_and_pool_references_still_hold_without_database_constraints(
+    fleet_pool, quota, team, researcher, ops_user
+):
+    """JobEvent.job and Job.pool have no foreign keys in the database (jobs migration
+    0009): deleting a job through Django still removes its events, and a pool with nodes
+    still cannot be deleted, so no placed job points at a pool that is gone."""
+    from apps.fleet.services import pool_delete
+    from apps.jobs.models import JobEvent
+    from controlplane.errors import ApplicationError
+
+    placed = submit(team, researcher)
+    scheduling_pass()
+    placed.refresh_from_db()
+    assert placed.pool_id == fleet_pool.pk
+    with pytest.raises(ApplicationError, match="still used by nodes"):
+        pool_delete(pool=fleet_pool, by=ops_user)
+    waiting = submit(team, researcher)
+    assert JobEvent.objects.filter(job=waiting).exists()
+    Job.objects.filter(pk=waiting.pk).delete()  # never placed: nothing protects it
+    assert not JobEvent.objects.filter(job_id=waiting.pk).exists()
+
+
 def test_placed_jobs_reach_the_broker_in_batches_of_ids():
     """What the dispatch hand-off puts on the real broker: every placed id once, in
     batches, each message with a short argsrepr rather than its ids. (The filesystem
