@@ -516,6 +516,13 @@ class _Pass:
                         pool.node_windows.setdefault(x, []).append(w)
         self.quotas = snapshot.quotas
         self.limits = {key: q.nominal + q.borrow for key, q in snapshot.quotas.items()}
+        # GPU type -> the teams holding more than their nominal quota of it: only their
+        # jobs can be borrowers. Held only grows within a pass, so only _hold adds to it.
+        self.over_nominal: dict[str, set[int]] = {}
+        for (team_id, gpu_type), gpus in self.held.items():
+            q = self.quotas.get((team_id, gpu_type))
+            if q is not None and gpus > q.nominal:
+                self.over_nominal.setdefault(gpu_type, set()).add(team_id)
         self.victims: set[int] = set()
         self.quota_waits: dict[tuple, Wait] = {}  # one Wait per wording, shared by its jobs
         self.depth = max(self.settings.backfill_depth, 0)
@@ -691,9 +698,16 @@ class _Pass:
                 job_id=job.job_id, pool_id=p.id, node_gpus=node_gpus, backfilled=p.blocked_seen
             )
         )
-        key = (job.team_id, p.gpu_type)
-        self.held[key] = self.held.get(key, 0) + n * g
+        self._hold(job.team_id, p.gpu_type, n * g)
         return True
+
+    def _hold(self, team_id: int, gpu_type: str, gpus: int) -> None:
+        """The team holds (or is promised) `gpus` more GPUs of the type from now on."""
+        key = (team_id, gpu_type)
+        held = self.held[key] = self.held.get(key, 0) + gpus
+        q = self.quotas.get(key)
+        if q is not None and held > q.nominal:
+            self.over_nominal.setdefault(gpu_type, set()).add(team_id)
 
     # -- a job that cannot start now ---------------------------------------------------------
 
@@ -827,8 +841,7 @@ class _Pass:
                 Preemption(job_id=r.job_id, for_job_id=job.job_id, reason=reason)
             )
         p.reserve(nodes, self.now, INFINITY)  # it starts once the victims have stopped
-        key = (job.team_id, p.gpu_type)
-        self.held[key] = self.held.get(key, 0) + job.gpus  # promised: the team's next jobs see it
+        self._hold(job.team_id, p.gpu_type, job.gpus)  # promised: the team's next jobs see it
         count = len(victims)
         self.wait(
             job,
@@ -848,16 +861,18 @@ class _Pass:
     def borrowers(self, job: Pending, pool: PoolCapacity):
         """Preemptible jobs of other teams that hold more than their nominal quota, while
         they still would after the victims chosen before them."""
+        over = self.over_nominal.get(pool.gpu_type, set()) - {job.team_id}
+        if not over:
+            return  # nobody else borrows this GPU type: the walk below would find no one
         held = self.held
         quotas = self.quotas
         victims = self.victims
         taken: dict[tuple[int, str], int] = {}
         for r in pool.victim_order:
-            if r.team_id == job.team_id or not r.preemptible or r.job_id in victims:
+            if r.team_id not in over or not r.preemptible or r.job_id in victims:
                 continue
             key = (r.team_id, r.gpu_type)
-            q = quotas.get(key)
-            if q is not None and held.get(key, 0) - taken.get(key, 0) > q.nominal:
+            if held[key] - taken.get(key, 0) > quotas[key].nominal:
                 taken[key] = taken.get(key, 0) + r.gpus
                 yield r
 

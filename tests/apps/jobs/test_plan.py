@@ -583,6 +583,18 @@ def test_a_team_within_its_nominal_quota_reclaims_from_borrowers():
     assert not d.preemptions
 
 
+def test_a_team_that_goes_over_its_nominal_quota_in_this_pass_is_a_borrower_in_it():
+    """Team 2 holds its nominal 8 when the pass starts, then is placed 8 more (a high job,
+    walked first): its running job is a borrower for team 1's job later in the same pass."""
+    quotas = {(1, "H100"): Quota(nominal=8), (2, "H100"): Quota(nominal=8, borrow=8)}
+    running = [run(10, [(1, 8)], team=2, priority=1)]
+    pending = [job(1, team=1, priority=1), job(2, team=2, priority=2)]
+    d = plan(snap([node(1), node(2)], pending, running=running, quotas=quotas))
+    assert [p.job_id for p in d.placements] == [2]
+    assert [(p.job_id, p.for_job_id) for p in d.preemptions] == [(10, 1)]
+    assert "reclaims its nominal H100 quota" in d.preemptions[0].reason
+
+
 # --- 8. burst -------------------------------------------------------------------------------------
 
 
@@ -961,6 +973,35 @@ def test_preemption_victims_are_running_preemptible_and_lower_or_borrowing(s):
         assert victim.priority < for_job.priority or (
             borrowing and victim.team_id != for_job.team_id
         )
+
+
+def _borrowers_walking_everyone(self, job, pool):
+    """borrowers() as first written: every running job of the pool, each team's quota
+    looked up, with no list of the teams over their nominal quota to skip the rest."""
+    taken: dict[tuple[int, str], int] = {}
+    for r in pool.victim_order:
+        if r.team_id == job.team_id or not r.preemptible or r.job_id in self.victims:
+            continue
+        key = (r.team_id, r.gpu_type)
+        q = self.quotas.get(key)
+        if q is not None and self.held.get(key, 0) - taken.get(key, 0) > q.nominal:
+            taken[key] = taken.get(key, 0) + r.gpus
+            yield r
+
+
+@given(snapshots())
+def test_borrowers_found_through_the_teams_over_quota_are_those_a_full_walk_finds(s):
+    """The planner keeps the teams over their nominal quota as it goes (over_nominal) and
+    looks for borrowers only among their jobs: every decision is the full walk's."""
+    from apps.jobs.scheduler import plan as planner
+
+    fast = plan(s)
+    kept = planner._Pass.borrowers
+    planner._Pass.borrowers = _borrowers_walking_everyone
+    try:
+        assert plan(s) == fast
+    finally:
+        planner._Pass.borrowers = kept
 
 
 @given(snapshots())
