@@ -73,14 +73,19 @@ class Client:
             raise ApiError(exc.code, parsed) from None
         return json.loads(raw) if raw else None
 
-    def all_pages(self, path: str, query: dict | None = None):
-        query = {**(query or {}), "page_size": 1000, "page": 1}
+    def pages(self, path: str, query: dict | None = None, page_size: int = 1000):
+        """A paginated list's pages (count, next, results), one request each."""
+        query = {**(query or {}), "page_size": page_size, "page": 1}
         while True:
             page = self.request("GET", path, query=query)
-            yield from page["results"]
+            yield page
             if not page.get("next"):
                 return
             query["page"] += 1
+
+    def all_pages(self, path: str, query: dict | None = None):
+        for page in self.pages(path, query):
+            yield from page["results"]
 
 
 def _print_table(rows: list[dict], columns: list[str]) -> None:
@@ -262,21 +267,17 @@ def cmd_cancel(client, args):
 
 def cmd_queue(client, args):
     """The front of the queue (`--limit`, 0 for every job), filtered by state and team."""
-    query = {"state": args.state, "team": args.team, "page_size": min(args.limit or 1000, 1000)}
+    query = {"state": args.state, "team": args.team}
     rows: list[dict] = []
-    page = 1
-    while True:
-        answer = client.request("GET", "queue/", query={**query, "page": page})
-        rows += answer["results"]
-        if not answer["next"] or (args.limit and len(rows) >= args.limit):
+    total = 0
+    for page in client.pages("queue/", query, page_size=min(args.limit or 1000, 1000)):
+        rows += page["results"]
+        total = page["count"]
+        if args.limit and len(rows) >= args.limit:
             break
-        page += 1
     rows = rows[: args.limit or None]
-    if len(rows) < answer["count"]:
-        print(
-            f"cpctl: the first {len(rows)} of {answer['count']} jobs (--limit 0 for all)",
-            file=sys.stderr,
-        )
+    if len(rows) < total:
+        print(f"cpctl: the first {len(rows)} of {total} jobs (--limit 0 for all)", file=sys.stderr)
     for row in rows:
         row["name"] = row.get("name") or "(another team's job)"
         row["id"] = row["id"] or ""

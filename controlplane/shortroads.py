@@ -59,7 +59,7 @@ def short_road(
 
     `route` is the URL's name, the route label of the request metrics. `queries`: every
     success of the road has been answered by the database, which vouches for the
-    connection for the next ALIVE_BYPASS_S (see _take).
+    connection for the next ALIVE_BYPASS_S seconds.
     """
 
     def wsgi(environ, start_response):
