@@ -64,7 +64,16 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class StepMeter:
-    """Throughput and utilisation of each step, measured between step ends on rank 0."""
+    """Throughput and utilisation on rank 0, over the steps since the last report.
+
+    Each report covers every step since the one before (log_every of them, or fewer
+    after a resume or at the end), timed from the end of the last reported step to the
+    end of this one: when its work was over (the vote's `ended_at`), not when it was
+    reported. The loop reports a step once the next one is queued, so on a CPU, where a
+    step's work runs in the call that queues it, the report comes after the next step's
+    work too; a clock read at report time would give that work to this step and next to
+    nothing to the last step of a run.
+    """
 
     def __init__(self, *, device, tokens_per_step: int, flops_per_token: int, gpus: int):
         self.device = device
@@ -73,16 +82,30 @@ class StepMeter:
         self.gpus = gpus
         self.peak = peak_flops(device)
         self.tokens = 0
+        self._step = 0  # the last step reported (or resumed from)
         self._last = time.perf_counter()
+
+    def resume_at(self, step: int) -> None:
+        """Count from `step`, the step a run resumes after (0 for a fresh run)."""
+        self._step = step
+        self.tokens = step * self.tokens_per_step
+        self.restart_clock()
 
     def restart_clock(self) -> None:
+        """Leave out what happened since the last step (a checkpoint's save)."""
         self._last = time.perf_counter()
 
-    def step(self, *, step: int, loss: float, grad_norm: float, lr: float) -> dict:
-        now = time.perf_counter()
-        elapsed, self._last = now - self._last, now
-        self.tokens += self.tokens_per_step
-        tokens_per_s = self.tokens_per_step / elapsed
+    def step(
+        self, *, step: int, loss: float, grad_norm: float, lr: float, ended_at: float | None = None
+    ) -> dict:
+        ended_at = time.perf_counter() if ended_at is None else ended_at
+        steps = max(1, step - self._step)
+        # A step that ended before the clock restarted (reported after a save): no time.
+        elapsed = max(ended_at - self._last, 1e-9)
+        self._step, self._last = step, max(ended_at, self._last)
+        tokens = steps * self.tokens_per_step
+        self.tokens += tokens
+        tokens_per_s = tokens / elapsed
         mfu = None
         if self.peak:
             mfu = round(tokens_per_s * self.flops_per_token / (self.gpus * self.peak), 4)
@@ -96,6 +119,6 @@ class StepMeter:
             "mfu": mfu,
             "peak_mem_gib": round(peak_memory_gib(self.device), 3),
             "time": time.time(),
-            "step_time_s": round(elapsed, 4),
+            "step_time_s": round(elapsed / steps, 4),
             "tokens": self.tokens,
         }

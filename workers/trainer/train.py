@@ -167,16 +167,22 @@ class Vote:
         )
         dist.all_reduce(values)
         self._done = None
+        # When the step's work was over: on a CPU the work ran in the calls above; on a
+        # GPU it runs after they return, and read() learns when it is over.
+        self.ended_at: float | None = None
         if device.type == "cuda":  # a pinned copy, made when the stream gets there
             self._values = values.to("cpu", non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
         else:
             self._values = values
+            self.ended_at = time.perf_counter()
 
     def read(self) -> Agreement:
         if self._done is not None:
             self._done.synchronize()
+        if self.ended_at is None:
+            self.ended_at = time.perf_counter()
         mean_loss, norm, stop_votes, save_votes = self._values.tolist()
         return Agreement(mean_loss, norm, stop_votes > 0, save_votes > 0)
 
@@ -235,7 +241,7 @@ def run(config: RunConfig, progress: Progress) -> Outcome:
         flops_per_token=flops_per_token(config.model, config.data.seq_len),
         gpus=world.size,
     )
-    meter.tokens = step * tokens_per_step
+    meter.resume_at(step)
     if world.is_logger:
         metrics.emit(_start_event(world, step, checkpoints.resumed_from))
     watchdog = StepWatchdog(config.collective_timeout_s, rank=world.rank)
@@ -285,7 +291,13 @@ def _report(world: parallelize.World, meter: metrics.StepMeter, vote: Vote, *, l
     agreed = vote.read()
     if world.is_logger and (vote.step % world.config.log_every == 0 or last):
         metrics.emit(
-            meter.step(step=vote.step, loss=agreed.loss, grad_norm=agreed.grad_norm, lr=vote.lr)
+            meter.step(
+                step=vote.step,
+                ended_at=vote.ended_at,
+                loss=agreed.loss,
+                grad_norm=agreed.grad_norm,
+                lr=vote.lr,
+            )
         )
     return agreed
 

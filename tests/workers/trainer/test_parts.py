@@ -251,6 +251,38 @@ def test_mfu_uses_the_dense_bf16_peak():
     assert not math.isnan(meter.step(step=1, loss=1.0, grad_norm=1.0, lr=1e-3)["tokens_per_s"])
 
 
+def test_a_report_covers_every_step_since_the_last_one_timed_by_when_their_work_ended():
+    from workers.trainer.metrics import StepMeter
+
+    meter = StepMeter(device=torch.device("cpu"), tokens_per_step=1000, flops_per_token=1, gpus=1)
+    meter.resume_at(0)
+    start = meter._last
+    figures = dict(loss=1.0, grad_norm=1.0, lr=1e-3)
+
+    # log_every=10: one report for ten steps of 0.5 s each.
+    ten = meter.step(step=10, ended_at=start + 5.0, **figures)
+    assert ten["tokens"] == 10_000
+    assert ten["tokens_per_s"] == pytest.approx(2000.0)
+    assert ten["step_time_s"] == pytest.approx(0.5)
+
+    # The last two steps of a run are reported back to back, long after the first of them
+    # ended (on a CPU the next step's work ran before its report): each gets its own time.
+    eleven = meter.step(step=11, ended_at=start + 5.5, **figures)
+    twelve = meter.step(step=12, ended_at=start + 6.0, **figures)
+    assert eleven["step_time_s"] == twelve["step_time_s"] == pytest.approx(0.5)
+    assert twelve["tokens"] == 12_000 and twelve["tokens_per_s"] == pytest.approx(2000.0)
+
+
+def test_a_resumed_run_counts_its_tokens_from_the_step_it_resumes_after():
+    from workers.trainer.metrics import StepMeter
+
+    meter = StepMeter(device=torch.device("cpu"), tokens_per_step=1000, flops_per_token=1, gpus=1)
+    meter.resume_at(40)
+    report = meter.step(step=41, ended_at=meter._last + 0.25, loss=1.0, grad_norm=1.0, lr=1e-3)
+    assert report["tokens"] == 41_000
+    assert report["tokens_per_s"] == pytest.approx(4000.0)
+
+
 # --- the S3 copy ---------------------------------------------------------------------------------
 
 

@@ -181,6 +181,18 @@ def reference(scratch, dataset) -> Run:
     return run
 
 
+def test_every_step_report_counts_its_own_tokens_and_time(reference):
+    steps = reference.of("step")
+    per_step = steps[0]["tokens"]
+    assert per_step > 0
+    assert [e["tokens"] for e in steps] == [e["step"] * per_step for e in steps]
+    # The last step is reported right after the one before it; on the CPU its work ran
+    # before either report. Timed from the report, it took next to nothing (a rate a
+    # thousand times the others' on the job's chart).
+    times = sorted(e["step_time_s"] for e in steps[1:-1])
+    assert steps[-1]["step_time_s"] > times[len(times) // 2] / 10
+
+
 LAYOUTS = {
     "ddp": ({"dp_replicate": 2}, {}),
     "fsdp": ({"dp_shard": 2}, {"activation_checkpointing": "selective"}),
@@ -282,6 +294,8 @@ def test_stopping_and_resuming_gives_the_uninterrupted_curve(
     (resume,) = run.of("resume")
     assert resume["step"] == stopped_at
     assert set(run.losses) == set(range(stopped_at + 1, STEPS + 1))
+    per_step = reference.of("step")[0]["tokens"]
+    assert [e["tokens"] for e in run.of("step")] == [e["step"] * per_step for e in run.of("step")]
     assert_same_losses(run, reference, range(stopped_at + 1, STEPS + 1))
     assert run.status["reason"] == "finished"
 
