@@ -1,4 +1,5 @@
-"""The main navigation; a section whose app has not landed yet is shown as not available."""
+"""The main navigation; a section whose app has not landed yet is shown as not available, and
+one the user may not enter (Django's admin, for users who are not staff) is not shown."""
 
 from django.urls import NoReverseMatch, reverse
 
@@ -9,14 +10,21 @@ SECTIONS = [
     ("NCCL lint", "tuning:lint"),
     ("Costs", "costs:overview"),
     ("Checkpoints", "checkpoints:overview"),
-    ("Admin", "admin:index"),
+    ("Admin", "admin:index"),  # staff only (STAFF_ONLY)
     ("API docs", "api-docs"),
 ]
 
 
+STAFF_ONLY = {"admin:index"}
+
+
 def navigation(request):
+    user = getattr(request, "user", None)
+    staff = bool(user is not None and user.is_active and user.is_staff)
     items = []
     for label, name in SECTIONS:
+        if name in STAFF_ONLY and not staff:
+            continue
         try:
             url = reverse(name)
         except NoReverseMatch:

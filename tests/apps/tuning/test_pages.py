@@ -28,6 +28,20 @@ def test_the_navigation_has_the_nccl_pages(client, viewer):
     assert '<a href="/nccl/lint/">NCCL lint</a>' in html
 
 
+def test_the_admin_link_is_shown_only_to_staff(client, viewer, ops_user, superuser):
+    for user in (viewer, ops_user):
+        html = logged_in(client, user).get("/nccl/profiles/").content.decode()
+        assert ">Admin</a>" not in html
+        assert '<a href="/nccl/lint/">NCCL lint</a>' in html
+    html = logged_in(client, superuser).get("/nccl/profiles/").content.decode()
+    assert '<a href="/admin/">Admin</a>' in html
+
+
+def test_pages_name_their_icon_so_browsers_do_not_ask_for_a_missing_one(client, viewer):
+    html = logged_in(client, viewer).get("/nccl/profiles/").content.decode()
+    assert re.search(r'<link rel="icon" href="[^"]*favicon\.svg"', html)
+
+
 def test_the_profiles_page_lists_profiles_with_their_lint(client, viewer, ops_user):
     html = logged_in(client, viewer).get("/nccl/profiles/").content.decode()
     assert "<h1>NCCL profiles</h1>" in html
