@@ -2,8 +2,9 @@
 
 from django.core.cache import cache
 from django.core.paginator import Page, Paginator
-from django.db.models import Q, QuerySet
+from django.db.models import F, Q, QuerySet
 
+from apps.accounts.models import Team
 from apps.accounts.selectors import roles_of
 from apps.costs.selectors import job_cost as cost_of
 from apps.fleet.selectors import pools_capacity
@@ -167,6 +168,70 @@ def queue_choices() -> tuple[list[str], list[str]]:
         .order_by()
     )
     return sorted({state for state, _ in pairs}), sorted({team for _, team in pairs})
+
+
+HISTORY_COLUMNS = (
+    "id",
+    "team__slug",
+    "name",
+    "state",
+    "state_reason",
+    "nodes",
+    "gpus_per_node",
+    "gpu_type",
+    "submitted_by__username",
+    "submitted_at",
+    "started_at",
+    "finished_at",
+)
+
+
+def job_history(*, user, state: str = "", team: str = "") -> QuerySet:
+    """The finished jobs (succeeded, failed, cancelled) of the user's teams as rows, the
+    latest to finish first: what `sacct` shows a Slurm user."""
+    jobs = jobs_visible_to(user=user).filter(state__in=FINISHED_STATES)
+    if state:
+        jobs = jobs.filter(state=state)
+    if team:
+        jobs = jobs.filter(team__slug=team)
+    return jobs.order_by(F("finished_at").desc(nulls_last=True), "-id").values(*HISTORY_COLUMNS)
+
+
+def history_row(row: dict) -> dict:
+    """A history row with its GPU count and how long it ran (None if it never started)."""
+    ran = None
+    if row["started_at"] and row["finished_at"]:
+        ran = row["finished_at"] - row["started_at"]
+    return {
+        **row,
+        "gpus": row["nodes"] * row["gpus_per_node"],
+        "ran": ran,
+        "ran_text": "" if ran is None else _short_duration(ran.total_seconds()),
+    }
+
+
+def _short_duration(seconds: float) -> str:
+    """2 d 3 h, 4 h 05 m, 12 m 30 s, 45 s."""
+    seconds = max(0, round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if days:
+        return f"{days} d {hours} h"
+    if hours:
+        return f"{hours} h {minutes:02d} m"
+    if minutes:
+        return f"{minutes} m {seconds:02d} s"
+    return f"{seconds} s"
+
+
+def history_teams(*, user) -> list[str]:
+    """The teams whose history the user may read, for the History page's filter."""
+    roles = roles_of(user)
+    teams = (
+        Team.objects.all() if roles.sees_every_team else Team.objects.filter(id__in=roles.team_ids)
+    )
+    return list(teams.order_by("slug").values_list("slug", flat=True))
 
 
 def reservations_visible() -> QuerySet[Reservation]:

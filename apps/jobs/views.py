@@ -1,9 +1,11 @@
-"""Pages: the Queue, the Submit form (with the layouts that fit), and each Job's page."""
+"""Pages: the Queue, the History (finished jobs), the Submit form (with the layouts that
+fit), and each Job's page."""
 
 import json
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
@@ -68,6 +70,81 @@ def queue(request):
             "teams": teams,
             "filters": filters,
         },
+    )
+
+
+HISTORY_PAGE_SIZE = 50
+HISTORY_COLUMNS = [
+    "id",
+    "team",
+    "name",
+    "state",
+    "state_reason",
+    "gpus",
+    "gpu_type",
+    "submitted_by",
+    "submitted_at",
+    "started_at",
+    "finished_at",
+    "ran_s",
+]
+
+
+def _history_filters(request) -> dict[str, str]:
+    """The History's filters; a state that is not a finished one matches nothing."""
+    state = request.GET.get("state", "")
+    if state and state not in FINISHED_STATES:
+        state = "none"  # no job is in that state and in the history
+    return {"state": state, "team": request.GET.get("team", "")}
+
+
+@login_required
+def history(request):
+    filters = _history_filters(request)
+    page = Paginator(selectors.job_history(user=request.user, **filters), HISTORY_PAGE_SIZE)
+    page = page.get_page(request.GET.get("page"))
+    query = request.GET.copy()
+    query.pop("page", None)
+    return render(
+        request,
+        "jobs/history.html",
+        {
+            "rows": [selectors.history_row(row) for row in page.object_list],
+            "page": page,
+            "querystring": query.urlencode(),
+            "states": sorted(FINISHED_STATES),
+            "teams": selectors.history_teams(user=request.user),
+            "filters": filters,
+        },
+    )
+
+
+@login_required
+def history_csv(request):
+    rows = (
+        selectors.history_row(row)
+        for row in selectors.job_history(user=request.user, **_history_filters(request))
+    )
+    return csv_response(
+        "history.csv",
+        HISTORY_COLUMNS,
+        (
+            [
+                row["id"],
+                row["team__slug"],
+                row["name"],
+                row["state"],
+                row["state_reason"],
+                row["gpus"],
+                row["gpu_type"],
+                row["submitted_by__username"] or "",
+                row["submitted_at"],
+                row["started_at"] or "",
+                row["finished_at"] or "",
+                "" if row["ran"] is None else round(row["ran"].total_seconds()),
+            ]
+            for row in rows
+        ),
     )
 
 

@@ -128,6 +128,76 @@ def test_the_queue_csv_has_a_header_and_one_row_per_job(
     assert "beta-secret-run" not in response.content.decode()
 
 
+def finish(job, state, *, ran_s=None, finished_ago_s=0, reason="done"):
+    """Move a job to a finished state as the run's end would (test set-up, by update)."""
+    import datetime as dt
+
+    from django.utils import timezone
+
+    finished = timezone.now() - dt.timedelta(seconds=finished_ago_s)
+    started = None if ran_s is None else finished - dt.timedelta(seconds=ran_s)
+    Job.objects.filter(pk=job.pk).update(
+        state=state, state_reason=reason, started_at=started, finished_at=finished
+    )
+
+
+def test_the_history_lists_finished_jobs_of_own_teams_latest_first(
+    client, fleet_pool, quota, team, researcher, other_team, other_member
+):
+    older = submit(team, researcher, name="alpha-old")
+    newer = submit(team, researcher, name="alpha-new")
+    cancelled = submit(team, researcher, name="alpha-cancelled")
+    still_pending = submit(team, researcher, name="alpha-pending")
+    theirs = submit(other_team, other_member, name="beta-secret-run")
+    finish(older, JobState.SUCCEEDED, ran_s=3725, finished_ago_s=600)
+    finish(newer, JobState.FAILED, ran_s=75, finished_ago_s=60, reason="rank 3 exited 1")
+    finish(cancelled, JobState.CANCELLED, finished_ago_s=300, reason="cancelled by alice")
+    finish(theirs, JobState.SUCCEEDED, ran_s=10)
+
+    html = logged_in(client, researcher).get("/jobs/history/").content.decode()
+
+    assert "<h1>History</h1>" in html
+    assert re.findall(r'<tr data-job="(\d+)"', html) == [
+        str(newer.pk),
+        str(cancelled.pk),
+        str(older.pk),
+    ]
+    assert "beta-secret-run" not in html and f'data-job="{still_pending.pk}"' not in html
+    assert "rank 3 exited 1" in html
+    assert "1 h 02 m" in html and "1 m 15 s" in html and "did not run" in html
+    assert select_options(html, "state") == ["", "cancelled", "failed", "succeeded"]
+    assert select_options(html, "team") == ["", "alpha"]
+
+    failed_only = logged_in(client, researcher).get("/jobs/history/?state=failed").content
+    assert re.findall(r'<tr data-job="(\d+)"', failed_only.decode()) == [str(newer.pk)]
+    # A state that is not a finished one matches nothing rather than everything.
+    pending = logged_in(client, researcher).get("/jobs/history/?state=pending").content.decode()
+    assert "No finished jobs match these filters." in pending
+
+
+def test_the_history_csv_has_every_finished_row_with_how_long_it_ran(
+    client, fleet_pool, quota, team, researcher, other_team, other_member
+):
+    job = submit(team, researcher, name="alpha-done")
+    finish(job, JobState.SUCCEEDED, ran_s=90)
+    finish(submit(other_team, other_member, name="beta-secret-run"), JobState.SUCCEEDED)
+
+    response = logged_in(client, researcher).get("/jobs/history.csv?team=alpha")
+
+    assert response.status_code == 200
+    rows = list(csv.reader(io.StringIO(response.content.decode())))
+    assert rows[0][:4] == ["id", "team", "name", "state"] and rows[0][-1] == "ran_s"
+    assert len(rows) == 2
+    assert rows[1][:4] == [str(job.pk), "alpha", "alpha-done", "succeeded"]
+    assert rows[1][-1] == "90"
+    assert "beta-secret-run" not in response.content.decode()
+
+
+def test_the_queue_links_to_the_history(client, researcher):
+    html = logged_in(client, researcher).get("/jobs/").content.decode()
+    assert '<a class="button" href="/jobs/history/">History</a>' in html
+
+
 def form_data(team, **overrides) -> dict:
     data = {
         "name": "tiny-run",
