@@ -65,6 +65,7 @@ SOURCES = {
     "torch-docs": "PyTorch docs, ProcessGroupNCCL environment variables (torch 2.4+)",
     "torch-header": "PyTorch torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp (torch 2.7 era)",
     "aws-ofi-nccl": "aws-ofi-nccl doc/efa-env-var.md and src/platform-aws.cpp (plugin 1.7+)",
+    "torch-run": "torch 2.13 (the bundled trainer's), run: the names it reads and its warnings",
 }
 
 # Names under these prefixes are covered completely: an unknown one is an error.
@@ -120,6 +121,15 @@ def _torch(name: str, kind: str, summary: str, **details) -> Variable:
     details.setdefault("source", "torch-docs")
     return Variable(name=name, kind=kind, summary=summary, **details)
 
+
+# PyTorch's flight recorder took names of its own (TORCH_FR_*): torch 2.13 reads the new
+# name first and logs "Environment variable … is deprecated" on every rank for the old one
+# (seen running it); torches from before the rename read only the old names.
+_FR_RENAMED = (
+    " Torch 2.13 still reads it and logs a deprecation warning on every rank; torches from "
+    "before the rename read only this name (the bundled trainer passes it on under the new)."
+)
+_FR_NEW = " Torches from before the rename ignore it: they read only the old name."
 
 _IB = {"fabrics": IB_VERBS}
 _SOCKETS = {"fabrics": (TCP,)}
@@ -966,7 +976,7 @@ TORCH = [
         "TORCH_NCCL_DUMP_ON_TIMEOUT",
         TORCH_BOOL,
         "Dump the flight recorder when the watchdog sees a timeout or error; needs "
-        "TORCH_NCCL_TRACE_BUFFER_SIZE > 0.",
+        "TORCH_FR_BUFFER_SIZE > 0 (TORCH_NCCL_TRACE_BUFFER_SIZE > 0 before the rename).",
     ),
     _torch(
         "TORCH_NCCL_DESYNC_DEBUG",
@@ -1002,14 +1012,32 @@ TORCH = [
     _torch(
         "TORCH_NCCL_TRACE_BUFFER_SIZE",
         INT,
-        "Events kept in the flight recorder's ring buffer (0 turns it off).",
+        "Events kept in the flight recorder's ring buffer (0 turns it off)." + _FR_RENAMED,
         minimum=0,
+        superseded_by="TORCH_FR_BUFFER_SIZE",
     ),
     _torch(
         "TORCH_NCCL_TRACE_CPP_STACK",
         TORCH_BOOL,
-        "Collect C++ stacks for the flight recorder.",
+        "Collect C++ stacks for the flight recorder." + _FR_RENAMED,
         default="0",
+        superseded_by="TORCH_FR_CPP_STACK",
+    ),
+    _torch(
+        "TORCH_FR_BUFFER_SIZE",
+        INT,
+        "Events kept in the flight recorder's ring buffer (0 turns it off); the current "
+        "name of TORCH_NCCL_TRACE_BUFFER_SIZE." + _FR_NEW,
+        minimum=0,
+        source="torch-run",
+    ),
+    _torch(
+        "TORCH_FR_CPP_STACK",
+        TORCH_BOOL,
+        "Collect C++ stacks for the flight recorder; the current name of "
+        "TORCH_NCCL_TRACE_CPP_STACK." + _FR_NEW,
+        default="0",
+        source="torch-run",
     ),
     _torch(
         "TORCH_NCCL_COORD_CHECK_MILSEC",

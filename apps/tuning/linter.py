@@ -500,12 +500,15 @@ def _combinations(env: Mapping[str, str], context: Context) -> dict[str, list]:
             if name in env:
                 add(name, WARNING, "on p5 aws-ofi-nccl sets or advises this itself; leave it out")
     if "TORCH_NCCL_DUMP_ON_TIMEOUT" in env and _is_true(env["TORCH_NCCL_DUMP_ON_TIMEOUT"]):
-        size = _int(env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) or 0
+        # Under either of the buffer's names, the new one first (as torch reads them).
+        buffer = env.get("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0"))
+        size = _int(buffer) or 0
         if size <= 0:
             add(
                 "TORCH_NCCL_DUMP_ON_TIMEOUT",
                 WARNING,
-                "dumps nothing unless TORCH_NCCL_TRACE_BUFFER_SIZE > 0 is set with it",
+                "dumps nothing unless TORCH_FR_BUFFER_SIZE > 0 is set with it "
+                "(TORCH_NCCL_TRACE_BUFFER_SIZE > 0 for torches from before the rename)",
             )
     ar, buffsize = env.get("NCCL_IB_AR_THRESHOLD"), env.get("NCCL_BUFFSIZE")
     if ar is not None:

@@ -110,8 +110,27 @@ class World:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
 
+# The flight recorder's old names (what NCCL profiles set, so that torches from before the
+# rename read them too) and the names this torch reads first; under the old ones it logs a
+# deprecation warning on every rank.
+FLIGHT_RECORDER_RENAMES = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_TRACE_CPP_STACK": "TORCH_FR_CPP_STACK",
+}
+
+
+def use_current_flight_recorder_names(env=os.environ) -> None:
+    """Pass the flight recorder's settings on under the names this torch reads first (a
+    value already given under the new name wins, as it would in torch)."""
+    for old, new in FLIGHT_RECORDER_RENAMES.items():
+        if old in env:
+            value = env.pop(old)
+            env.setdefault(new, value)
+
+
 def start_world(config: RunConfig) -> World:
     """Join the process group torchrun set up (or make a world of one) and build the mesh."""
+    use_current_flight_recorder_names()  # before the process group makes the recorder
     if "RANK" not in os.environ:  # run directly, without torchrun: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

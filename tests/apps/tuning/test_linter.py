@@ -120,7 +120,16 @@ RULES = [
     ("NCCL_SOCKET_NTHREADS", "16", None, {"NCCL_NSOCKS_PERTHREAD": "8"}, ERROR, "128 > 64"),
     ("NCCL_SOCKET_NTHREADS", "4", None, {"NCCL_NSOCKS_PERTHREAD": "4"}, OK, "helper threads"),
     ("NCCL_BUFFSIZE", "8388608", EFA, {}, WARNING, "aws-ofi-nccl sets or advises this"),
-    ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", None, {}, WARNING, "TORCH_NCCL_TRACE_BUFFER_SIZE > 0"),
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", None, {}, WARNING, "TORCH_FR_BUFFER_SIZE > 0"),
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", None, {"TORCH_FR_BUFFER_SIZE": "2000"}, OK, "flight"),
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", None, {"TORCH_FR_BUFFER_SIZE": "0"}, WARNING, "nothing"),
+    # torch renamed the flight recorder's variables (torch 2.13 warns about the old names)
+    ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000", None, {}, OK, "superseded by TORCH_FR_BUFFER_SIZE"),
+    ("TORCH_NCCL_TRACE_CPP_STACK", "1", None, {}, OK, "superseded by TORCH_FR_CPP_STACK"),
+    ("TORCH_FR_BUFFER_SIZE", "2000", None, {}, OK, "ring buffer"),
+    ("TORCH_FR_BUFFER_SIZE", "-1", None, {}, ERROR, "-1 is outside 0.."),
+    ("TORCH_FR_CPP_STACK", "maybe", None, {}, ERROR, "use 1 or 0"),
+    ("TORCH_FR_SOMETHING_NEW", "1", None, {}, OK, "not checked"),
     (
         "TORCH_NCCL_DUMP_ON_TIMEOUT",
         "1",

@@ -343,3 +343,15 @@ def test_an_upload_that_fails_is_tried_again_and_then_reported_once(tmp_path, aw
     assert report["event"] == "checkpoint_copy" and report["attempts"] == 2
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
     assert keys == {"step-00000008/__0_0.distcp", "step-00000008/manifest.json"}
+
+
+def test_the_flight_recorders_old_names_are_passed_on_under_the_new_ones():
+    from workers.trainer.parallelize import use_current_flight_recorder_names
+
+    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_CPP_STACK": "1"}
+    use_current_flight_recorder_names(env)
+    assert env == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_CPP_STACK": "1"}
+
+    both = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "500"}
+    use_current_flight_recorder_names(both)
+    assert both == {"TORCH_FR_BUFFER_SIZE": "500"}  # the new name wins, as in torch

@@ -78,7 +78,7 @@ def run_config(dataset: Path, *, layout=None, checkpoint=None, steps=STEPS, **ex
     }
 
 
-def launch(config: dict, workdir: Path, *, nproc: int) -> subprocess.Popen:
+def launch(config: dict, workdir: Path, *, nproc: int, env=None) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "run.json").write_text(json.dumps(config))
     env = {
@@ -87,6 +87,7 @@ def launch(config: dict, workdir: Path, *, nproc: int) -> subprocess.Popen:
         "OMP_NUM_THREADS": "1",
         "CUDA_VISIBLE_DEVICES": "",  # gloo on the CPU, also on a machine with GPUs
         "PYTHONPATH": str(ROOT),
+        **(env or {}),
     }
     if nproc == 1:  # the trainer on its own makes a world of one
         command = [sys.executable, "-m", "workers.trainer", "--config", "run.json"]
@@ -123,8 +124,8 @@ def finish(process: subprocess.Popen, workdir: Path, lines: list[str] | None = N
     return Run(process.returncode, events, status, output)
 
 
-def train(config: dict, workdir: Path, *, nproc: int = 1) -> Run:
-    run = finish(launch(config, workdir, nproc=nproc), workdir)
+def train(config: dict, workdir: Path, *, nproc: int = 1, env=None) -> Run:
+    run = finish(launch(config, workdir, nproc=nproc, env=env), workdir)
     assert run.returncode == 0, run.output[-3000:]
     return run
 
@@ -179,6 +180,17 @@ def reference(scratch, dataset) -> Run:
     assert set(run.losses) == set(range(1, STEPS + 1))
     assert run.losses[STEPS] < run.losses[1]  # it learns
     return run
+
+
+def test_flight_recorder_settings_under_their_old_names_reach_torch_without_warnings(
+    scratch, dataset
+):
+    """NCCL profiles set the flight recorder's old names (older torches read only those);
+    this torch reads TORCH_FR_* first and, on every rank, warns about the old ones."""
+    old_names = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "64", "TORCH_NCCL_TRACE_CPP_STACK": "0"}
+    config = run_config(dataset, layout={"dp_shard": 2}, steps=2)
+    run = train(config, scratch / "flight-recorder", nproc=2, env=old_names)
+    assert "is deprecated" not in run.output
 
 
 def test_every_step_report_counts_its_own_tokens_and_time(reference):
