@@ -265,19 +265,27 @@ def cmd_cancel(client, args):
     return 0
 
 
-def cmd_queue(client, args):
-    """The front of the queue (`--limit`, 0 for every job), filtered by state and team."""
-    query = {"state": args.state, "team": args.team}
+def _first(client: Client, path: str, query: dict, limit: int, which: str) -> list[dict]:
+    """The first `limit` rows of a paginated list (0: all), saying on stderr how many more
+    there are ("the first 100 of 4,000 jobs")."""
     rows: list[dict] = []
     total = 0
-    for page in client.pages("queue/", query, page_size=min(args.limit or 1000, 1000)):
+    for page in client.pages(path, query, page_size=min(limit or 1000, 1000)):
         rows += page["results"]
         total = page["count"]
-        if args.limit and len(rows) >= args.limit:
+        if limit and len(rows) >= limit:
             break
-    rows = rows[: args.limit or None]
+    rows = rows[: limit or None]
     if len(rows) < total:
-        print(f"cpctl: the first {len(rows)} of {total} jobs (--limit 0 for all)", file=sys.stderr)
+        print(
+            f"cpctl: the {which} {len(rows)} of {total} jobs (--limit 0 for all)", file=sys.stderr
+        )
+    return rows
+
+
+def cmd_queue(client, args):
+    """The front of the queue (`--limit`, 0 for every job), filtered by state and team."""
+    rows = _first(client, "queue/", {"state": args.state, "team": args.team}, args.limit, "first")
     for row in rows:
         row["name"] = row.get("name") or "(another team's job)"
         row["id"] = row["id"] or ""
@@ -294,6 +302,31 @@ def cmd_queue(client, args):
             "gpus",
             "gpu_type",
             "estimated_start",
+        ],
+    )
+    return 0
+
+
+def cmd_jobs(client, args):
+    """Your teams' jobs, newest first, in any state (`--state`, `--user`): what `sacct` is
+    to Slurm, where `queue` is squeue."""
+    rows = _first(client, "jobs/", {"state": args.state, "user": args.user}, args.limit, "latest")
+    for row in rows:
+        row["team"] = row["team_slug"]
+        row["reason"] = row["state_reason"] or row.get("pending_reason") or ""
+    _emit(
+        args,
+        rows,
+        [
+            "id",
+            "team",
+            "name",
+            "state",
+            "reason",
+            "gpus",
+            "gpu_type",
+            "submitted_at",
+            "finished_at",
         ],
     )
     return 0
@@ -389,6 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit", type=count, default=100, help="show the first N jobs (default 100; 0 for all)"
     )
     queue.set_defaults(run=cmd_queue)
+    jobs = sub.add_parser("jobs", help="your teams' jobs, newest first, finished ones too")
+    jobs.add_argument("--state", help="only jobs in this state (succeeded, failed, cancelled…)")
+    jobs.add_argument("--user", help="only jobs this user submitted (a username)")
+    jobs.add_argument(
+        "--limit", type=count, default=20, help="show the latest N jobs (default 20; 0 for all)"
+    )
+    jobs.set_defaults(run=cmd_jobs)
     lint = sub.add_parser(
         "nccl-lint", help="lint an NCCL environment block: exit 1 when any variable is an error"
     )

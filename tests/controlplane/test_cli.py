@@ -152,3 +152,39 @@ def test_queue_shows_its_front_filtered_and_says_how_much_is_left_out(
     ]
     refused = cpctl(live_server, token, "queue", "--state", "finished")
     assert refused.returncode == 1 and "state" in refused.stderr
+
+
+def test_jobs_lists_finished_ones_newest_first_with_why_they_ended(
+    live_server, team, other_team, researcher
+):
+    from apps.accounts import services as accounts
+    from apps.jobs import services as jobs
+    from apps.jobs.models import Job, JobState
+    from tests.apps.jobs.conftest import command_spec
+
+    ready_node(pool=factories.make_owned_pool(slug="cli-jobs-pool"), name="cli-jobs-node")
+    for slug in (team, other_team):
+        accounts.team_quota_set(team=slug, gpu_type="H100", max_gpus=8, by=None)
+    made = [
+        jobs.job_submit(team=team, spec=command_spec(team, name=f"j-{n}"), submitted_by=researcher)[
+            0
+        ]
+        for n in range(3)
+    ]
+    Job.objects.filter(pk=made[0].pk).update(state=JobState.FAILED, state_reason="rank 1 exited 2")
+    stranger = factories.make_member(team=other_team, role="researcher")
+    jobs.job_submit(team=other_team, spec=command_spec(other_team), submitted_by=stranger)
+    token = token_of(researcher)
+
+    latest = cpctl(live_server, token, "-o", "json", "jobs", "--limit", "2")
+    assert latest.returncode == 0, latest.stderr
+    assert [row["name"] for row in json.loads(latest.stdout)] == ["j-2", "j-1"]
+    assert "the latest 2 of 3 jobs" in latest.stderr  # another team's job is not listed
+
+    failed = cpctl(live_server, token, "jobs", "--state", "failed")
+    assert failed.returncode == 0, failed.stderr
+    header, row = failed.stdout.splitlines()
+    assert header.split()[:5] == ["ID", "TEAM", "NAME", "STATE", "REASON"]
+    assert row.split()[:4] == [str(made[0].pk), team.slug, "j-0", "failed"]
+    assert "rank 1 exited 2" in row
+    assert cpctl(live_server, token, "jobs", "--user", "nobody").stdout.count("\n") == 1
