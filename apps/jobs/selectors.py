@@ -1,12 +1,16 @@
 """Reads of jobs and the queue, scoped to what the user may see."""
 
+from dataclasses import dataclass
+
 from django.core.cache import cache
 from django.core.paginator import Page, Paginator
-from django.db.models import F, Q, QuerySet
+from django.db.models import Count, F, Q, QuerySet, Sum
 
 from apps.accounts.models import Team
-from apps.accounts.selectors import roles_of
+from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
+from apps.costs.selectors import projection_for
+from apps.fleet.models import SCHEDULABLE_STATES, Node, NodePool
 from apps.fleet.selectors import pools_capacity
 from apps.jobs import specs
 from apps.jobs.models import (
@@ -22,6 +26,7 @@ from apps.jobs.models import (
 from apps.jobs.models.jobs import (
     ACTIVE_STATES,
     FINISHED_STATES,
+    PRIORITY_RANK,
     QUEUE_ORDER_KEY,
     last_pass_read_at,
     waiting_reason,
@@ -232,6 +237,118 @@ def history_teams(*, user) -> list[str]:
         Team.objects.all() if roles.sees_every_team else Team.objects.filter(id__in=roles.team_ids)
     )
     return list(teams.order_by("slug").values_list("slug", flat=True))
+
+
+@dataclass(frozen=True)
+class PoolOutlook:
+    name: str
+    kind: str
+    fitting_nodes: int  # nodes with GPUs enough free now (owned pools)
+    max_nodes: int  # what a cloud pool may burst to
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """What a job would meet if submitted now, for the Submit form: the pools that could
+    hold it and how many of their nodes have room now, the team's quota, the pending jobs
+    ahead of it, and its cost for its whole time limit. Counts, not a promise: the next
+    pass decides."""
+
+    nodes: int
+    gpus_per_node: int
+    pools: list[PoolOutlook]
+    quota_in_use: int | None  # the team's GPUs of this type held now (None: no team/quota)
+    quota_limit: int | None  # nominal plus borrowing
+    ahead_jobs: int
+    ahead_gpus: int
+    projection: object | None  # apps.costs.selectors.Projection
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def fits_now(self) -> bool:
+        return any(p.kind == "owned" and p.fitting_nodes >= self.nodes for p in self.pools)
+
+    @property
+    def over_quota(self) -> bool:
+        return self.quota_limit is not None and self.quota_in_use + self.gpus > self.quota_limit
+
+
+def submission_outlook(
+    *,
+    team_id: int | None,
+    gpu_type: str,
+    nodes: int,
+    gpus_per_node: int,
+    priority: str,
+    where: str,
+    spot: bool,
+    time_limit_s: int,
+) -> Outlook:
+    capacity = {p.pool_id: p for p in pools_capacity(cached=True)}
+    pool_ids = specs.pools_holding(
+        list(capacity.values()),
+        gpu_type=gpu_type,
+        where=where,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+    )
+    held = dict(
+        Allocation.objects.filter(node__pool_id__in=pool_ids, ended_at__isnull=True)
+        .values_list("node_id")
+        .annotate(held=Sum("gpus"))
+        .order_by()
+    )
+    fitting: dict[int, int] = dict.fromkeys(pool_ids, 0)
+    for node_id, pool_id, gpu_count in Node.objects.filter(
+        pool_id__in=pool_ids, state__in=SCHEDULABLE_STATES
+    ).values_list("id", "pool_id", "gpu_count"):
+        if gpu_count - held.get(node_id, 0) >= gpus_per_node:
+            fitting[pool_id] += 1
+    names = dict(NodePool.objects.filter(pk__in=pool_ids).values_list("pk", "name"))
+    pools = [
+        PoolOutlook(
+            name=names.get(pool_id, capacity[pool_id].slug),
+            kind=capacity[pool_id].kind,
+            fitting_nodes=fitting[pool_id],
+            max_nodes=capacity[pool_id].max_nodes,
+        )
+        for pool_id in pool_ids
+    ]
+    in_use = limit = None
+    if team_id is not None and gpu_type != specs.ANY_GPU:
+        limit = quota_limits(team_id=team_id).get(gpu_type)
+        if limit is not None:
+            in_use = (
+                Allocation.objects.filter(
+                    ended_at__isnull=True, job__team_id=team_id, job__gpu_type=gpu_type
+                ).aggregate(total=Sum("gpus"))["total"]
+                or 0
+            )
+    at_least = [p for p, rank in PRIORITY_RANK.items() if rank >= PRIORITY_RANK.get(priority, 1)]
+    ahead = Job.objects.filter(state=JobState.PENDING, priority_class__in=at_least)
+    if gpu_type != specs.ANY_GPU:
+        ahead = ahead.filter(gpu_type__in=[gpu_type, specs.ANY_GPU])
+    ahead = ahead.aggregate(jobs=Count("id"), gpus=Sum(F("nodes") * F("gpus_per_node")))
+    return Outlook(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        pools=pools,
+        quota_in_use=in_use,
+        quota_limit=limit,
+        ahead_jobs=ahead["jobs"],
+        ahead_gpus=ahead["gpus"] or 0,
+        projection=projection_for(
+            pool_ids=pool_ids,
+            gpus=nodes * gpus_per_node,
+            time_limit_s=time_limit_s,
+            spot_allowed=spot,
+        )
+        if pool_ids
+        else None,
+    )
 
 
 def reservations_visible() -> QuerySet[Reservation]:

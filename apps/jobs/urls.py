@@ -10,6 +10,7 @@ urlpatterns = [
     path("history.csv", views.history_csv, name="history-csv"),
     path("submit/", views.submit, name="submit"),
     path("submit/layouts/", views.layouts, name="layouts"),
+    path("submit/outlook/", views.outlook, name="outlook"),
     path("<int:job_id>/", views.detail, name="detail"),
     path("<int:job_id>/log-tail/", views.log_tail, name="log-tail"),
     path("<int:job_id>/training/", views.training, name="training"),

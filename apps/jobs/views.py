@@ -2,6 +2,7 @@
 fit), and each Job's page."""
 
 import json
+from decimal import Decimal
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
@@ -10,9 +11,10 @@ from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from apps.accounts.models import Team
+from apps.accounts.models import GPU_TYPES, Team
 from apps.jobs import selectors, services, specs
 from apps.jobs.forms import SubmitForm
+from apps.jobs.models import Placement
 from apps.jobs.models.jobs import FINISHED_STATES
 from controlplane import charts
 from controlplane.errors import ApplicationError
@@ -191,6 +193,52 @@ def _layouts_for(params) -> list[specs.Layout]:
     if preset not in PRESETS or gpus < 1 or per_node < 1 or gpus % per_node:
         return []
     return specs.valid_layouts(PRESETS[preset], nodes=gpus // per_node, gpus_per_node=per_node)
+
+
+@login_required
+def outlook(request):
+    """What the job on the Submit form would meet if submitted now (the form asks with
+    htmx as its fields change): room in the pools, the team's quota, the jobs ahead, the
+    cost of its time limit."""
+    params = request.GET
+    context = {"problem": "", "outlook": None}
+    try:
+        gpus = int(params.get("gpus") or 8)
+        per_node = min(int(params.get("gpus_per_node") or 8), gpus)
+        hours = Decimal(params.get("time_limit_hours") or "4")
+    except (ValueError, ArithmeticError):
+        context["problem"] = "Give whole numbers of GPUs and a time limit in hours."
+        return render(request, "jobs/_outlook.html", context)
+    gpu_type = params.get("gpu_type") or "H100"
+    where = params.get("placement") or Placement.OWNED_THEN_CLOUD
+    if (
+        gpus < 1
+        or per_node < 1
+        or gpus % per_node
+        or not 0 < hours <= 720
+        or gpu_type not in dict(GPU_TYPES)
+        or where not in Placement.values
+    ):
+        context["problem"] = "The outlook shows once the resources above are valid."
+        return render(request, "jobs/_outlook.html", context)
+    # Quota figures only for a team the user submits for (the form's own choices).
+    teams = SubmitForm(user=request.user).fields["team"].queryset
+    team_id = params.get("team")
+    team_id = int(team_id) if team_id and team_id.isdigit() else None
+    if team_id is not None and not teams.filter(pk=team_id).exists():
+        team_id = None
+    context["gpu_type"] = gpu_type
+    context["outlook"] = selectors.submission_outlook(
+        team_id=team_id,
+        gpu_type=gpu_type,
+        nodes=gpus // per_node,
+        gpus_per_node=per_node,
+        priority=params.get("priority") or "normal",
+        where=where,
+        spot=params.get("spot") == "on",
+        time_limit_s=int(hours * 3600),
+    )
+    return render(request, "jobs/_outlook.html", context)
 
 
 @login_required

@@ -48,6 +48,15 @@ def test_submit_a_tiny_trainer_job_and_find_it_in_the_queue(
     # tiny has 4 heads and 2 KV heads: tensor parallelism must divide both.
     assert not [label for label in labels if re.search(r"TP [48]\b", label)]
 
+    # The outlook follows the form: where it would run, the jobs ahead, what it would cost.
+    outlook = page.locator("#outlook")
+    expect(outlook).to_contain_text("h100-owned (4 nodes with 8 GPUs free now)")
+    expect(outlook).to_contain_text("the team holds 0 of its 32 H100 GPUs")
+    page.select_option("#id_gpus", value="64")
+    expect(outlook).to_contain_text("none can ever hold 8 × 8 H100")
+    page.select_option("#id_gpus", value="8")
+    expect(outlook).to_contain_text("there is room for it now")
+
     page.get_by_role("button", name="Submit", exact=True).click()
 
     expect(page).to_have_url(re.compile(r"/jobs/\d+/$"))

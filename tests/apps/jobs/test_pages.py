@@ -198,6 +198,63 @@ def test_the_queue_links_to_the_history(client, researcher):
     assert '<a class="button" href="/jobs/history/">History</a>' in html
 
 
+def outlook_of(client, user, **params) -> str:
+    query = {
+        "gpu_type": "H100",
+        "gpus": "16",
+        "gpus_per_node": "8",
+        "priority": "normal",
+        "placement": "owned",
+        "time_limit_hours": "2",
+        **params,
+    }
+    response = logged_in(client, user).get("/jobs/submit/outlook/", query)
+    assert response.status_code == 200
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", response.content.decode()))
+
+
+def test_the_submit_forms_outlook_says_where_it_would_run_its_quota_the_jobs_ahead_and_cost(
+    client, fleet_pool, quota, team, researcher
+):
+    from tests.apps.costs.conftest import owned_price
+
+    owned_price(fleet_pool)
+    submit(team, researcher, name="ahead")  # 8 H100, normal priority, pending
+
+    text = outlook_of(client, researcher, team=str(team.pk))
+
+    assert f"{fleet_pool.name} (4 nodes with 8 GPUs free now)" in text
+    assert "there is room for it now" in text
+    assert "the team holds 0 of its 32 H100 GPUs" in text and "with this job, 16." in text
+    assert "1 pending job (8 GPUs) of this GPU type at this priority or higher" in text
+    assert re.search(r"at most \$[\d,]+\.\d\d for the whole time limit \(32 GPU-hours", text)
+
+    # Urgent: nothing of normal priority is ahead of it.
+    assert "0 pending jobs of this GPU type" in outlook_of(
+        client, researcher, team=str(team.pk), priority="urgent"
+    )
+
+
+def test_the_outlook_warns_of_a_quota_it_would_exceed_and_of_a_gang_no_pool_holds(
+    client, fleet_pool, team, researcher, other_team
+):
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    over = outlook_of(client, researcher, team=str(team.pk))
+    assert "with this job, 16: over its limit, so it waits" in over
+    assert "no price is set for these pools yet" in over
+
+    never = outlook_of(client, researcher, team=str(team.pk), gpus="64")
+    assert "none can ever hold 8 × 8 H100 with this placement" in never
+    assert "Room:" not in never
+
+    # Another team's quota is not the researcher's to read.
+    accounts.team_quota_set(team=other_team, gpu_type="H100", max_gpus=64, by=None)
+    assert "Quota:" not in outlook_of(client, researcher, team=str(other_team.pk))
+
+    assert "once the resources above are valid" in outlook_of(client, researcher, gpus="12")
+    assert "whole numbers" in outlook_of(client, researcher, gpus="eight")
+
+
 def form_data(team, **overrides) -> dict:
     data = {
         "name": "tiny-run",
