@@ -50,7 +50,7 @@ def test_submit_a_tiny_trainer_job_and_find_it_in_the_queue(
 
     # The outlook follows the form: where it would run, the jobs ahead, what it would cost.
     outlook = page.locator("#outlook")
-    expect(outlook).to_contain_text("h100-owned (4 nodes with 8 GPUs free now)")
+    expect(outlook).to_contain_text("h100-owned: 4 nodes with 8 GPUs free now")
     expect(outlook).to_contain_text("the team holds 0 of its 32 H100 GPUs")
     page.select_option("#id_gpus", value="64")
     expect(outlook).to_contain_text("none can ever hold 8 × 8 H100")

@@ -223,7 +223,7 @@ def test_the_submit_forms_outlook_says_where_it_would_run_its_quota_the_jobs_ahe
 
     text = outlook_of(client, researcher, team=str(team.pk))
 
-    assert f"{fleet_pool.name} (4 nodes with 8 GPUs free now)" in text
+    assert f"{fleet_pool.name}: 4 nodes with 8 GPUs free now" in text
     assert "there is room for it now" in text
     assert "the team holds 0 of its 32 H100 GPUs" in text and "with this job, 16." in text
     assert "1 pending job (8 GPUs) of this GPU type at this priority or higher" in text
