@@ -28,6 +28,7 @@ urlpatterns = [
     path("nccl/", include("apps.tuning.urls")),
     path("costs/", include("apps.costs.urls")),
     path("checkpoints/", include("apps.checkpoints.urls")),
+    path("tokens/", include("apps.accounts.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

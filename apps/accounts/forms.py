@@ -1,0 +1,55 @@
+"""The API tokens page's form: a token for yourself or for a service account of a team you
+administer."""
+
+import datetime as dt
+
+from django import forms
+from django.utils import timezone
+
+from apps.accounts.models import ServiceAccount, TokenScope
+from apps.accounts.selectors import roles_of
+
+YOURSELF = ""
+
+
+class TokenForm(forms.Form):
+    name = forms.CharField(max_length=100, help_text="What it is for, e.g. “nightly eval CI”.")
+    owner = forms.ChoiceField(required=False, label="For")
+    scopes = forms.MultipleChoiceField(
+        choices=TokenScope.choices,
+        initial=[TokenScope.SUBMIT],
+        widget=forms.CheckboxSelectMultiple,
+        help_text="admin implies submit, which implies read.",
+    )
+    expires_in_days = forms.IntegerField(
+        min_value=1,
+        max_value=3650,
+        required=False,
+        label="Expires in (days)",
+        help_text="Empty: until revoked.",
+    )
+
+    def __init__(self, *args, user, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.user = user
+        self.accounts = {str(a.pk): a for a in service_accounts_of(user)}
+        self.fields["owner"].choices = [(YOURSELF, f"Yourself ({user.get_username()})")] + [
+            (pk, f"Service account {a.team.slug}/{a.name}") for pk, a in self.accounts.items()
+        ]
+
+    def owner_user(self):
+        account = self.accounts.get(self.cleaned_data["owner"])
+        return account.user if account is not None else self.user
+
+    def expires_at(self) -> dt.datetime | None:
+        days = self.cleaned_data.get("expires_in_days")
+        return timezone.now() + dt.timedelta(days=days) if days else None
+
+
+def service_accounts_of(user):
+    """The service accounts whose tokens the user manages: those of teams they administer."""
+    roles = roles_of(user)
+    accounts = ServiceAccount.objects.select_related("team", "user").order_by("team__slug", "name")
+    if roles.superuser:
+        return accounts
+    return accounts.filter(team_id__in=roles.admin_team_ids)
