@@ -206,6 +206,8 @@ def outlook(request):
         gpus = int(params.get("gpus") or 8)
         per_node = min(int(params.get("gpus_per_node") or 8), gpus)
         hours = Decimal(params.get("time_limit_hours") or "4")
+        if not hours.is_finite():
+            raise ValueError(hours)
     except (ValueError, ArithmeticError):
         context["problem"] = "Give whole numbers of GPUs and a time limit in hours."
         return render(request, "jobs/_outlook.html", context)
@@ -223,8 +225,10 @@ def outlook(request):
         return render(request, "jobs/_outlook.html", context)
     # Quota figures only for a team the user submits for (the form's own choices).
     teams = SubmitForm(user=request.user).fields["team"].queryset
-    team_id = params.get("team")
-    team_id = int(team_id) if team_id and team_id.isdigit() else None
+    try:
+        team_id = int(params.get("team") or "")
+    except ValueError:
+        team_id = None
     if team_id is not None and not teams.filter(pk=team_id).exists():
         team_id = None
     context["gpu_type"] = gpu_type

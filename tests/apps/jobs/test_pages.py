@@ -253,6 +253,10 @@ def test_the_outlook_warns_of_a_quota_it_would_exceed_and_of_a_gang_no_pool_hold
 
     assert "once the resources above are valid" in outlook_of(client, researcher, gpus="12")
     assert "whole numbers" in outlook_of(client, researcher, gpus="eight")
+    for hours in ("NaN", "Infinity", "-1"):
+        assert "Pools:" not in outlook_of(client, researcher, time_limit_hours=hours)
+    for team_id in ("²", "-3", "99999999999999999999"):
+        assert "Quota:" not in outlook_of(client, researcher, team=team_id)
 
 
 def form_data(team, **overrides) -> dict:
