@@ -6,8 +6,8 @@ import datetime as dt
 from django import forms
 from django.utils import timezone
 
-from apps.accounts.models import ServiceAccount, TokenScope
-from apps.accounts.selectors import roles_of
+from apps.accounts.models import TokenScope
+from apps.accounts.selectors import service_accounts_managed_by
 
 YOURSELF = ""
 
@@ -32,7 +32,7 @@ class TokenForm(forms.Form):
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
         self.user = user
-        self.accounts = {str(a.pk): a for a in service_accounts_of(user)}
+        self.accounts = {str(a.pk): a for a in service_accounts_managed_by(user=user)}
         self.fields["owner"].choices = [(YOURSELF, f"Yourself ({user.get_username()})")] + [
             (pk, f"Service account {a.team.slug}/{a.name}") for pk, a in self.accounts.items()
         ]
@@ -44,12 +44,3 @@ class TokenForm(forms.Form):
     def expires_at(self) -> dt.datetime | None:
         days = self.cleaned_data.get("expires_in_days")
         return timezone.now() + dt.timedelta(days=days) if days else None
-
-
-def service_accounts_of(user):
-    """The service accounts whose tokens the user manages: those of teams they administer."""
-    roles = roles_of(user)
-    accounts = ServiceAccount.objects.select_related("team", "user").order_by("team__slug", "name")
-    if roles.superuser:
-        return accounts
-    return accounts.filter(team_id__in=roles.admin_team_ids)

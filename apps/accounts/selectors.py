@@ -124,6 +124,13 @@ def service_accounts_visible_to(*, user) -> QuerySet[ServiceAccount]:
     return accounts.filter(team_id__in=roles.team_ids)
 
 
+def service_accounts_managed_by(*, user) -> QuerySet[ServiceAccount]:
+    """The service accounts whose tokens the user makes: those of teams they administer."""
+    roles = roles_of(user)
+    accounts = ServiceAccount.objects.select_related("team", "user").order_by("team__slug", "name")
+    return accounts if roles.superuser else accounts.filter(team_id__in=roles.admin_team_ids)
+
+
 def tokens_visible_to(*, user) -> QuerySet[ApiToken]:
     """A user's own tokens, and those of service accounts of teams they administer."""
     roles = roles_of(user)

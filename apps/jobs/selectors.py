@@ -6,7 +6,6 @@ from django.core.cache import cache
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, F, Q, QuerySet, Sum
 
-from apps.accounts.models import Team
 from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
 from apps.costs.selectors import projection_for
@@ -228,15 +227,6 @@ def _short_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes} m {seconds:02d} s"
     return f"{seconds} s"
-
-
-def history_teams(*, user) -> list[str]:
-    """The teams whose history the user may read, for the History page's filter."""
-    roles = roles_of(user)
-    teams = (
-        Team.objects.all() if roles.sees_every_team else Team.objects.filter(id__in=roles.team_ids)
-    )
-    return list(teams.order_by("slug").values_list("slug", flat=True))
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from apps.accounts.models import GPU_TYPES, Team
+from apps.accounts.selectors import roles_of, teams_visible_to
 from apps.jobs import selectors, services, specs
 from apps.jobs.forms import SubmitForm
 from apps.jobs.models import Placement
@@ -115,7 +116,9 @@ def history(request):
             "page": page,
             "querystring": query.urlencode(),
             "states": sorted(FINISHED_STATES),
-            "teams": selectors.history_teams(user=request.user),
+            "teams": teams_visible_to(user=request.user)
+            .order_by("slug")
+            .values_list("slug", flat=True),
             "filters": filters,
         },
     )
@@ -224,12 +227,11 @@ def outlook(request):
         context["problem"] = "The outlook shows once the resources above are valid."
         return render(request, "jobs/_outlook.html", context)
     # Quota figures only for a team the user submits for (the form's own choices).
-    teams = SubmitForm(user=request.user).fields["team"].queryset
     try:
         team_id = int(params.get("team") or "")
     except ValueError:
         team_id = None
-    if team_id is not None and not teams.filter(pk=team_id).exists():
+    if team_id is not None and not roles_of(request.user).can_submit_for(team_id):
         team_id = None
     context["gpu_type"] = gpu_type
     context["outlook"] = selectors.submission_outlook(
