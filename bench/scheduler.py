@@ -135,15 +135,19 @@ def finish_some(rng: random.Random, fraction: float) -> int:
 
 def worker_warm_up() -> None:
     """What a Celery worker that runs passes has done before its first one: reached the
-    cache and the broker (their client libraries imported, a connection made). The
-    build has already made the database connection."""
+    cache and the broker (their client libraries imported, a connection in the producer
+    pool that publishes the dispatch messages) and loaded its result backend. The build
+    has already made the database connection."""
     from django.core.cache import cache
 
     from controlplane.celery import app
 
     cache.get("bench:warm-up")
-    with app.connection_for_write() as broker:
-        broker.ensure_connection(max_retries=1)
+    # A worker's producer pool holds a broker connection once it has sent anything, and
+    # its result backend is loaded when it first runs a task.
+    app.backend  # noqa: B018 (loads the backend)
+    with app.producer_or_acquire() as producer:
+        producer.connection.ensure_connection(max_retries=1)
 
 
 def main() -> None:

@@ -3,9 +3,9 @@
 Events, audit rows and allocations are inserted with `COPY ... FROM STDIN` on
 PostgreSQL (several times faster than a multi-row INSERT, whose parameters psycopg
 must format one by one; faster too, on a logged table, than one INSERT from arrays,
-which writes the heap row by row); elsewhere with Django's bulk_create. Rows are
-plain tuples in the order of `fields`; model defaults are not applied, so give every
-column the table needs.
+which writes the heap row by row), in COPY's binary format where every column has
+one; elsewhere with Django's bulk_create. Rows are plain tuples in the order of
+`fields`; model defaults are not applied, so give every column the table needs.
 """
 
 import contextlib
@@ -51,12 +51,16 @@ def insert_rows(model: type[models.Model], fields: Sequence[str], rows: Iterable
         ]
         columns = ", ".join(connection.ops.quote_name(meta.get_field(f).column) for f in fields)
         table = connection.ops.quote_name(meta.db_table)
+        types = _binary_copy_types(model, tuple(fields))
+        options = " (FORMAT BINARY)" if types else ""
         # COPY goes by the raw cursor: its errors become Django's (DataError...) here.
         with (
             connection.cursor() as cursor,
             connection.wrap_database_errors,
-            cursor.cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy,
+            cursor.cursor.copy(f"COPY {table} ({columns}) FROM STDIN{options}") as copy,
         ):
+            if types:
+                copy.set_types(types)
             for row in rows:
                 if json_positions:
                     row = list(row)
@@ -69,6 +73,36 @@ def insert_rows(model: type[models.Model], fields: Sequence[str], rows: Iterable
         [model(**dict(zip(attnames, row, strict=True))) for row in rows], batch_size=500
     )
     return len(rows)
+
+
+# Django's column types → the names psycopg dumps in COPY's binary format. Binary rows cost
+# PostgreSQL and psycopg about a third of text rows (no timestamps or numbers written out
+# and parsed back; bench/RESULTS.md); columns of any other type (inet...) go as text.
+BINARY_COPY_TYPES = {
+    "bigint": "int8",
+    "integer": "int4",
+    "smallint": "int2",
+    "boolean": "bool",
+    "double precision": "float8",
+    "varchar": "varchar",
+    "text": "text",
+    "timestamp with time zone": "timestamptz",
+    "date": "date",
+    "uuid": "uuid",
+    "jsonb": "jsonb",
+}
+
+
+@functools.cache
+def _binary_copy_types(model: type[models.Model], fields: tuple[str, ...]) -> list[str] | None:
+    """The binary COPY type of each column, or None if one has no binary form here."""
+    types = []
+    for name in fields:
+        db_type = (model._meta.get_field(name).db_type(connection) or "").partition("(")[0]
+        if db_type not in BINARY_COPY_TYPES:
+            return None
+        types.append(BINARY_COPY_TYPES[db_type])
+    return types
 
 
 def update_rows(

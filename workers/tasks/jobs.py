@@ -92,6 +92,16 @@ def dispatch(job_ids: list[int]) -> dict:
     return counts
 
 
+@shared_task(name="jobs.dispatch_many", acks_late=True, reject_on_worker_lost=True)
+def dispatch_many(job_ids: list[int]) -> int:
+    """A pass's placed jobs, more than one dispatch message holds: split into `jobs.dispatch`
+    batches. A worker lost before it acked sends them again; dispatching a job twice
+    skips it the second time."""
+    from apps.jobs.scheduler.apply import dispatch_batches_send
+
+    return dispatch_batches_send(job_ids)
+
+
 @shared_task(name="jobs.purge_logs", acks_late=True)
 def purge_logs() -> dict:
     """Delete job output older than LOG_RETENTION_DAYS."""

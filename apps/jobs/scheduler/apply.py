@@ -351,21 +351,37 @@ def decisions_apply(decisions: plain.Decisions, ctx: ReadContext) -> Applied:
     return applied
 
 
-def _dispatch_soon(job_ids: list[int], batch: int = 200) -> None:
-    """Hand the placed jobs to the dispatch task (the reconcile sweep covers a lost message)."""
+DISPATCH_BATCH = 200  # job ids one dispatch message carries
+
+
+def _dispatch_soon(job_ids: list[int], batch: int = DISPATCH_BATCH) -> None:
+    """Hand the placed jobs to dispatch in one message (the reconcile sweep covers a lost
+    one): up to `batch` ids straight to `jobs.dispatch`, more to `jobs.dispatch_many`,
+    which splits them into batches for the workers (dispatch_batches_send), so a pass
+    that placed thousands of jobs waits for one message to the broker, not twenty."""
     from controlplane.celery import app
 
+    task = "jobs.dispatch" if len(job_ids) <= batch else "jobs.dispatch_many"
     try:
-        # One broker connection for every message, and a short argsrepr: Celery would
-        # otherwise format each batch of ids for the message's headers.
-        with app.producer_or_acquire() as producer:
-            for start in range(0, len(job_ids), batch):
-                ids = job_ids[start : start + batch]
-                app.send_task(
-                    "jobs.dispatch",
-                    args=[ids],
-                    producer=producer,
-                    argsrepr=f"[{len(ids)} job ids from {ids[0]}]",
-                )
+        app.send_task(task, args=[job_ids], argsrepr=_ids_repr(job_ids))
     except Exception:
         log.warning("could not enqueue dispatch of %d jobs", len(job_ids), exc_info=True)
+
+
+def dispatch_batches_send(job_ids: list[int], batch: int = DISPATCH_BATCH) -> int:
+    """`jobs.dispatch` messages for these ids, `batch` ids each (several workers then
+    dispatch them at once), over one broker connection. Returns the messages sent."""
+    from controlplane.celery import app
+
+    sent = 0
+    with app.producer_or_acquire() as producer:
+        for start in range(0, len(job_ids), batch):
+            ids = job_ids[start : start + batch]
+            app.send_task("jobs.dispatch", args=[ids], producer=producer, argsrepr=_ids_repr(ids))
+            sent += 1
+    return sent
+
+
+def _ids_repr(job_ids: list[int]) -> str:
+    # Short: Celery would otherwise format every id into the message's headers.
+    return f"[{len(job_ids)} job ids from {job_ids[0]}]"

@@ -7,7 +7,7 @@ from apps.fleet.models import Node, NodeState
 from apps.fleet.services import node_drain
 from apps.jobs import services
 from apps.jobs.models import Allocation, Job, JobEvent, JobState, TeamUsage
-from apps.jobs.scheduler.apply import _dispatch_soon
+from apps.jobs.scheduler.apply import _dispatch_soon, dispatch_batches_send
 from apps.jobs.scheduler.run import scheduling_pass
 from tests.apps.jobs.conftest import command_spec
 
@@ -324,35 +324,60 @@ def test_a_jobs_events_and_pool_references_still_hold_without_database_constrain
     assert not JobEvent.objects.filter(job_id=waiting.pk).exists()
 
 
-def test_placed_jobs_reach_the_broker_in_batches_of_ids():
-    """What the dispatch hand-off puts on the real broker: every placed id once, in
-    batches, each message with a short argsrepr rather than its ids. (The filesystem
-    broker may hand back messages sent in the same millisecond in another order.)"""
+def _broker_messages() -> list[tuple[str, list[int], str]]:
+    """(task, first argument, argsrepr) of every message on the broker's default queue,
+    taken off it."""
     from controlplane.celery import app
 
-    with app.connection_for_write() as connection:
-        connection.SimpleQueue("celery").clear()  # what earlier tests' passes handed over
-    ids = list(range(10_001, 10_451))
-    _dispatch_soon(ids, batch=200)
-    batches = []
+    found = []
     with app.connection_for_read() as connection:
         queue = connection.SimpleQueue("celery")
         try:
             while True:
                 message = queue.get(timeout=2)
                 message.ack()
-                if message.headers.get("task") == "jobs.dispatch":
-                    args, _, _ = message.decode()
-                    batches.append((args[0], message.headers["argsrepr"]))
+                args, _, _ = message.decode()
+                found.append((message.headers["task"], args[0], message.headers["argsrepr"]))
         except queue.Empty:
             pass
         finally:
             queue.close()
-    assert sorted(batches) == [
-        (ids[:200], "[200 job ids from 10001]"),
-        (ids[200:400], "[200 job ids from 10201]"),
-        (ids[400:], "[50 job ids from 10401]"),
+    return found
+
+
+def test_placed_jobs_reach_the_broker_in_one_message_then_in_batches_of_ids():
+    """What the dispatch hand-off puts on the real broker: a pass that placed more jobs
+    than one batch sends one fan-out message with every id, and the fan-out task sends
+    every id once, in batches, each message with a short argsrepr rather than its ids.
+    (The filesystem broker may hand back messages sent in the same millisecond in
+    another order.)"""
+    from controlplane.celery import app
+    from workers.tasks.jobs import dispatch_many
+
+    with app.connection_for_write() as connection:
+        connection.SimpleQueue("celery").clear()  # what earlier tests' passes handed over
+    ids = list(range(10_001, 10_451))
+    _dispatch_soon(ids, batch=200)
+    assert _broker_messages() == [("jobs.dispatch_many", ids, "[450 job ids from 10001]")]
+
+    assert dispatch_batches_send(ids, batch=200) == 3
+    assert sorted(_broker_messages()) == [
+        ("jobs.dispatch", ids[:200], "[200 job ids from 10001]"),
+        ("jobs.dispatch", ids[200:400], "[200 job ids from 10201]"),
+        ("jobs.dispatch", ids[400:], "[50 job ids from 10401]"),
     ]
+    # The task itself splits by the module's batch size.
+    assert dispatch_many.run(ids) == 3
+    assert sorted(len(args) for _, args, _ in _broker_messages()) == [50, 200, 200]
+
+
+def test_a_pass_that_placed_one_batch_or_fewer_sends_the_dispatch_itself():
+    from controlplane.celery import app
+
+    with app.connection_for_write() as connection:
+        connection.SimpleQueue("celery").clear()
+    _dispatch_soon([7, 8, 9], batch=200)
+    assert _broker_messages() == [("jobs.dispatch", [7, 8, 9], "[3 job ids from 7]")]
 
 
 def test_usage_adds_what_each_team_held_since_the_last_pass(
