@@ -838,7 +838,9 @@ def budget_alerts_visible_to(*, user) -> QuerySet[BudgetAlert]:
 # The budget boundary: read on every scheduling pass for every team with pending jobs,
 # so the teams out of budget are read in one query and kept for COSTS_BUDGET_CACHE_S
 # (and forgotten at once when this process changes a budget, a price or the ledger).
-_out_of_budget: dict = {"read_at": float("-inf"), "month": None, "teams": frozenset()}
+# A pass asks for each of a thousand teams: a fresh answer costs two clock readings,
+# not a time-zone conversion (the month's end is kept as a timestamp).
+_out_of_budget: dict = {"read_at": float("-inf"), "month_ends": float("-inf"), "teams": frozenset()}
 
 
 def forget_budget_state() -> None:
@@ -846,12 +848,16 @@ def forget_budget_state() -> None:
 
 
 def teams_out_of_budget() -> frozenset[int]:
+    kept = _out_of_budget
+    if (
+        time.monotonic() - kept["read_at"] < settings.COSTS_BUDGET_CACHE_S
+        and time.time() < kept["month_ends"]
+    ):
+        return kept["teams"]
     month = month_start()
-    fresh = time.monotonic() - _out_of_budget["read_at"] < settings.COSTS_BUDGET_CACHE_S
-    if fresh and _out_of_budget["month"] == month:
-        return _out_of_budget["teams"]
     teams = frozenset(s.team_id for s in budget_states(month=month, forecast=False) if s.exhausted)
-    _out_of_budget.update(read_at=time.monotonic(), month=month, teams=teams)
+    ends = dt.datetime.combine(month_after(month), dt.time(), tzinfo=time_zone()).timestamp()
+    kept.update(read_at=time.monotonic(), month_ends=ends, teams=teams)
     return teams
 
 

@@ -3,6 +3,7 @@
 submission and stops it, with a checkpoint, when its metered cost reaches it."""
 
 import datetime as dt
+import time
 from decimal import Decimal
 
 import pytest
@@ -82,6 +83,24 @@ def test_bursting_to_the_cloud_stops_at_100_percent_through_budget_allows(team):
     services.budget_set(team=team, monthly_limit=Decimal(1000), by=None)
     scheduling_pass()
     assert Node.objects.filter(burst_job=job, pool=pool).count() == 1
+
+
+def test_the_budget_boundary_is_kept_a_few_seconds_and_read_again_when_the_month_ends(team):
+    """The answer is kept (a pass asks for every team); a change made elsewhere (another
+    process: no forget) shows once the month it was read for is over."""
+    from apps.costs.models import Budget
+
+    spend(team, Decimal(30))
+    services.budget_set(team=team, monthly_limit=Decimal(25), by=None)
+    assert team.pk in selectors.teams_out_of_budget()
+    Budget.objects.filter(team=team).update(monthly_limit=Decimal(1000))  # not forgotten here
+    assert team.pk in selectors.teams_out_of_budget()  # kept
+    kept = selectors._out_of_budget
+    month_end = dt.datetime.fromtimestamp(kept["month_ends"], tz=selectors.time_zone())
+    assert (month_end.day, month_end.hour, month_end.minute) == (1, 0, 0)
+    assert month_end.date() == selectors.month_after(selectors.month_start())
+    kept["month_ends"] = time.time() - 1  # as if the month ended a second ago
+    assert team.pk not in selectors.teams_out_of_budget()
 
 
 def test_a_spent_budget_refuses_new_jobs_only_when_it_says_so(
