@@ -236,18 +236,22 @@ def _apply_reasons(waits: dict[int, plain.Wait], ctx: ReadContext, applied: Appl
     stored = ctx.reasons
     first: list[tuple[int, str, dt.datetime | None]] = []
     changed: list[tuple[int, str, dt.datetime | None]] = []
-    unexamined: list[int] = []
+    beyond = plain.BEYOND
+    # Most of the queue is past the depth: of those jobs only the ones with a row need
+    # anything (its removal), so the loop below walks the examined jobs alone.
+    unexamined = [
+        job_id
+        for job_id, old in stored.items()
+        if old is not None and waits.get(job_id) is beyond and job_id not in placed
+    ]
+    examined = [(job_id, wait) for job_id, wait in waits.items() if wait is not beyond]
     # Many jobs share one Wait (one per wording): its stored form is worked out once.
     forms: dict[int, tuple[str, float | None, dt.datetime | None]] = {}
-    for job_id, wait in waits.items():
+    for job_id, wait in examined:
         if job_id in placed:
             continue
         old = stored.get(job_id, _NOT_PENDING)
         if old is _NOT_PENDING:
-            continue
-        if wait is plain.BEYOND:
-            if old is not None:
-                unexamined.append(job_id)
             continue
         form = forms.get(id(wait))
         if form is None:
