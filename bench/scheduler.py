@@ -3,10 +3,9 @@
 10,000 nodes × 8 GPUs in 1,250 racks, 50,000 pending jobs from 1,000 teams
 (1 to 512 GPUs, every priority class, quotas set). Times the first pass over the
 empty fleet (placements_per_s = jobs placed ÷ that pass's time, read and write
-included; on PostgreSQL the median of BENCH_FIRST_PASSES (5) first passes, each on a
-fresh copy of the built database), then ten steady passes (BENCH_PASSES) with 1% of
-the running jobs finishing between passes (pass_ms = their median). Goal (issue 3):
-pass_ms ≤ 1000 and placements_per_s ≥ 5000. Run with DATABASE_URL set to measure on PostgreSQL.
+included), then ten steady passes (BENCH_PASSES) with 1% of the running jobs
+finishing between passes (pass_ms = their median). Goal (issue 3): pass_ms ≤ 1000 and
+placements_per_s ≥ 5000. Run with DATABASE_URL set to measure on PostgreSQL.
 
 The passes run as in a Celery worker that is up (worker_warm_up): the cache and
 the broker have been reached before the clock starts, as a worker reaches them
@@ -42,9 +41,6 @@ TEAMS = int(os.environ.get("BENCH_TEAMS", "1000"))
 # Ten: the running set takes several passes to settle (borrowing and preemption build up),
 # and five hid a planner that slowed down pass after pass (bench/RESULTS.md).
 STEADY_PASSES = int(os.environ.get("BENCH_PASSES", "10"))
-# First passes, each on a fresh copy of the built database (PostgreSQL): this shared
-# machine's noise moves one pass by a third; the figure is their median.
-FIRST_PASSES = int(os.environ.get("BENCH_FIRST_PASSES", "5"))
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 SIZE_WEIGHTS = [20, 10, 10, 25, 12, 10, 6, 4, 2, 1]
 PRIORITIES = ["low", "normal", "high", "urgent"]
@@ -154,66 +150,6 @@ def worker_warm_up() -> None:
         producer.connection.ensure_connection(max_retries=1)
 
 
-def first_passes(template: str) -> list[tuple[float, object]]:
-    """FIRST_PASSES first passes, each on a fresh copy of the built database (PostgreSQL's
-    CREATE DATABASE ... TEMPLATE): (seconds, report) each. The connection is made and
-    the tables read before the clock starts, as the build had done for a single pass.
-    The last copy stays in use for the steady passes; the others are dropped."""
-    from django.core.cache import cache
-
-    from apps.jobs.models.jobs import LAST_PASS_KEY, QUEUE_ORDER_KEY
-    from apps.jobs.scheduler.run import scheduling_pass
-
-    runs = []
-    for k in range(FIRST_PASSES):
-        copy = f"{template}_first{k}"
-        connection.close()
-        _admin(
-            f'DROP DATABASE IF EXISTS "{copy}"', f'CREATE DATABASE "{copy}" TEMPLATE "{template}"'
-        )
-        if k:
-            _admin(f'DROP DATABASE IF EXISTS "{template}_first{k - 1}"')
-        connection.settings_dict["NAME"] = copy
-        _warm(connection)
-        cache.delete_many([LAST_PASS_KEY, QUEUE_ORDER_KEY])  # as before any pass
-        began = time.perf_counter()
-        report = scheduling_pass()
-        runs.append((time.perf_counter() - began, report))
-        _print_first(*runs[-1])
-    return runs
-
-
-def _warm(connection) -> None:
-    """What the build left warm for a single pass, on the copy: a connection whose
-    catalogue caches know the tables, and their rows in PostgreSQL's buffers."""
-    from django.apps import apps
-
-    connection.ensure_connection()
-    for model in apps.get_models():
-        model.objects.count()
-
-
-def _admin(*statements: str) -> None:
-    """Run statements outside a transaction on the server's `postgres` database."""
-    import psycopg
-
-    params = {**connection.get_connection_params(), "dbname": "postgres", "autocommit": True}
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    with psycopg.connect(**params) as admin:
-        for statement in statements:
-            admin.execute(statement)
-
-
-def _print_first(seconds: float, report) -> None:
-    print(
-        f"first pass: {report.placed} placed in {seconds * 1000:.0f} ms "
-        f"(read {report.read_ms:.0f}, plan {report.plan_ms:.0f}, "
-        f"write {report.apply_ms:.0f})",
-        flush=True,
-    )
-
-
 def main() -> None:
     from apps.jobs.scheduler.run import scheduling_pass
 
@@ -221,7 +157,6 @@ def main() -> None:
     setup_test_environment()
     old_name = connection.settings_dict["NAME"]
     connection.creation.create_test_db(verbosity=0, autoclobber=True)
-    template = connection.settings_dict["NAME"]
     try:
         started = time.perf_counter()
         build(rng)
@@ -232,13 +167,15 @@ def main() -> None:
         )
         worker_warm_up()
         speed = interpreter_ms()
-        if connection.vendor == "postgresql" and FIRST_PASSES > 1:
-            firsts = first_passes(template)
-        else:
-            began = time.perf_counter()
-            report = scheduling_pass()
-            firsts = [(time.perf_counter() - began, report)]
-            _print_first(*firsts[0])
+        first_started = time.perf_counter()
+        first = scheduling_pass()
+        first_s = time.perf_counter() - first_started
+        print(
+            f"first pass: {first.placed} placed in {first_s * 1000:.0f} ms "
+            f"(read {first.read_ms:.0f}, plan {first.plan_ms:.0f}, "
+            f"write {first.apply_ms:.0f})",
+            flush=True,
+        )
         steady = []
         for _ in range(STEADY_PASSES):
             finished = finish_some(rng, 0.01)
@@ -253,23 +190,14 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        copy = connection.settings_dict["NAME"]
-        connection.settings_dict["NAME"] = template
-        if copy != template:
-            connection.close()
-            _admin(f'DROP DATABASE IF EXISTS "{copy}"')
         connection.creation.destroy_test_db(old_name, verbosity=0)
-    seconds = [s for s, _ in firsts]
-    rate = statistics.median(r.placed / s for s, r in firsts)
     print(
         f"python {platform.python_version()}, database {connection.vendor}, {os.cpu_count()} "
-        f"CPUs, sum(range(10**6)) in {speed:.1f} ms; first passes: {len(seconds)}, median "
-        f"{statistics.median(seconds) * 1000:.0f} ms (from {min(seconds) * 1000:.0f} to "
-        f"{max(seconds) * 1000:.0f})"
+        f"CPUs, sum(range(10**6)) in {speed:.1f} ms"
     )
     print(
         f"scheduler: pass_ms={statistics.median(steady):.0f} "
-        f"placements_per_s={rate:.0f} jobs={JOBS} nodes={NODES}"
+        f"placements_per_s={first.placed / first_s:.0f} jobs={JOBS} nodes={NODES}"
     )
 
 
