@@ -262,6 +262,8 @@ def fetch_rows(queryset: models.QuerySet) -> list[tuple]:
     import psycopg
 
     connection.ensure_connection()
+    connection.validate_thread_sharing()  # the checks Django's own cursor() makes
+    connection.validate_no_broken_transaction()
     # Django's cursors bind parameters client-side, which gives text results only: this
     # one binds them on the server (never preparing the statement, for poolers' sake).
     with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:

@@ -10,7 +10,7 @@ import datetime as dt
 from decimal import Decimal
 
 import pytest
-from django.db import DataError, IntegrityError, connection, transaction
+from django.db import DatabaseError, DataError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from apps.jobs.models import Job, JobEvent
@@ -120,6 +120,24 @@ def test_fetch_rows_gives_the_rows_values_list_gives(jobs):
         == []
     )
     assert fetch_rows(Job.objects.filter(pk__in=[]).values_list("id")) == []
+
+
+def test_fetch_rows_reads_datetimes_and_text_as_django_does_and_keeps_its_checks(jobs):
+    from django.db.transaction import TransactionManagementError
+
+    Job.objects.filter(pk=jobs[1].pk).update(admitted_at=timezone.now(), state_reason="tab\there")
+    query = Job.objects.values_list("id", "admitted_at", "state_reason", "uuid").order_by("id")
+    assert fetch_rows(query) == list(query)
+    with transaction.atomic():
+        with (
+            pytest.raises(DatabaseError),
+            transaction.atomic(savepoint=False),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute("SELECT * FROM no_such_table")
+        # As Django's own cursors: no query in a transaction that has failed.
+        with pytest.raises(TransactionManagementError):
+            fetch_rows(query.all())  # a new queryset: `query` holds its rows already
 
 
 def _job_records(job):
