@@ -6,7 +6,9 @@ Debian's `wrk` posts job specs with a service account's bearer token for
 BENCH_SECONDS (20) over BENCH_CONNECTIONS (16) connections. Goal (issue 3):
 ≥ 1000 submits/s with p99 ≤ 100 ms on this 2-core machine, everything included.
 
-Set REDIS_URL too to measure the production set-up (Redis as the cache). The
+Set REDIS_URL too to measure the production set-up (Redis as the cache), and
+BENCH_GUNICORN_ARGS to try other gunicorn settings (e.g. `--worker-class gthread
+--threads 1`). The
 same run measures the server's floor, a 404 that runs no view and no query, so
 figures from a noisy machine can be read as a ratio.
 
@@ -102,6 +104,7 @@ def main() -> None:
                 str(WORKERS),
                 "--log-level",
                 "warning",
+                *os.environ.get("BENCH_GUNICORN_ARGS", "").split(),
             ],
             env=env,
             cwd=ROOT,
