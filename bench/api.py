@@ -8,9 +8,8 @@ BENCH_SECONDS (20) over BENCH_CONNECTIONS (16) connections. Goal (issue 3):
 
 Set REDIS_URL too to measure the production set-up (Redis as the cache), and
 BENCH_GUNICORN_ARGS to try other gunicorn settings (e.g. `--worker-class gthread
---threads 1`). The
-same run measures the server's floor, a 404 that runs no view and no query, so
-figures from a noisy machine can be read as a ratio.
+--threads 1`). The same run measures the server's floor, a 404 that runs no view and
+no query, so figures from a noisy machine can be read as a ratio.
 
 Last line: `api: submits_per_s=<n> p99_ms=<n> floor_404_per_s=<n> ratio=<x>`.
 """

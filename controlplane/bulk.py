@@ -250,8 +250,8 @@ def fetch_rows(queryset: models.QuerySet) -> list[tuple]:
     (int, str, float, bool, Decimal, aware datetime) are what those converters would
     return on PostgreSQL for these columns (not for JSON or inet ones: keep those on
     Django's path); other databases keep Django's path. Rows come in PostgreSQL's binary
-    format: numbers are not written out as text and parsed back (a third less CPU for
-    the pending jobs' read).
+    format: numbers are not written out as text and parsed back (the scheduler's read
+    takes about a tenth less CPU; bench/RESULTS.md).
     """
     if connection.vendor != "postgresql":
         return list(queryset)  # values_list rows are tuples already
