@@ -167,6 +167,55 @@ def update_rows(
     return len(objects)
 
 
+def update_logged(
+    queryset: models.QuerySet,
+    values: dict,
+    *,
+    log: type[models.Model],
+    log_fields: Sequence[str],
+    log_values: Sequence,
+) -> int:
+    """queryset.update(**values) and, for each row it updated, one row of `log` (an event
+    table): (the updated row, *log_values) into (log_fields[0], *log_fields[1:]), where
+    log_fields[0] is the log's foreign key to the updated model. Returns the rows updated.
+
+    On PostgreSQL one statement (the UPDATE in a WITH, RETURNING the ids the INSERT
+    reads), so the thousands of events of a scheduling pass are neither built in Python
+    nor sent. Elsewhere the ids are read first (the caller has locked the rows, so they
+    are the ones updated), then updated, then the events inserted.
+    """
+    if connection.vendor != "postgresql":
+        ids = list(queryset.values_list("pk", flat=True))
+        updated = queryset.update(**values)
+        insert_rows(log, log_fields, ((row_id, *log_values) for row_id in ids))
+        return updated
+    from django.db.models.sql import UpdateQuery
+
+    query = queryset.query.chain(UpdateQuery)
+    query.add_update_values(values)
+    try:
+        update_sql, update_params = query.get_compiler(queryset.db).as_sql()
+    except EmptyResultSet:  # e.g. filter(pk__in=[])
+        return 0
+    meta = log._meta
+    quote = connection.ops.quote_name
+    fields = [meta.get_field(name) for name in log_fields]
+    columns = ", ".join(quote(f.column) for f in fields)
+    placeholders = ", ".join(["%s"] * (len(fields) - 1))
+    pk = quote(queryset.model._meta.pk.column)
+    sql = (
+        f"WITH moved AS ({update_sql} RETURNING {pk}) "  # noqa: S608 (names from the models)
+        f"INSERT INTO {quote(meta.db_table)} ({columns}) SELECT {pk}, {placeholders} FROM moved"
+    )
+    prepared = [
+        field.get_db_prep_save(value, connection)
+        for field, value in zip(fields[1:], log_values, strict=True)
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*update_params, *prepared])
+        return cursor.rowcount
+
+
 def insert_with(
     first: models.Model, rest: Callable[[models.Model], Sequence[models.Model]]
 ) -> list[models.Model]:

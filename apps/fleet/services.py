@@ -31,7 +31,7 @@ from apps.fleet.models import (
 )
 from apps.fleet.models.nodes import GONE_STATES, CapacityType, Provider
 from apps.fleet.selectors import CAPACITY_CACHE_KEY
-from controlplane.bulk import InArray, insert_rows
+from controlplane.bulk import InArray, update_logged
 from controlplane.errors import ApplicationError
 
 S = NodeState
@@ -458,7 +458,8 @@ def node_heartbeat_record(*, node: Node, at: dt.datetime | None = None) -> Node:
 def _bulk_move(
     *, candidates: list[tuple[int, str]], to: str, reason: str, now, extra=None, audit=True
 ):
-    """Move many nodes in one UPDATE per source state, with their events and audit rows.
+    """Move many nodes in one UPDATE per source state, which also writes their events
+    (bulk.update_logged), and their audit rows.
 
     `audit=False` for READY ⇄ BUSY, which follow from a job's placement or end: the
     job's own events and audit rows record that decision, and the node's events its effect.
@@ -473,12 +474,13 @@ def _bulk_move(
         values = {"state": to, "state_reason": reason, "state_changed_at": now}
         values["suspect_from"] = state if to == S.SUSPECT else ""
         values.update(extra or {})
-        moved += Node.objects.filter(InArray("id", ids), state=state).update(**values)
-    insert_rows(
-        NodeEvent,
-        ("node", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
-        ((node_id, now, state, to, reason, None, "system") for node_id, state in candidates),
-    )
+        moved += update_logged(
+            Node.objects.filter(InArray("id", ids), state=state),
+            values,
+            log=NodeEvent,
+            log_fields=("node", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
+            log_values=(now, state, to, reason, None, "system"),
+        )
     if not audit:
         return moved
     nodes = Node.objects.only("id", "name").in_bulk([node_id for node_id, _ in candidates])

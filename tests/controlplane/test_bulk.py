@@ -22,6 +22,7 @@ from controlplane.bulk import (
     insert_rows,
     insert_with,
     int_array,
+    update_logged,
     update_rows,
 )
 from tests import factories
@@ -225,6 +226,41 @@ def test_insert_rows_writes_the_rows_it_is_given_whatever_their_shape(jobs, rese
             assert _events(label) == set(rows), label
         else:  # bulk_create gives `at` (auto_now_add) the time of the insert
             assert _without_time(_events(label)) == _without_time(rows), label
+
+
+def test_update_logged_writes_one_event_per_row_it_updated(jobs, researcher):
+    at = timezone.now().replace(microsecond=654321)
+    Job.objects.filter(pk=jobs[2].pk).update(state="held")  # no longer matches the filter
+    ids = [j.id for j in jobs]
+    updated = update_logged(
+        Job.objects.filter(InArray("id", ids), state="pending"),
+        {"state": "admitted", "state_reason": "placed", "admitted_at": at},
+        log=JobEvent,
+        log_fields=EVENT_FIELDS,
+        log_values=(at, "pending", "admitted", "placed", researcher.id, "logged"),
+    )
+    assert updated == 4
+    moved = {j.id for j in jobs} - {jobs[2].id}
+    assert set(Job.objects.filter(state="admitted").values_list("id", flat=True)) == moved
+    assert Job.objects.get(pk=jobs[0].pk).admitted_at == at
+    rows = {(i, at, "pending", "admitted", "placed", researcher.id, "logged") for i in moved}
+    if connection.vendor == "postgresql":
+        assert _events("logged") == rows
+    else:  # bulk_create gives `at` (auto_now_add) the time of the insert
+        assert _without_time(_events("logged")) == _without_time(rows)
+    # Nothing to update: nothing logged, no error.
+    nothing = Job.objects.filter(InArray("id", []), state="pending")
+    assert (
+        update_logged(
+            nothing,
+            {"state": "held"},
+            log=JobEvent,
+            log_fields=EVENT_FIELDS,
+            log_values=(at, "pending", "held", "x", None, "none"),
+        )
+        == 0
+    )
+    assert not JobEvent.objects.filter(actor_label="none").exists()
 
 
 def test_insert_rows_copies_in_binary_only_columns_it_has_a_binary_form_for(jobs):

@@ -7,11 +7,13 @@ no longer fits is skipped (the next pass places it), never half-applied.
 
 import datetime as dt
 import logging
+import sys
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from django.core.cache import cache
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.db.models import Sum
 from django.utils import timezone
 
@@ -23,7 +25,7 @@ from apps.jobs.models import Allocation, Job, JobEvent, JobState, JobWait, TeamU
 from apps.jobs.models.jobs import LAST_PASS_KEY, NOT_STARTED_STATES, STARTED_STATES
 from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
-from controlplane.bulk import InArray, insert_rows, int_array
+from controlplane.bulk import InArray, fetch_rows, insert_rows, int_array, update_logged
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +39,10 @@ class Applied:
     burst_nodes: list[int] = field(default_factory=list)  # cloud nodes requested this pass
 
 
-def _events_and_audit(
-    rows: list[tuple[int, str, str, str]], *, now: dt.datetime, audit: bool = True
-) -> None:
+def _events_and_audit(rows: list[tuple[int, str, str, str]], *, now: dt.datetime) -> None:
     """rows: (job id, from, to, reason) → JobEvents and audit rows, two bulk inserts.
 
-    `audit=False` for placements: the scheduler admits thousands of jobs a pass, each
+    Placements write no audit rows: the scheduler admits thousands of jobs a pass, each
     recorded by its JobEvent (actor "scheduler"); the audit log keeps the decisions that
     take something from someone (preemptions) and everything people and clients do.
     """
@@ -53,8 +53,6 @@ def _events_and_audit(
         ("job", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
         ((j, now, f, t, r[:300], None, "scheduler") for j, f, t, r in rows),
     )
-    if not audit:
-        return
     jobs = Job.objects.only("id", "name").in_bulk([j for j, _, _, _ in rows])
     by_action: dict[str, list] = defaultdict(list)
     for j, f, t, r in rows:
@@ -67,37 +65,42 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
     if not placements:
         return
     wanted = {p.job_id: p for p in placements}
-    still_pending = set(
-        Job.objects.select_for_update()
-        .filter(InArray("id", wanted), state=JobState.PENDING)
-        .values_list("id", flat=True)
-    )
+    # Read in one fetch each (a first pass locks thousands of jobs and nodes).
+    still_pending = {
+        job_id
+        for (job_id,) in fetch_rows(
+            Job.objects.select_for_update()
+            .filter(InArray("id", wanted), state=JobState.PENDING)
+            .values_list("id")
+        )
+    }
     node_ids = {node_id for p in placements for node_id, _ in p.node_gpus}
-    nodes = {
-        node_id: (state, gpus)
-        for node_id, state, gpus in Node.objects.select_for_update()
+    states = {}
+    room = {}  # node id -> GPUs free on it now, for schedulable nodes
+    for node_id, state, gpus in fetch_rows(
+        Node.objects.select_for_update()
         .filter(InArray("id", node_ids))
         .values_list("id", "state", "gpu_count")
-    }
-    held = dict(
-        Allocation.objects.filter(InArray("node_id", node_ids), ended_at__isnull=True)
+    ):
+        states[node_id] = state
+        if state in SCHEDULABLE_STATES:
+            room[node_id] = gpus
+    for node_id, held in fetch_rows(
+        Allocation.objects.filter(InArray("node_id", room), ended_at__isnull=True)
         .values_list("node_id")
         .annotate(held=Sum("gpus"))
         .order_by()
-    )
+    ):
+        room[node_id] -= held
     accepted: list[plain.Placement] = []
     for placement in placements:
-        fits = placement.job_id in still_pending and all(
-            node_id in nodes
-            and nodes[node_id][0] in SCHEDULABLE_STATES
-            and held.get(node_id, 0) + gpus <= nodes[node_id][1]
-            for node_id, gpus in placement.node_gpus
-        )
-        if not fits:
+        if placement.job_id not in still_pending or not all(
+            room.get(node_id, -1) >= gpus for node_id, gpus in placement.node_gpus
+        ):
             applied.skipped.append(placement.job_id)
             continue
         for node_id, gpus in placement.node_gpus:
-            held[node_id] = held.get(node_id, 0) + gpus
+            room[node_id] -= gpus
         accepted.append(placement)
     if not accepted:
         return
@@ -110,30 +113,26 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
     for p in accepted:
         by_pool[(p.pool_id, p.backfilled)].append(p.job_id)
     for (pool_id, backfilled), job_ids in by_pool.items():
-        Job.objects.filter(InArray("id", job_ids)).update(
-            state=JobState.ADMITTED,
-            pool_id=pool_id,
-            admitted_at=now,
-            state_changed_at=now,
-            state_reason="placed (backfilled)" if backfilled else "placed",
+        reason = "placed (backfilled)" if backfilled else "placed"
+        # Each job's JobEvent goes in with its update (actor "scheduler"); no audit rows
+        # (_events_and_audit says why).
+        update_logged(
+            Job.objects.filter(InArray("id", job_ids)),
+            {
+                "state": JobState.ADMITTED,
+                "pool_id": pool_id,
+                "admitted_at": now,
+                "state_changed_at": now,
+                "state_reason": reason,
+            },
+            log=JobEvent,
+            log_fields=("job", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
+            log_values=(now, JobState.PENDING, JobState.ADMITTED, reason, None, "scheduler"),
         )
     JobWait.objects.filter(InArray("job_id", [p.job_id for p in accepted])).delete()
     used = sorted({n for p in accepted for n, _ in p.node_gpus})
     # Locked above: hand over which of them are READY rather than lock them again.
-    fleet.nodes_work_started(ready=[(n, nodes[n][0]) for n in used if nodes[n][0] == "ready"])
-    _events_and_audit(
-        [
-            (
-                p.job_id,
-                JobState.PENDING,
-                JobState.ADMITTED,
-                "placed (backfilled)" if p.backfilled else "placed",
-            )
-            for p in accepted
-        ],
-        now=now,
-        audit=False,
-    )
+    fleet.nodes_work_started(ready=[(n, states[n]) for n in used if states[n] == "ready"])
     applied.placed.extend(p.job_id for p in accepted)
 
 
@@ -340,11 +339,101 @@ def _advance_usage(ctx: ReadContext) -> None:
         )
 
 
+class PlacementWriter:
+    """Writes a pass's placements while the planner is still walking the queue.
+
+    The walk is pure Python and the write is mostly PostgreSQL's work (rows and their
+    indexes), so on two cores they can run side by side: a thread takes the placements
+    `plan()` has appended so far, a chunk at a time, and applies them on the pass's own
+    connection, inside the transaction the pass has opened (the planner does not touch
+    the database until it has returned, and finish() waits for the thread). Applying in
+    chunks gives what applying all at once gives: each chunk locks and checks its jobs
+    and nodes as _apply_placements always has, and sees the chunks before it.
+
+    Only on PostgreSQL; elsewhere (SQLite, `make run`) finish() applies them all at once.
+    """
+
+    CHUNK = 500  # placements a statement set carries
+    POLL_S = 0.005  # how often the thread looks for new placements
+    # While the thread runs, the planner (pure Python) gives up the interpreter after
+    # this long rather than the default 5 ms, so the thread's many short waits on the
+    # database do not each cost up to 5 ms.
+    SWITCH_INTERVAL_S = 0.0005
+
+    def __init__(self, placements: list[plain.Placement], *, now: dt.datetime):
+        self.placements = placements
+        self.now = now
+        self.applied = Applied()
+        self._taken = 0
+        self._planned = threading.Event()
+        self._abandon = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._switch_interval = sys.getswitchinterval()
+        self._connection = connections[DEFAULT_DB_ALIAS]
+
+    def start(self) -> None:
+        """Call inside the pass's transaction, before the walk."""
+        if self._connection.vendor != "postgresql":
+            return
+        self._connection.inc_thread_sharing()
+        sys.setswitchinterval(self.SWITCH_INTERVAL_S)
+        self._thread = threading.Thread(target=self._run, name="placement-writer", daemon=True)
+        self._thread.start()
+
+    def finish(self, *, planned: bool = True) -> Applied:
+        """After the walk: apply what is left and wait for it. With planned=False (the walk
+        failed) stop without writing more; the caller's transaction then rolls back."""
+        self._abandon = not planned
+        self._planned.set()
+        if self._thread is not None:
+            self._thread.join()
+            sys.setswitchinterval(self._switch_interval)
+            self._connection.dec_thread_sharing()
+            self._thread = None
+        elif planned:
+            self._apply_next()
+        if self._error is not None:
+            raise self._error
+        return self.applied
+
+    def _run(self) -> None:
+        # This thread uses the pass's connection (and so its transaction), not one of its own.
+        connections[DEFAULT_DB_ALIAS] = self._connection
+        try:
+            while True:
+                planned = self._planned.wait(self.POLL_S)
+                if self._abandon:
+                    return
+                if planned or len(self.placements) - self._taken >= self.CHUNK:
+                    self._apply_next()
+                if planned and self._taken == len(self.placements):
+                    return
+        except BaseException as error:  # handed to finish(), which raises it in the pass
+            self._error = error
+        finally:
+            del connections[DEFAULT_DB_ALIAS]
+
+    def _apply_next(self) -> None:
+        end = len(self.placements)
+        if end > self._taken:
+            chunk = self.placements[self._taken : end]
+            self._taken = end
+            _apply_placements(chunk, now=self.now, applied=self.applied)
+
+
 @transaction.atomic
-def decisions_apply(decisions: plain.Decisions, ctx: ReadContext) -> Applied:
+def decisions_apply(
+    decisions: plain.Decisions, ctx: ReadContext, placed: Applied | None = None
+) -> Applied:
+    """`placed`: what a PlacementWriter already applied of decisions.placements, in this
+    transaction; without it the placements are applied here first."""
     now = ctx.now or timezone.now()
-    applied = Applied()
-    _apply_placements(decisions.placements, now=now, applied=applied)
+    if placed is None:
+        applied = Applied()
+        _apply_placements(decisions.placements, now=now, applied=applied)
+    else:
+        applied = placed
     _apply_preemptions(decisions.preemptions, now=now, applied=applied)
     _apply_bursts(decisions.bursts, now=now, applied=applied)
     _apply_reasons(decisions.waits, ctx, applied)

@@ -6,12 +6,14 @@ import time
 from dataclasses import dataclass
 
 from django.core.cache import cache
+from django.db import transaction
 from django.utils import timezone
 
 from apps.jobs.models.jobs import QUEUE_ORDER_KEY
-from apps.jobs.scheduler.apply import decisions_apply
+from apps.jobs.scheduler.apply import PlacementWriter, decisions_apply
 from apps.jobs.scheduler.plan import plan
 from apps.jobs.scheduler.read import read_snapshot
+from apps.jobs.scheduler.snapshot import Decisions
 
 
 @dataclass
@@ -58,9 +60,19 @@ def _read_plan_apply() -> tuple[PassReport, list[int]]:
     started = time.perf_counter()
     snapshot, ctx = read_snapshot(now=timezone.now(), budget_allows=budget_allows)
     read_done = time.perf_counter()
-    decisions = plan(snapshot)
-    plan_done = time.perf_counter()
-    applied = decisions_apply(decisions, ctx)
+    decisions = Decisions()
+    with transaction.atomic():
+        # The placements are written while the walk goes on (PlacementWriter); the rest of
+        # the decisions once it is done, all in this one transaction.
+        writer = PlacementWriter(decisions.placements, now=ctx.now)
+        writer.start()
+        try:
+            plan(snapshot, out=decisions)
+        except BaseException:
+            writer.finish(planned=False)
+            raise
+        plan_done = time.perf_counter()
+        applied = decisions_apply(decisions, ctx, placed=writer.finish())
     done = time.perf_counter()
     placed = set(applied.placed)
     queue = [j for j in decisions.order if j not in placed]

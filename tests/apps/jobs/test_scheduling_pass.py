@@ -248,9 +248,9 @@ def test_a_pass_pauses_the_cycle_collector_and_restores_it(
     seen = []
     real_plan = run.plan
 
-    def plan_watching_the_collector(snapshot):
+    def plan_watching_the_collector(snapshot, out=None):
         seen.append(gc.isenabled())
-        return real_plan(snapshot)
+        return real_plan(snapshot, out)
 
     monkeypatch.setattr(run, "plan", plan_watching_the_collector)
     submit(team, researcher)
