@@ -10,7 +10,7 @@ one; elsewhere with Django's bulk_create. Rows are plain tuples in the order of
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from django.core.exceptions import EmptyResultSet
 from django.db import DEFAULT_DB_ALIAS, connection, connections, models, transaction
@@ -318,6 +318,42 @@ def fetch_rows(queryset: models.QuerySet) -> list[tuple]:
     with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
         cursor.execute(sql, params, binary=True, prepare=False)
         return cursor.fetchall()
+
+
+STREAM_BATCH = 2000  # rows fetch_batches hands over at a time
+
+
+def fetch_batches(queryset: models.QuerySet, size: int = STREAM_BATCH) -> Iterator[list[tuple]]:
+    """fetch_rows' rows in batches of up to `size`, while PostgreSQL is still sending the
+    rest (libpq's chunked-rows mode, libpq 17 and later): the caller turns one batch
+    into its own objects while the server produces the next, rather than waiting for all
+    of them first: the scheduler's whole read of 50,000 pending jobs is about a fifth
+    shorter (bench/RESULTS.md). Use up the iterator before the next query on the
+    connection. Elsewhere (another database, an older libpq) one batch of everything.
+    """
+    import psycopg
+
+    if connection.vendor != "postgresql" or psycopg.pq.version() < 170000:
+        rows = fetch_rows(queryset)
+        if rows:
+            yield rows
+        return
+    try:
+        sql, params = queryset.query.sql_with_params()
+    except EmptyResultSet:
+        return
+    connection.ensure_connection()
+    connection.validate_thread_sharing()
+    connection.validate_no_broken_transaction()
+    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
+        batch: list[tuple] = []
+        for row in cursor.stream(sql, params, binary=True, size=size):
+            batch.append(row)
+            if len(batch) == size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
 
 
 class InArray(Func):

@@ -18,6 +18,7 @@ from apps.jobs.scheduler.read import Epoch
 from controlplane.bulk import (
     InArray,
     _binary_copy_types,
+    fetch_batches,
     fetch_rows,
     insert_rows,
     insert_with,
@@ -139,6 +140,28 @@ def test_fetch_rows_reads_datetimes_and_text_as_django_does_and_keeps_its_checks
         # As Django's own cursors: no query in a transaction that has failed.
         with pytest.raises(TransactionManagementError):
             fetch_rows(query.all())  # a new queryset: `query` holds its rows already
+
+
+def test_fetch_batches_gives_fetch_rows_rows_a_batch_at_a_time(jobs):
+    from django.db.transaction import TransactionManagementError
+
+    query = Job.objects.order_by("id").values_list("id", "name", "submitted_at", "max_cost_usd")
+    batches = list(fetch_batches(query, size=2))
+    if connection.vendor == "postgresql":
+        assert [len(batch) for batch in batches] == [2, 2, 1]
+    assert [row for batch in batches for row in batch] == fetch_rows(query.all())
+    assert list(fetch_batches(query.filter(pk__in=[]))) == []
+    assert list(fetch_batches(query.filter(name="nobody"))) == []
+    assert Job.objects.count() == 5  # the connection is free again once they are used up
+    with transaction.atomic():
+        with (
+            pytest.raises(DatabaseError),
+            transaction.atomic(savepoint=False),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute("SELECT * FROM no_such_table")
+        with pytest.raises(TransactionManagementError):
+            list(fetch_batches(query.all()))
 
 
 def _job_records(job):

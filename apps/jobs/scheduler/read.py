@@ -15,7 +15,7 @@ from apps.jobs.models import Allocation, Job, JobState, JobWait, Reservation, Te
 from apps.jobs.models.jobs import HOLDING_STATES, PRIORITY_RANK, STOPPING_STATES
 from apps.jobs.models.usage import USAGE_EPOCH
 from apps.jobs.scheduler import snapshot as plain
-from controlplane.bulk import InArray, fetch_rows
+from controlplane.bulk import InArray, fetch_batches, fetch_rows
 
 
 @dataclass
@@ -104,11 +104,13 @@ class KeptPending:
         started = time.monotonic()
         if not versioned or database != self.database or started - self.read_at > self.MAX_AGE_S:
             self.clear()
+        self.rows_read = 0
         try:
             if self.jobs:
                 self._refresh()
             else:
-                self._keep(fetch_rows(_pending_rows(versioned=versioned)), versioned)
+                for rows in fetch_batches(_pending_rows(versioned=versioned)):
+                    self._keep(rows, versioned)
                 self.database, self.read_at = database, started
         except BaseException:
             self.clear()
@@ -116,14 +118,15 @@ class KeptPending:
         return self._with_budgets(budget_allows)
 
     def _refresh(self) -> None:
-        now = dict(fetch_rows(_pending_versions()))
+        now = {}
+        for rows in fetch_batches(_pending_versions()):
+            now.update(rows)
         versions = self.versions
         for gone in versions.keys() - now.keys():
             self._drop(gone)
         unseen = [job_id for job_id, version in now.items() if versions.get(job_id) != version]
         for job_id in unseen:
             self._drop(job_id)  # read again below, unless it has left the queue since
-        self.rows_read = 0
         if unseen:
             self._keep(
                 fetch_rows(_pending_rows(versioned=True).filter(InArray("id", unseen))), True
@@ -145,7 +148,7 @@ class KeptPending:
             max_costs[job_id] = row[10]
             if versioned:
                 versions[job_id] = row[11]
-        self.rows_read = len(rows)
+        self.rows_read += len(rows)
 
     def _with_budgets(self, budget_allows) -> list[plain.Pending]:
         """The kept jobs with this pass's answer to the costs app's budget question, asked
