@@ -125,11 +125,16 @@ def test_fetch_rows_gives_the_rows_values_list_gives(jobs):
 
 
 def test_fetch_rows_reads_datetimes_and_text_as_django_does_and_keeps_its_checks(jobs):
-    from django.db.transaction import TransactionManagementError
-
     Job.objects.filter(pk=jobs[1].pk).update(admitted_at=timezone.now(), state_reason="tab\there")
     query = Job.objects.values_list("id", "admitted_at", "state_reason", "uuid").order_by("id")
     assert fetch_rows(query) == list(query)
+    # As Django's own cursors: no query in a transaction that has failed.
+    _refused_in_a_failed_transaction(lambda: fetch_rows(query.all()))  # `query` holds its rows
+
+
+def _refused_in_a_failed_transaction(read) -> None:
+    from django.db.transaction import TransactionManagementError
+
     with transaction.atomic():
         with (
             pytest.raises(DatabaseError),
@@ -137,14 +142,11 @@ def test_fetch_rows_reads_datetimes_and_text_as_django_does_and_keeps_its_checks
             connection.cursor() as cursor,
         ):
             cursor.execute("SELECT * FROM no_such_table")
-        # As Django's own cursors: no query in a transaction that has failed.
         with pytest.raises(TransactionManagementError):
-            fetch_rows(query.all())  # a new queryset: `query` holds its rows already
+            read()
 
 
 def test_fetch_batches_gives_fetch_rows_rows_a_batch_at_a_time(jobs):
-    from django.db.transaction import TransactionManagementError
-
     query = Job.objects.order_by("id").values_list("id", "name", "submitted_at", "max_cost_usd")
     batches = list(fetch_batches(query, size=2))
     if connection.vendor == "postgresql":
@@ -153,15 +155,7 @@ def test_fetch_batches_gives_fetch_rows_rows_a_batch_at_a_time(jobs):
     assert list(fetch_batches(query.filter(pk__in=[]))) == []
     assert list(fetch_batches(query.filter(name="nobody"))) == []
     assert Job.objects.count() == 5  # the connection is free again once they are used up
-    with transaction.atomic():
-        with (
-            pytest.raises(DatabaseError),
-            transaction.atomic(savepoint=False),
-            connection.cursor() as cursor,
-        ):
-            cursor.execute("SELECT * FROM no_such_table")
-        with pytest.raises(TransactionManagementError):
-            list(fetch_batches(query.all()))
+    _refused_in_a_failed_transaction(lambda: list(fetch_batches(query.all())))
 
 
 def _job_records(job):
