@@ -173,7 +173,7 @@ def main() -> None:
         print(
             f"first pass: {first.placed} placed in {first_s * 1000:.0f} ms "
             f"(read {first.read_ms:.0f}, plan {first.plan_ms:.0f}, "
-            f"write {first.apply_ms:.0f})",
+            f"write after it {first.apply_ms:.0f})",
             flush=True,
         )
         steady = []
@@ -186,7 +186,7 @@ def main() -> None:
                 f"steady pass: {finished} finished, {report.placed} placed, "
                 f"{report.reasons_written} reasons written, {steady[-1]:.0f} ms "
                 f"(read {report.read_ms:.0f}, plan {report.plan_ms:.0f}, "
-                f"write {report.apply_ms:.0f})",
+                f"write after it {report.apply_ms:.0f})",
                 flush=True,
             )
     finally:

@@ -25,8 +25,8 @@ class PassReport:
     bursts: int
     reasons_written: int
     read_ms: float
-    plan_ms: float
-    apply_ms: float
+    plan_ms: float  # the walk, with the placements' write going on beside it (PostgreSQL)
+    apply_ms: float  # from the walk's end to the pass's commit
 
 
 @contextlib.contextmanager
