@@ -67,7 +67,6 @@ format: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python -m bench.fleet
 
-# The scheduling pass at design size; set DATABASE_URL to measure on PostgreSQL.
 # Job submissions through the API under gunicorn, loaded by Debian's wrk (PostgreSQL).
 bench-api: $(VENV)/.installed
 	@command -v wrk >/dev/null || ( apt-get update -qq && apt-get install -y -qq wrk >/dev/null )
@@ -84,6 +83,8 @@ bench-heartbeats: $(VENV)/.installed
 	@command -v wrk >/dev/null || ( apt-get update -qq && apt-get install -y -qq wrk >/dev/null )
 	$(BIN)/python -m bench.heartbeats
 
+# The scheduling pass at design size (the planner alone, then read, plan and write on the
+# database); set DATABASE_URL to measure on PostgreSQL.
 bench-scheduler: $(VENV)/.installed
 	$(BIN)/python -m bench.scheduler_plan
 	$(BIN)/python -m bench.scheduler
