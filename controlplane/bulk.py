@@ -304,20 +304,30 @@ def fetch_rows(queryset: models.QuerySet) -> list[tuple]:
     """
     if connection.vendor != "postgresql":
         return list(queryset)  # values_list rows are tuples already
-    try:
-        sql, params = queryset.query.sql_with_params()
-    except EmptyResultSet:  # e.g. filter(pk__in=[]): Django answers [] without a query
+    query = _raw_query(queryset)
+    if query is None:
         return []
     import psycopg
 
-    connection.ensure_connection()
-    connection.validate_thread_sharing()  # the checks Django's own cursor() makes
-    connection.validate_no_broken_transaction()
     # Django's cursors bind parameters client-side, which gives text results only: this
     # one binds them on the server (never preparing the statement, for poolers' sake).
     with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
-        cursor.execute(sql, params, binary=True, prepare=False)
+        cursor.execute(*query, binary=True, prepare=False)
         return cursor.fetchall()
+
+
+def _raw_query(queryset: models.QuerySet) -> tuple[str, tuple] | None:
+    """The queryset's SQL and parameters, for a psycopg cursor of the connection's own,
+    after the checks Django's cursor() makes; None when Django knows it matches nothing
+    (e.g. filter(pk__in=[]), which Django answers without a query)."""
+    try:
+        sql, params = queryset.query.sql_with_params()
+    except EmptyResultSet:
+        return None
+    connection.ensure_connection()
+    connection.validate_thread_sharing()
+    connection.validate_no_broken_transaction()
+    return sql, params
 
 
 STREAM_BATCH = 2000  # rows fetch_batches hands over at a time
@@ -338,16 +348,12 @@ def fetch_batches(queryset: models.QuerySet, size: int = STREAM_BATCH) -> Iterat
         if rows:
             yield rows
         return
-    try:
-        sql, params = queryset.query.sql_with_params()
-    except EmptyResultSet:
+    query = _raw_query(queryset)
+    if query is None:
         return
-    connection.ensure_connection()
-    connection.validate_thread_sharing()
-    connection.validate_no_broken_transaction()
     with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
         batch: list[tuple] = []
-        for row in cursor.stream(sql, params, binary=True, size=size):
+        for row in cursor.stream(*query, binary=True, size=size):
             batch.append(row)
             if len(batch) == size:
                 yield batch

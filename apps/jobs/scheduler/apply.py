@@ -423,17 +423,10 @@ class PlacementWriter:
 
 
 @transaction.atomic
-def decisions_apply(
-    decisions: plain.Decisions, ctx: ReadContext, placed: Applied | None = None
-) -> Applied:
-    """`placed`: what a PlacementWriter already applied of decisions.placements, in this
-    transaction; without it the placements are applied here first."""
+def decisions_apply(decisions: plain.Decisions, ctx: ReadContext, applied: Applied) -> Applied:
+    """The rest of the decisions, once a PlacementWriter has written the placements in
+    this transaction (`applied`, its account of them)."""
     now = ctx.now or timezone.now()
-    if placed is None:
-        applied = Applied()
-        _apply_placements(decisions.placements, now=now, applied=applied)
-    else:
-        applied = placed
     _apply_preemptions(decisions.preemptions, now=now, applied=applied)
     _apply_bursts(decisions.bursts, now=now, applied=applied)
     _apply_reasons(decisions.waits, ctx, applied)

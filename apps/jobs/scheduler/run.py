@@ -72,7 +72,7 @@ def _read_plan_apply() -> tuple[PassReport, list[int]]:
             writer.finish(planned=False)
             raise
         plan_done = time.perf_counter()
-        applied = decisions_apply(decisions, ctx, placed=writer.finish())
+        applied = decisions_apply(decisions, ctx, writer.finish())
     done = time.perf_counter()
     placed = set(applied.placed)
     queue = [j for j in decisions.order if j not in placed]
