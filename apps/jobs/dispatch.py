@@ -565,7 +565,7 @@ def jobs_stuck_redrive(*, now: dt.datetime | None = None, dispatch=None) -> dict
     now = now or timezone.now()
     counts = {"requeued": 0, "dispatched": 0, "timed_out": 0}
     start_cutoff = now - dt.timedelta(seconds=settings.JOB_START_TIMEOUT_S)
-    for job in Job.objects.filter(
+    for job in Job.objects.live().filter(
         state__in=(J.PROVISIONING, J.STARTING), state_changed_at__lt=start_cutoff
     ):
         with transaction.atomic():
@@ -574,14 +574,16 @@ def jobs_stuck_redrive(*, now: dt.datetime | None = None, dispatch=None) -> dict
                 _requeue(locked, f"not started within {settings.JOB_START_TIMEOUT_S}s")
                 counts["requeued"] += 1
     admitted_cutoff = now - dt.timedelta(seconds=60)
-    for job_id in Job.objects.filter(
-        state=J.ADMITTED, state_changed_at__lt=admitted_cutoff
-    ).values_list("id", flat=True):
+    for job_id in (
+        Job.objects.live()
+        .filter(state=J.ADMITTED, state_changed_at__lt=admitted_cutoff)
+        .values_list("id", flat=True)
+    ):
         if dispatch is not None:
             counts["dispatched"] += bool(dispatch(job_id))
         elif job_dispatch(job_id=job_id) is not None:
             counts["dispatched"] += 1
-    for job in Job.objects.filter(state=J.RUNNING, started_at__isnull=False):
+    for job in Job.objects.live().filter(state=J.RUNNING, started_at__isnull=False):
         if job.started_at + dt.timedelta(seconds=job.time_limit_s) < now:
             with transaction.atomic():
                 locked = Job.objects.select_for_update().get(pk=job.pk)

@@ -62,7 +62,7 @@ QUEUE_COLUMNS = (
 
 
 def _active(*, state: str = "", team: str = "") -> QuerySet[Job]:
-    jobs = Job.objects.filter(state__in=ACTIVE_STATES)
+    jobs = Job.objects.live().filter(state__in=ACTIVE_STATES)
     if state:
         jobs = jobs.filter(state=state)
     if team:
@@ -166,7 +166,8 @@ def queue_page(*, user, state: str = "", team: str = "", page, per_page: int) ->
 def queue_choices() -> tuple[list[str], list[str]]:
     """The states and the teams among the active jobs, for the Queue's filters."""
     pairs = set(
-        Job.objects.filter(state__in=ACTIVE_STATES)
+        Job.objects.live()
+        .filter(state__in=ACTIVE_STATES)
         .values_list("state", "team__slug")
         .distinct()
         .order_by()
@@ -318,7 +319,7 @@ def submission_outlook(
                 or 0
             )
     at_least = [p for p, rank in PRIORITY_RANK.items() if rank >= PRIORITY_RANK.get(priority, 1)]
-    ahead = Job.objects.filter(state=JobState.PENDING, priority_class__in=at_least)
+    ahead = Job.objects.live().filter(state=JobState.PENDING, priority_class__in=at_least)
     if gpu_type != specs.ANY_GPU:
         ahead = ahead.filter(gpu_type__in=[gpu_type, specs.ANY_GPU])
     ahead = ahead.aggregate(jobs=Count("id"), gpus=Sum(F("nodes") * F("gpus_per_node")))

@@ -313,6 +313,8 @@ def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
     locked.state_changed_at = now
     if to in FINISHED_STATES:
         locked.finished_at = now
+    else:
+        locked.finished_at = None  # a finished job requeued is not finished any more
     if to == J.PENDING or came_from == J.PENDING:
         JobWait.objects.filter(job=locked).delete()  # an old wait says nothing now
     if to == J.PENDING:
@@ -466,9 +468,11 @@ def jobs_reconcile(*, now: dt.datetime | None = None) -> dict[str, int]:
     now = now or timezone.now()
     cutoff = now - dt.timedelta(seconds=settings.PREEMPTION_GRACE_S)
     counts = {"requeued": 0, "cancelled": 0}
-    stuck = Job.objects.filter(
-        state__in=(J.PREEMPTING, J.STOPPING), state_changed_at__lt=cutoff
-    ).values_list("id", "state")
+    stuck = (
+        Job.objects.live()
+        .filter(state__in=(J.PREEMPTING, J.STOPPING), state_changed_at__lt=cutoff)
+        .values_list("id", "state")
+    )
     for job_id, state in stuck:
         job = Job(pk=job_id)
         try:
@@ -497,9 +501,9 @@ def jobs_cost_limit_stop() -> list[int]:
     """Stop, with a checkpoint, the running jobs whose metered cost reached max_cost_usd
     (STOPPING, then FAILED with the reason). Called by the metering task after each run."""
     limits = dict(
-        Job.objects.filter(
-            state__in=(J.STARTING, J.RUNNING), max_cost_usd__isnull=False
-        ).values_list("id", "max_cost_usd")
+        Job.objects.live()
+        .filter(state__in=(J.STARTING, J.RUNNING), max_cost_usd__isnull=False)
+        .values_list("id", "max_cost_usd")
     )
     spent = costs.job_costs_so_far(job_ids=list(limits))
     stopped = []

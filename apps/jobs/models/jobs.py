@@ -70,11 +70,18 @@ class Placement(models.TextChoices):
     CLOUD = "cloud", "Cloud only"
 
 
+class JobQuerySet(models.QuerySet):
+    def live(self) -> "JobQuerySet":
+        """Jobs not finished, through the `live_jobs` index: say it in any query for jobs
+        in live states (pending, admitted, running...) so it reads those rows alone, not
+        every job the table has kept."""
+        return self.filter(finished_at__isnull=True)
+
+
 class Job(models.Model):
     uuid = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     name = models.CharField(max_length=100)
-    # Indexed by (team, state) below, which serves team look-ups too: one index fewer for
-    # every submit and every admission to keep up to date.
+    # Indexed by (team, id) below, which serves team look-ups too.
     team = models.ForeignKey(
         "accounts.Team", on_delete=models.PROTECT, related_name="jobs", db_index=False
     )
@@ -119,7 +126,9 @@ class Job(models.Model):
     # sets the pool of about 4,000 jobs, and checking each reference at commit cost more
     # than a tenth of its write. The pool is set by placements on nodes the pass has
     # locked, and a pool with nodes cannot be deleted (Node.pool is PROTECTed and keeps
-    # its constraint); Django's SET_NULL still applies when a pool goes.
+    # its constraint); Django's SET_NULL still applies when a pool goes. Not indexed
+    # either: a placement sets it, and an indexed column would keep the row from being
+    # updated in place (Meta). Deleting a pool scans the jobs once, which is rare enough.
     pool = models.ForeignKey(
         "fleet.NodePool",
         null=True,
@@ -128,6 +137,7 @@ class Job(models.Model):
         related_name="jobs",
         editable=False,
         db_constraint=False,
+        db_index=False,
     )
     idempotency_key = models.CharField(max_length=200, blank=True, editable=False)
 
@@ -139,17 +149,41 @@ class Job(models.Model):
     started_at = models.DateTimeField(null=True, blank=True, editable=False)
     finished_at = models.DateTimeField(null=True, blank=True, editable=False)
 
+    objects = JobQuerySet.as_manager()
+
     class Meta:
         ordering = ["-submitted_at", "-id"]
+        # No index names a column that the scheduler's placement or a later state change
+        # writes (state, pool, the times of its moves), and pages are filled to 80%
+        # (migration 0010): PostgreSQL then writes a job's new version beside the old one
+        # on its page (a HOT update) rather than an entry into each index, which took
+        # about half of a first pass's job updates (bench/RESULTS.md). What is live (not
+        # finished) is found by `live_jobs`, whose condition only finishing changes; a
+        # query for live states says so with Job.objects.live() to use it.
         indexes = [
-            models.Index(fields=["state", "priority_class", "queued_at"]),
-            models.Index(fields=["team", "state"]),
+            models.Index(
+                fields=["team", "queued_at"],
+                condition=Q(finished_at__isnull=True),
+                name="live_jobs",
+            ),
+            models.Index(fields=["team", "id"], name="jobs_by_team"),
+            models.Index(
+                fields=["finished_at"],
+                condition=Q(finished_at__isnull=False),
+                name="finished_jobs",
+            ),
         ]
         constraints = [
             models.UniqueConstraint(
                 fields=["team", "idempotency_key"],
                 condition=~Q(idempotency_key=""),
                 name="one_job_per_idempotency_key",
+            ),
+            # A job that is not finished has no finished_at, or live_jobs would miss it
+            # (and the scheduler with it).
+            models.CheckConstraint(
+                condition=Q(finished_at__isnull=True) | Q(state__in=sorted(FINISHED_STATES)),
+                name="only_finished_jobs_have_finished_at",
             ),
         ]
 
@@ -311,8 +345,15 @@ class Allocation(models.Model):
     job = models.ForeignKey(
         Job, on_delete=models.PROTECT, related_name="allocations", db_constraint=False
     )
+    # Indexed by node twice, partially (Meta), rather than in full: a new allocation is
+    # open and enters open_allocations alone, one index entry fewer for each of a first
+    # pass's 11,000. Deleting a node (rare) scans the table for the PROTECT check.
     node = models.ForeignKey(
-        "fleet.Node", on_delete=models.PROTECT, related_name="allocations", db_constraint=False
+        "fleet.Node",
+        on_delete=models.PROTECT,
+        related_name="allocations",
+        db_constraint=False,
+        db_index=False,
     )
     gpus = models.PositiveSmallIntegerField(validators=[MinValueValidator(1)])
     started_at = models.DateTimeField()
@@ -323,6 +364,13 @@ class Allocation(models.Model):
         indexes = [
             models.Index(
                 fields=["node"], condition=Q(ended_at__isnull=True), name="open_allocations"
+            ),
+            # The metering's look-back (allocations_overlapping): what ended on these nodes
+            # since a time, without walking each node's whole history.
+            models.Index(
+                fields=["node", "ended_at"],
+                condition=Q(ended_at__isnull=False),
+                name="closed_allocations",
             ),
         ]
 

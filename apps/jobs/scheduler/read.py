@@ -192,7 +192,8 @@ def _pending(*columns: str):
     """The pending jobs' `columns` (queued: queued_at as an epoch; version: RowVersion),
     unordered."""
     return (
-        Job.objects.filter(state=JobState.PENDING)
+        Job.objects.live()
+        .filter(state=JobState.PENDING)
         .annotate(queued=Epoch("queued_at"), version=RowVersion())
         .values_list(*columns)
         .order_by()
@@ -271,7 +272,8 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
     running = []
     held_by_team: dict[int, int] = defaultdict(int)
     for job_id, team_id, priority, pool_id, admitted_at, limit, state in fetch_rows(
-        Job.objects.filter(state__in=HOLDING_STATES)
+        Job.objects.live()
+        .filter(state__in=HOLDING_STATES)
         .annotate(admitted=Epoch("admitted_at"))
         .values_list(
             "id", "team_id", "priority_class", "pool_id", "admitted", "time_limit_s", "state"

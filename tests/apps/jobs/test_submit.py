@@ -348,6 +348,35 @@ def test_reconcile_requeues_a_job_stuck_preempting(
     assert job.queued_at < later  # keeps its place by age
 
 
+def test_a_failed_job_requeued_is_live_again_and_scheduled(
+    fleet_pool, quota, team, researcher, api_for
+):
+    from django.db import IntegrityError, transaction
+
+    from apps.jobs import services
+    from apps.jobs.scheduler.run import scheduling_pass
+
+    client = api_for(researcher)
+    job_id = submit(client, command_spec(team)).json()["id"]
+    job = Job.objects.get(pk=job_id)
+    for state in (JobState.ADMITTED, JobState.PROVISIONING, JobState.STARTING, JobState.RUNNING):
+        job = services.job_transition(job=job, to=state, reason="test", by=None)
+    job = services.job_transition(job=job, to=JobState.FAILED, reason="test", by=None)
+    assert job.finished_at is not None and not Job.objects.live().filter(pk=job_id).exists()
+
+    answer = client.post(f"/api/v1/jobs/{job_id}/requeue/", {}, format="json")
+    assert answer.status_code == 200, answer.content
+    job.refresh_from_db()
+    assert (job.state, job.finished_at) == (JobState.PENDING, None)
+    assert client.get("/api/v1/jobs/", {"state": "pending"}).json()["count"] == 1
+    assert scheduling_pass().placed == 1  # the scheduler reads live jobs only, and finds it
+
+    # The database itself refuses a job that is not finished but says when it finished:
+    # the scheduler, which reads live jobs by their index, would never see it.
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Job.objects.filter(pk=job_id).update(finished_at=job.queued_at)
+
+
 @pytest.mark.parametrize(
     ("role", "status"),
     [
