@@ -61,7 +61,11 @@ def _events_and_audit(rows: list[tuple[int, str, str, str]], *, now: dt.datetime
         audit_record_many(actor=None, action=action, changes=changes)
 
 
-def _apply_placements(placements: list[plain.Placement], *, now, applied: Applied) -> None:
+def _apply_placements(
+    placements: list[plain.Placement], *, now, reasons: dict, applied: Applied
+) -> None:
+    """`reasons`: ReadContext.reasons, whose jobs with a wait row (not None) are the only
+    placed jobs with one to delete: only the pass (under its lock) adds wait rows."""
     if not placements:
         return
     wanted = {p.job_id: p for p in placements}
@@ -129,7 +133,9 @@ def _apply_placements(placements: list[plain.Placement], *, now, applied: Applie
             log_fields=("job", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
             log_values=(now, JobState.PENDING, JobState.ADMITTED, reason, None, "scheduler"),
         )
-    JobWait.objects.filter(InArray("job_id", [p.job_id for p in accepted])).delete()
+    waited = [p.job_id for p in accepted if reasons.get(p.job_id) is not None]
+    if waited:  # none in a first pass
+        JobWait.objects.filter(InArray("job_id", waited)).delete()
     used = sorted({n for p in accepted for n, _ in p.node_gpus})
     # Locked above: hand over which of them are READY rather than lock them again.
     fleet.nodes_work_started(ready=[(n, states[n]) for n in used if states[n] == "ready"])
@@ -360,9 +366,10 @@ class PlacementWriter:
     # database do not each cost up to 5 ms.
     SWITCH_INTERVAL_S = 0.0005
 
-    def __init__(self, placements: list[plain.Placement], *, now: dt.datetime):
+    def __init__(self, placements: list[plain.Placement], *, ctx: ReadContext):
         self.placements = placements
-        self.now = now
+        self.now = ctx.now
+        self.reasons = ctx.reasons
         self.applied = Applied()
         self._taken = 0
         self._planned = threading.Event()
@@ -419,7 +426,7 @@ class PlacementWriter:
         if end > self._taken:
             chunk = self.placements[self._taken : end]
             self._taken = end
-            _apply_placements(chunk, now=self.now, applied=self.applied)
+            _apply_placements(chunk, now=self.now, reasons=self.reasons, applied=self.applied)
 
 
 @transaction.atomic

@@ -64,7 +64,7 @@ def _read_plan_apply() -> tuple[PassReport, list[int]]:
     with transaction.atomic():
         # The placements are written while the walk goes on (PlacementWriter); the rest of
         # the decisions once it is done, all in this one transaction.
-        writer = PlacementWriter(decisions.placements, now=ctx.now)
+        writer = PlacementWriter(decisions.placements, ctx=ctx)
         writer.start()
         try:
             plan(snapshot, out=decisions)

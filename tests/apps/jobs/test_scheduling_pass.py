@@ -51,6 +51,21 @@ def test_a_job_that_does_not_fit_now_waits_with_a_reason(fleet_pool, quota, team
     assert other.pending_reason and "waiting for the next" not in other.pending_reason
 
 
+def test_a_waiting_job_placed_later_leaves_its_wait_row(fleet_pool, quota, team, researcher):
+    from apps.jobs.models import JobWait
+
+    three = {"gpu_type": "H100", "nodes": 3, "gpus_per_node": 8}
+    big = submit(team, researcher, name="big", resources=three)
+    other = submit(team, researcher, name="other", resources=three)
+    scheduling_pass()
+    assert JobWait.objects.filter(job=other).exists() and not JobWait.objects.filter(job=big)
+    services.job_cancel(job=big, by=researcher)
+    assert scheduling_pass().placed == 1
+    other.refresh_from_db()
+    assert other.state == JobState.ADMITTED
+    assert not JobWait.objects.filter(job=other).exists()
+
+
 def test_the_quota_holds_jobs_back(fleet_pool, team, researcher):
     accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
     first = submit(team, researcher, name="first")
