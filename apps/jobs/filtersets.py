@@ -21,12 +21,9 @@ class JobFilterSet(filters.FilterSet):
         if not states:
             return queryset
         queryset = queryset.filter(state__in=states)
-        # Live states only: through the index of live jobs, not every job kept.
-        return (
-            queryset
-            if FINISHED_STATES.intersection(states)
-            else queryset.filter(finished_at__isnull=True)
-        )
+        # Live states only: through the index of live jobs (Job.objects.live), not every
+        # job kept.
+        return queryset if FINISHED_STATES.intersection(states) else queryset.live()
 
 
 class ReservationFilterSet(filters.FilterSet):
