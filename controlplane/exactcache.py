@@ -68,13 +68,20 @@ class ExactCache:
         self.max_timeout_s = max_timeout_s
         # name → the generation this thread's last recall found (remember caches under it)
         self._seen = threading.local()
+        # name → the marker's generation the last recall in this process found there, while
+        # one stands: read ahead with the entry, the answer cached under it comes in the
+        # same round trip (otherwise every look-up until the marker expires makes two)
+        self._marked: dict[str, str] = {}
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}:{name}"
 
-    def key_of(self, name: str) -> str:
-        """The cache key recall(name) reads first: for read_ahead."""
-        return self._key(name)
+    def keys_ahead(self, name: str) -> list[str]:
+        """The cache keys recall(name) reads, for read_ahead: the entry, and the answer
+        cached under the marker last found there, if one was."""
+        key = self._key(name)
+        generation = self._marked.get(name)
+        return [key, f"{key}@{generation}"] if generation else [key]
 
     def _generations(self) -> dict[str, str]:
         if not hasattr(self._seen, "generations"):
@@ -94,7 +101,10 @@ class ExactCache:
                 if not generation:  # a marker without one: ask the database, cache nothing
                     return None
                 generations[name] = generation
-                value = cache.get(f"{self._key(name)}@{generation}")
+                self._marked[name] = generation
+                value = cache_get(f"{self._key(name)}@{generation}")
+            else:
+                self._marked.pop(name, None)
         except Exception:  # the cache is an optimisation; the database still answers
             log.warning("%s: cache unreachable; reading the database", self.prefix, exc_info=True)
             return None

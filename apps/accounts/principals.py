@@ -13,9 +13,9 @@ from controlplane.exactcache import ExactCache
 _tokens = ExactCache("auth:token", max_timeout_s=settings.AUTH_CACHE_S)
 
 
-def cache_key(digest: str) -> str:
-    """Where recall(digest) looks first (for controlplane.exactcache.read_ahead)."""
-    return _tokens.key_of(digest)
+def cache_keys(digest: str) -> list[str]:
+    """What recall(digest) reads (for controlplane.exactcache.read_ahead)."""
+    return _tokens.keys_ahead(digest)
 
 
 def recall(digest: str):

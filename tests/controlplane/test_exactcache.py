@@ -125,18 +125,18 @@ def test_keys_read_ahead_answer_their_first_look_up_in_one_round_trip(exact, cou
     look_up(exact, Database("a"))
     look_up(other, Database("b"))
     counted.gets = 0
-    with read_ahead([exact.key_of("k"), other.key_of("k"), f"{exact.prefix}:absent"]):
+    with read_ahead([*exact.keys_ahead("k"), *other.keys_ahead("k"), f"{exact.prefix}:absent"]):
         assert counted.get_manys == 1
         assert (exact.recall("k"), other.recall("k")) == ("a", "b")
         assert cache_get(f"{exact.prefix}:absent") is None  # read ahead: not there
         assert counted.gets == 0
-        counted.real.set(exact.key_of("k"), "written since", 60)
+        counted.real.set(f"{exact.prefix}:k", "written since", 60)
         assert exact.recall("k") == "written since"  # a second look-up asks the cache
         assert counted.gets == 1
     assert other.recall("k") == "b" and counted.gets == 2  # outside the block: the cache
 
 
-def test_a_marker_read_ahead_still_sends_the_reader_to_the_database(
+def test_a_marker_read_ahead_sends_the_reader_to_the_database_then_its_answer_comes_with_it(
     exact, counted, django_capture_on_commit_callbacks
 ):
     from controlplane.exactcache import read_ahead
@@ -146,9 +146,29 @@ def test_a_marker_read_ahead_still_sends_the_reader_to_the_database(
     database.value = "v2"
     with django_capture_on_commit_callbacks(execute=True):
         exact.forget(["k"])
-    with read_ahead([exact.key_of("k")]):
+    with read_ahead(exact.keys_ahead("k")):
         assert look_up(exact, database) == "v2" and database.reads == 2
-    assert look_up(exact, database) == "v2" and database.reads == 2  # cached under the marker
+    # While the marker stands, the answer cached under it is read in the same round trip.
+    counted.gets = counted.get_manys = 0
+    with read_ahead(exact.keys_ahead("k")):
+        assert look_up(exact, database) == "v2"
+    assert (counted.get_manys, counted.gets, database.reads) == (1, 0, 2)
+
+    # A newer change's marker: the answer read ahead (under the older one) is not served.
+    database.value = "v3"
+    with django_capture_on_commit_callbacks(execute=True):
+        exact.forget(["k"])
+    with read_ahead(exact.keys_ahead("k")):
+        assert look_up(exact, database) == "v3"
+    assert database.reads == 3
+    with read_ahead(exact.keys_ahead("k")):
+        assert look_up(exact, database) == "v3"
+    assert database.reads == 3
+
+    # Once the marker has gone, the entry alone is read ahead again.
+    counted.real.delete(f"{exact.prefix}:k")
+    look_up(exact, database)
+    assert exact.keys_ahead("k") == [f"{exact.prefix}:k"]
 
 
 def test_a_cache_that_fails_reads_nothing_ahead(exact, counted, monkeypatch):
@@ -160,5 +180,5 @@ def test_a_cache_that_fails_reads_nothing_ahead(exact, counted, monkeypatch):
         raise ConnectionError("cache down")
 
     monkeypatch.setattr(counted, "get_many", broken)
-    with read_ahead([exact.key_of("k")]):
-        assert cache_get(exact.key_of("k")) == "a"  # asked again, and answered
+    with read_ahead(exact.keys_ahead("k")):
+        assert cache_get(f"{exact.prefix}:k") == "a"  # asked again, and answered

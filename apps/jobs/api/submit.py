@@ -26,7 +26,7 @@ from apps.accounts.authentication import KEYWORDS
 from apps.accounts.context import Origin, acting_from
 from apps.accounts.middleware import client_address
 from apps.accounts.models import TokenScope
-from apps.accounts.selectors import team_cache_key
+from apps.accounts.selectors import team_cache_keys
 from apps.accounts.services import TokenRejected, api_token_use, token_allows, token_digest
 from apps.fleet.selectors import CAPACITY_CACHE_KEY
 from apps.jobs.api import serializers as s
@@ -74,12 +74,12 @@ def _submit_plain(request) -> Answer | None:
         data = json.loads(request.body.decode("utf-8"), parse_constant=_refuse_constant)
     except ValueError:  # UnicodeDecodeError included
         return None  # the view answers 400
-    # The three cache entries a submission looks up, in one round trip rather than three.
+    # The cache entries a submission looks up, in one round trip rather than three.
     team_id = data.get("team") if isinstance(data, dict) else None
     with read_ahead(
         [
-            principals.cache_key(token_digest(raw)),
-            team_cache_key(team_id) if type(team_id) is int else "",
+            *principals.cache_keys(token_digest(raw)),
+            *(team_cache_keys(team_id) if type(team_id) is int else ()),
             CAPACITY_CACHE_KEY,
         ]
     ):
