@@ -11,13 +11,17 @@ BENCH_GUNICORN_ARGS to try other gunicorn settings (e.g. `--worker-class gthread
 --threads 1`). The same run measures the server's floor, a 404 that runs no view and
 no query, so figures from a noisy machine can be read as a ratio.
 
-Last line: `api: submits_per_s=<n> p99_ms=<n> floor_404_per_s=<n> ratio=<x>`.
+The line before the last says how many ms of CPU each submit cost gunicorn, PostgreSQL,
+Redis and wrk (from /proc during the submits).
+
+Last line: `api: submits_per_s=<n> p99_ms=<n> floor_404_per_s=<n> ratio=<x> cpu_ms=<x>`.
 """
 
 import json
 import os
 import platform
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -28,7 +32,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
-from bench import interpreter_ms
+from bench import cpu, interpreter_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 SECONDS = int(os.environ.get("BENCH_SECONDS", "20"))
@@ -113,7 +117,12 @@ def main() -> None:
             # The floor: what this server answers per second when no view runs (a 404),
             # measured in the same run, since the machine is shared and noisy.
             floor = _wrk(f"http://127.0.0.1:{PORT}/no-such-page", seconds=max(3, SECONDS // 4))
+            # Where the submits' CPU goes: the server, PostgreSQL, Redis and wrk itself.
+            before, wrk_before = _serving_cpu_s(server.pid), _children_cpu_s()
             result = _wrk(f"http://127.0.0.1:{PORT}/api/v1/jobs/", script=script)
+            after = _serving_cpu_s(server.pid)
+            used = {name: seconds - before[name] for name, seconds in after.items()}
+            used["wrk"] = _children_cpu_s() - wrk_before
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=30)
@@ -126,6 +135,9 @@ def main() -> None:
     floor_rate = float(re.search(r"Requests/sec:\s+([\d.]+)", floor).group(1))
     p99 = _ms(re.search(r"99%\s+([\d.]+\w+)", result).group(1))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", result)
+    answered = int(re.search(r"(\d+) requests in", result).group(1))
+    per_submit = {name: 1000 * seconds / max(1, answered) for name, seconds in used.items()}
+    cpu_ms = sum(per_submit.values())
     print(
         f"python {platform.python_version()}, {os.cpu_count()} CPUs (sum(range(10**6)) in "
         f"{speed:.1f} ms), gunicorn {WORKERS} "
@@ -135,8 +147,14 @@ def main() -> None:
         f"query) answers {floor_rate:.0f}/s on the same server"
     )
     print(
+        "CPU per submit: "
+        + ", ".join(f"{name} {ms:.2f} ms" for name, ms in per_submit.items())
+        + f"; {cpu_ms:.2f} ms in all, where {os.cpu_count()} CPUs at 1,000 submits/s allow "
+        f"{os.cpu_count():.2f}"
+    )
+    print(
         f"api: submits_per_s={rate:.0f} p99_ms={p99:.1f} "
-        f"floor_404_per_s={floor_rate:.0f} ratio={rate / floor_rate:.2f}"
+        f"floor_404_per_s={floor_rate:.0f} ratio={rate / floor_rate:.2f} cpu_ms={cpu_ms:.2f}"
     )
 
 
@@ -145,6 +163,25 @@ def _wrk(url: str, *, script: Path | None = None, seconds: int = SECONDS) -> str
     if script is not None:
         args += ["-s", str(script)]
     return subprocess.run([*args, url], capture_output=True, text=True, check=True).stdout
+
+
+def _serving_cpu_s(server_pid: int) -> dict[str, float]:
+    """CPU seconds used so far by what serves a submit: gunicorn's master and workers,
+    every PostgreSQL process (its backends, those that have exited through the
+    postmaster, and the WAL writer the commits wait on), and Redis when it is the cache."""
+    groups = {
+        "gunicorn": [server_pid, *cpu.children(server_pid)],
+        "PostgreSQL": cpu.named("postgres"),
+    }
+    if os.environ.get("REDIS_URL"):
+        groups["Redis"] = [cpu.redis_pid(os.environ["REDIS_URL"])]
+    return {name: sum(cpu.process_cpu_s(pids)) for name, pids in groups.items()}
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children that have exited and been waited for (wrk)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _ms(text: str) -> float:

@@ -68,6 +68,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
+from bench import cpu
+
 ROOT = Path(__file__).resolve().parents[1]
 DATABASE = "controlplane_bench_heartbeats"
 AGENTS = int(os.environ.get("BENCH_AGENTS", "10000"))
@@ -147,11 +149,11 @@ def main() -> None:
                 if not ready or ready[0] != "ready":
                     raise SystemExit("the sweeper did not start")
                 warm_s = float(ready[1])
-                servers = [server.pid, *_children(server.pid), _redis_pid(redis_url)]
-                cpu_before, used_before = _cpu_times(), _process_cpu_s(servers)
+                servers = [server.pid, *cpu.children(server.pid), cpu.redis_pid(redis_url)]
+                cpu_before, used_before = cpu.machine_times(), cpu.process_cpu_s(servers)
                 load = _drive([token for _, token in agents])
-                machine_busy = _busy_share(cpu_before, _cpu_times())
-                used = [b - a for a, b in zip(used_before, _process_cpu_s(servers), strict=True)]
+                machine_busy = cpu.busy_share(cpu_before, cpu.machine_times())
+                used = [b - a for a, b in zip(used_before, cpu.process_cpu_s(servers), strict=True)]
                 sweeper.stdin.write("stop\n")
                 sweeper.stdin.close()
                 sweeps = json.loads(sweeper.stdout.read().strip().splitlines()[-1])
@@ -284,54 +286,6 @@ def _wait_for(url: str, timeout_s: float = 120, quick_s: float | None = None) ->
             pass
         time.sleep(0.5)
     raise SystemExit(f"the server did not answer at {url}")
-
-
-def _cpu_times() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return sum(fields) - idle, sum(fields)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _redis_pid(url: str) -> int:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        return int(client.info("server")["process_id"])
-    finally:
-        client.close()
-
-
-def _process_cpu_s(pids: list[int]) -> list[float]:
-    """CPU seconds (user + system) each process and its reaped children have used; 0 for
-    one that is not here (gunicorn's master counts the workers it has replaced)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    used = []
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            used.append(0.0)
-            continue
-        used.append(sum(int(x) for x in fields[11:15]) / tick)
-    return used
-
-
-def _busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
-    return (after[0] - before[0]) / max(1, after[1] - before[1])
 
 
 # --- the agents ----------------------------------------------------------------------------------
