@@ -16,12 +16,19 @@ from django.utils.safestring import SafeString, mark_safe
 PALETTE = ("#94a3b8", "#64748b", "#0ea5e9", "#2563eb", "#7c3aed", "#db2777")
 
 
+# Spans below these are drawn as flat: below the first, a step of 10^k would be past what
+# floats hold (10 ** -324 is 0.0); below the second (relative to the values), ticks would
+# differ by less than their 12 significant digits show.
+_FLAT = 1e-290
+_FLAT_RELATIVE = 1e-9
+
+
 def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
     """About `count` round values covering [low, high] (steps of 1, 2 or 5 × 10^k)."""
     if not (math.isfinite(low) and math.isfinite(high)):
         return []
-    if high <= low:
-        high = low + (abs(low) or 1.0)
+    if not high - low >= max(_FLAT, _FLAT_RELATIVE * max(abs(low), abs(high))):
+        high = low + (abs(low) if abs(low) >= _FLAT else 1.0)  # one value, in effect: widen
     raw = (high - low) / max(count - 1, 1)
     magnitude = 10 ** math.floor(math.log10(raw))
     step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
