@@ -131,12 +131,16 @@ def stacked_bar_chart(
     `series` maps a name to {column: value}; missing values are zero. Each segment has a
     <title> (name, column and value) for a reader hovering over it.
     """
-    totals = [sum(float(values.get(c, 0) or 0) for values in series.values()) for c in columns]
-    if not columns or not any(totals):
+    # Each bar's height: what is drawn, its values above zero (a day's value below zero, a
+    # correction larger than the spend, is left out rather than drawn downwards).
+    heights = [
+        sum(max(float(values.get(c, 0) or 0), 0.0) for values in series.values()) for c in columns
+    ]
+    if not columns or not any(heights):
         return format_html('<p class="empty chart-empty">{}: no data yet.</p>', title)
     left, right, top, bottom = 64, 12, 24, 44
     plot_w, plot_h = width - left - right, height - top - bottom
-    y_ticks = nice_ticks(0.0, max(totals))
+    y_ticks = nice_ticks(0.0, max(heights))
     y_high = y_ticks[-1] or 1.0
     slot = plot_w / len(columns)
     bar = max(slot * 0.72, 1.0)

@@ -6,7 +6,7 @@ import re
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from controlplane.charts import line_chart, nice_ticks
+from controlplane.charts import line_chart, nice_ticks, stacked_bar_chart
 
 finite = st.floats(min_value=-1e9, max_value=1e9, allow_nan=False, allow_infinity=False)
 
@@ -41,3 +41,24 @@ def test_a_chart_draws_one_line_per_series_and_escapes_text():
 
 def test_no_data_is_said_in_words():
     assert "no data yet" in str(line_chart({}, title="Loss"))
+
+
+money = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+@given(st.lists(st.lists(money, min_size=3, max_size=3), min_size=1, max_size=4))
+def test_stacked_bars_stay_inside_the_plot_with_corrections_below_zero(rows):
+    # A team's day can be negative (finance's correction); only what is above zero is drawn.
+    days = [1, 2, 3]
+    series = {f"team {i}": dict(zip(days, row, strict=True)) for i, row in enumerate(rows)}
+    svg = str(stacked_bar_chart(days, series, title="Spend"))
+    if "no data yet" in svg:
+        assert all(value <= 0 for row in rows for value in row)
+        return
+    top, bottom = 24, 240 - 44  # the plot's edges in the chart's default size
+    for y, height in re.findall(
+        r'class="segment" x="[^"]+" y="([^"]+)" width="[^"]+" '
+        r'height="([^"]+)"',
+        svg,
+    ):
+        assert top - 0.05 <= float(y) and float(y) + float(height) <= bottom + 0.55
