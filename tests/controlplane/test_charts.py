@@ -62,3 +62,19 @@ def test_stacked_bars_stay_inside_the_plot_with_corrections_below_zero(rows):
         svg,
     ):
         assert top - 0.05 <= float(y) and float(y) + float(height) <= bottom + 0.55
+
+
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 10**6), finite), min_size=1, max_size=6),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_every_point_of_a_line_chart_is_inside_its_plot(lines):
+    svg = str(line_chart({f"run {i}": line for i, line in enumerate(lines)}, title="Loss"))
+    left, top, right, bottom = 56, 24, 520 - 12, 200 - 28  # the default size's plot
+    for points in re.findall(r'points="([^"]+)"', svg):
+        for point in points.split():
+            x, y = map(float, point.split(","))
+            assert left - 0.05 <= x <= right + 0.05 and top - 0.05 <= y <= bottom + 0.05
