@@ -2,6 +2,7 @@
 
 import csv
 from collections.abc import Iterable, Iterator
+from decimal import Decimal
 
 from django.http import HttpResponse, StreamingHttpResponse
 
@@ -9,7 +10,10 @@ FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def spreadsheet_safe(value) -> str:
-    """A cell a spreadsheet will not run as a formula (CSV injection)."""
+    """A cell a spreadsheet will not run as a formula (CSV injection). Numbers are written
+    as they are, so a negative one stays a number a spreadsheet can add up."""
+    if isinstance(value, int | float | Decimal):
+        return str(value)
     text = "" if value is None else str(value)
     return "'" + text if text.startswith(FORMULA_STARTS) else text
 
