@@ -159,14 +159,44 @@ def cmd_teams(client, args):
 FINISHED = {"succeeded": 0, "failed": 3, "cancelled": 4}
 
 
+class SpecFileError(Exception):
+    """A job spec file that cannot be read or parsed (exit 2, nothing sent)."""
+
+
 def _load_spec(path: str) -> dict:
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise SpecFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise SpecFileError(f"cannot read {path}: it is not UTF-8 text") from None
     if path.endswith((".yaml", ".yml")):
         import yaml  # PyYAML comes with the project; JSON specs need nothing
 
-        return yaml.safe_load(text)
-    return json.loads(text)
+        try:
+            return yaml.load(text, Loader=_spec_loader())  # noqa: S506 (a SafeLoader)
+        except yaml.YAMLError as exc:
+            raise SpecFileError(f"{path} is not valid YAML: {exc}") from None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise SpecFileError(f"{path} is not valid JSON: {exc}") from None
+
+
+def _spec_loader():
+    """PyYAML's safe loader, but a date-like value (`name: 2026-12-01`) stays the string
+    it reads as: a spec has no dates, and JSON, which the API takes, has no date type."""
+    import yaml
+
+    class SpecLoader(yaml.SafeLoader):
+        pass
+
+    SpecLoader.yaml_implicit_resolvers = {
+        first: [(tag, pattern) for tag, pattern in resolvers if not tag.endswith(":timestamp")]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    return SpecLoader
 
 
 def _team_id(client: Client, team) -> int:
@@ -447,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as exc:
         print(f"cpctl: {exc}", file=sys.stderr)
         return 1
+    except SpecFileError as exc:
+        print(f"cpctl: {exc}", file=sys.stderr)
+        return 2
     except (urllib.error.URLError, OSError) as exc:
         print(f"cpctl: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 2

@@ -64,6 +64,42 @@ def test_no_server_is_exit_2():
     assert result.returncode == 2 and "cannot reach" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("name: [unclosed\n", "is not valid YAML"),
+        (None, "cannot read"),
+    ],
+)
+def test_a_spec_file_that_cannot_be_read_is_exit_2_with_its_problem(text, problem, tmp_path):
+    spec = tmp_path / "job.yaml"
+    if text is not None:
+        spec.write_text(text)
+    env = {**os.environ, "CPCTL_URL": "http://127.0.0.1:9", "CPCTL_TOKEN": "x"}
+    result = subprocess.run(
+        [sys.executable, "-m", "controlplane.cli", "submit", str(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert problem in result.stderr and "Traceback" not in result.stderr
+    assert "cannot reach" not in result.stderr  # nothing was sent
+
+
+def test_a_date_like_yaml_value_stays_a_string(tmp_path):
+    from controlplane.cli import _load_spec
+
+    spec = tmp_path / "job.yml"
+    spec.write_text("name: 2026-12-01\nteam: ml\nplacement: {spot: yes}\n")
+    assert _load_spec(str(spec)) == {
+        "name": "2026-12-01",
+        "team": "ml",
+        "placement": {"spot": True},
+    }
+
+
 def test_submit_status_queue_and_wait_until_cancelled(live_server, team, researcher, tmp_path):
     from apps.accounts import services as accounts
     from apps.jobs import services as jobs
