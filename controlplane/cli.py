@@ -480,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecFileError as exc:
         print(f"cpctl: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C during --wait or --follow: the job goes on
+        print("cpctl: interrupted (the job is not cancelled)", file=sys.stderr)
+        return 130
     except (urllib.error.URLError, OSError) as exc:
         print(f"cpctl: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 2

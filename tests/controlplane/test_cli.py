@@ -88,6 +88,36 @@ def test_a_spec_file_that_cannot_be_read_is_exit_2_with_its_problem(text, proble
     assert "cannot reach" not in result.stderr  # nothing was sent
 
 
+def test_ctrl_c_is_exit_130_without_a_traceback():
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as silent:  # a server that accepts and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        env = {
+            **os.environ,
+            "CPCTL_URL": f"http://127.0.0.1:{silent.getsockname()[1]}",
+            "CPCTL_TOKEN": "x",
+        }
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "controlplane.cli", "whoami"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        silent.settimeout(30)
+        connection, _ = silent.accept()  # the request is waiting for its answer
+        time.sleep(0.2)
+        waiting.send_signal(signal.SIGINT)
+        _, err = waiting.communicate(timeout=30)
+        connection.close()
+    assert waiting.returncode == 130
+    assert "interrupted" in err and "Traceback" not in err
+
+
 def test_a_date_like_yaml_value_stays_a_string(tmp_path):
     from controlplane.cli import _load_spec
 
