@@ -2,19 +2,23 @@
 
 Each call is `POST url` with the job's outcome as JSON and the header
 `X-Controlplane-Signature: sha256=<hex HMAC-SHA256 of the body>` under the
-webhook's signing key, which the receiver checks. Calls to loopback, private and
-link-local addresses are refused unless WEBHOOK_ALLOW_PRIVATE is on (the control
-plane must not be a way into its own network).
+webhook's signing key, which the receiver checks. Calls to any address that is not
+global (loopback, private, link-local such as a cloud's metadata service, shared,
+reserved) are refused unless WEBHOOK_ALLOW_PRIVATE is on: the control plane must not
+be a way into its own network. So that a check cannot be got round, the call connects
+to the very address that was checked (a name that resolves elsewhere a second time,
+DNS rebinding, does not move it) and follows no redirect (a 3xx is the call's answer,
+a failed one).
 """
 
 import datetime as dt
+import functools
 import hashlib
 import hmac
+import http.client
 import ipaddress
 import json
 import socket
-import urllib.error
-import urllib.request
 from urllib.parse import urlparse
 
 from django.conf import settings
@@ -37,34 +41,63 @@ class RefusedAddress(ValueError):
     pass
 
 
-def check_destination(url: str) -> None:
+def check_destination(url: str) -> str | None:
+    """Refuse a URL that is not http(s) or whose host is not a global address. Returns the
+    address a call must connect to (the first the name resolved to, all of them checked),
+    or None where private addresses are allowed (the name is then resolved as usual)."""
     parsed = urlparse(url)
     if parsed.scheme not in ("https", "http"):
         raise RefusedAddress("Webhooks are http(s) URLs.")
     if parsed.scheme == "http" and not settings.WEBHOOK_ALLOW_HTTP:
         raise RefusedAddress("Webhooks must use https.")
+    if not parsed.hostname:
+        raise RefusedAddress("The URL names no host.")
     if settings.WEBHOOK_ALLOW_PRIVATE:
-        return
+        return None
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(parsed.hostname, None)}
-    except (socket.gaierror, UnicodeError):
+        infos = socket.getaddrinfo(parsed.hostname, parsed.port or None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, ValueError):
         raise RefusedAddress(f"Cannot resolve {parsed.hostname}.") from None
+    addresses = list(dict.fromkeys(info[4][0] for info in infos))
     for address in addresses:
         ip = ipaddress.ip_address(address.split("%")[0])
-        if ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_reserved:
+        if not ip.is_global:
             raise RefusedAddress(f"{parsed.hostname} resolves to a private address ({ip}).")
+    if not addresses:
+        raise RefusedAddress(f"Cannot resolve {parsed.hostname}.")
+    return addresses[0]
 
 
 def send(url: str, key: bytes, payload: dict, *, timeout_s: float = 10.0) -> int:
     """POST the payload; returns the HTTP status, raises OSError on no answer."""
-    check_destination(url)
+    pinned = check_destination(url)
+    parsed = urlparse(url)
     body = json.dumps(payload, sort_keys=True, default=str).encode()
-    request = urllib.request.Request(url, data=body, method="POST")  # noqa: S310 (checked)
-    request.add_header("Content-Type", "application/json")
-    request.add_header("User-Agent", "gpu-controlplane-webhook/1")
-    request.add_header("X-Controlplane-Signature", signature(key, body))
+    kind = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+    # The host name stays the one in the URL: the Host header, TLS's server name and the
+    # certificate's check all use it; only the TCP connection goes to the pinned address.
+    connection = kind(parsed.hostname, parsed.port, timeout=timeout_s)
+    if pinned is not None:
+        connection._create_connection = functools.partial(_connect_to, pinned)
+    target = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+        connection.request(
+            "POST",
+            target,
+            body=body,
+            headers={
+                "Content-Type": "application/json",
+                "User-Agent": "gpu-controlplane-webhook/1",
+                "X-Controlplane-Signature": signature(key, body),
+            },
+        )
+        return connection.getresponse().status
+    except http.client.HTTPException as exc:  # an answer that is not HTTP
+        raise OSError(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        connection.close()
+
+
+def _connect_to(address: str, target: tuple, *args, **kwargs) -> socket.socket:
+    """socket.create_connection to `address` rather than to the name in `target`."""
+    return socket.create_connection((address, target[1]), *args, **kwargs)

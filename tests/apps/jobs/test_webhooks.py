@@ -3,6 +3,7 @@
 import hashlib
 import hmac
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -26,8 +27,12 @@ def receiver(settings):
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             body = self.rfile.read(int(self.headers["Content-Length"]))
-            calls.append((dict(self.headers), body))
-            self.send_response(answers.pop(0) if answers else 204)
+            calls.append((dict(self.headers), body, self.path))
+            answer = answers.pop(0) if answers else 204
+            status, headers = answer if isinstance(answer, tuple) else (answer, {})
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
             self.end_headers()
 
         def log_message(self, *args):
@@ -52,7 +57,7 @@ def test_a_cancelled_job_calls_the_team_webhook_signed(
     job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
     services.job_cancel(job=job, by=researcher, reason="not needed")
     assert services.webhook_deliveries_send() == {"delivered": 1, "retrying": 0, "failed": 0}
-    headers, body = receiver["calls"][0]
+    headers, body, _ = receiver["calls"][0]
     expected = "sha256=" + hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
     assert headers["X-Controlplane-Signature"] == expected
     payload = json.loads(body)
@@ -102,6 +107,61 @@ def test_private_addresses_are_refused_by_default(team, team_admin, api_for, set
     )
     assert response.status_code == 400
     assert "private address" in str(response.json()["error"]["details"]["url"])
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://169.254.169.254/latest/meta-data/",  # a cloud's metadata service
+        "https://100.64.0.1/hook",  # shared address space (carrier-grade NAT)
+        "https://0.0.0.0/hook",
+        "https://[::ffff:127.0.0.1]/hook",  # loopback, written as IPv6
+        "https://[fd00::1]/hook",
+    ],
+)
+def test_every_address_that_is_not_global_is_refused(url, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    with pytest.raises(webhooks.RefusedAddress, match="private address"):
+        webhooks.check_destination(url)
+
+
+def test_a_redirect_is_the_answer_and_is_not_followed(
+    fleet_pool, quota, team, team_admin, researcher, receiver
+):
+    services.webhook_create(team=team, url=receiver["url"], by=team_admin)
+    elsewhere = receiver["url"].replace("/hook", "/elsewhere")
+    receiver["answers"].append((302, {"Location": elsewhere}))
+    job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
+    services.job_cancel(job=job, by=researcher)
+    assert services.webhook_deliveries_send()["retrying"] == 1
+    assert [path for _, _, path in receiver["calls"]] == ["/hook"]
+    assert WebhookDelivery.objects.get().last_status == 302
+
+
+def test_the_call_connects_to_the_address_that_was_checked(settings, monkeypatch):
+    # DNS rebinding (a name that resolves to a public address for the check, then to a
+    # private one for the call) needs a DNS server this test cannot run: the resolver is
+    # stood in for, answering a public address first and loopback after.
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    public = ("8.8.4.4", 443)
+    answers = [public, ("127.0.0.1", 443)]
+    resolved, connected = [], []
+
+    def resolver(host, port, *args, **kwargs):
+        resolved.append(host)
+        address = answers[min(len(resolved), len(answers)) - 1]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", address)]
+
+    def refuse(address, *args, **kwargs):
+        connected.append(address)
+        raise ConnectionRefusedError("test: nothing is called")
+
+    monkeypatch.setattr(webhooks.socket, "getaddrinfo", resolver)
+    monkeypatch.setattr(webhooks.socket, "create_connection", refuse)
+    with pytest.raises(OSError):
+        webhooks.send("https://rebind.example/hook", b"key", {"job": 1})
+    assert resolved == ["rebind.example"]  # resolved once, for the check
+    assert connected == [public]
 
 
 def test_the_retry_schedule_gives_up():
