@@ -51,6 +51,7 @@ from apps.costs.models import (
 from apps.costs.money import NANOS, ZERO, from_nanos, money_text, to_nanos
 from apps.fleet.models import InstanceType, Node, PoolKind
 from apps.fleet.models.nodes import CapacityType
+from controlplane import webhooks
 from controlplane.bulk import insert_rows, update_rows
 from controlplane.errors import ApplicationError
 
@@ -715,12 +716,17 @@ def rollups_rebuild(*, since: dt.date | None = None) -> int:
 
 
 def _check_webhook_url(url: str) -> None:
+    """The rules job webhooks follow: https, and an address outside our own network."""
     parsed = urlparse(url)
     allowed = ("https", "http") if settings.WEBHOOK_ALLOW_HTTP else ("https",)
     if parsed.scheme not in allowed or not parsed.hostname:
         raise ApplicationError(
             "Budget webhooks are https URLs.", details={"webhook_url": ["Use an https:// URL."]}
         )
+    try:
+        webhooks.check_destination(url)
+    except webhooks.RefusedAddress as exc:
+        raise ApplicationError(str(exc), details={"webhook_url": [str(exc)]}) from None
 
 
 def _check_emails(text: str) -> str:

@@ -22,7 +22,7 @@ from apps.costs import selectors as costs
 from apps.costs.money import money_text
 from apps.fleet import services as fleet
 from apps.fleet.selectors import pools_capacity
-from apps.jobs import specs, webhooks
+from apps.jobs import specs
 from apps.jobs.models import (
     Allocation,
     Job,
@@ -36,6 +36,7 @@ from apps.jobs.models import (
 )
 from apps.jobs.models.jobs import FINISHED_STATES, HOLDING_STATES, NOT_STARTED_STATES
 from apps.tuning import services as tuning
+from controlplane import webhooks
 from controlplane.bulk import insert_with
 from controlplane.errors import ApplicationError
 

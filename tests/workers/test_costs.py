@@ -169,7 +169,7 @@ def test_budget_alert_webhooks_are_signed_like_job_webhooks(team, receiver):  # 
     delivered = deliver_budget_webhooks.apply().get()
 
     assert first == {"pending": 1} and later == {} and delivered == {"delivered": 1}
-    headers, body = receiver["calls"][-1]
+    headers, body, _ = receiver["calls"][-1]
     expected = "sha256=" + hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
     assert headers["X-Controlplane-Signature"] == expected
     payload = json.loads(body)

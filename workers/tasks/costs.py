@@ -117,9 +117,9 @@ def spot_prices() -> dict:
 
 @shared_task(name="costs.deliver_budget_webhooks", acks_late=True, reject_on_worker_lost=True)
 def deliver_budget_webhooks() -> dict:
-    """POST each due budget alert, signed as job webhooks are (apps/jobs/webhooks.py)."""
+    """POST each due budget alert, signed as job webhooks are (controlplane/webhooks.py)."""
     from apps.costs.services import budget_webhook_result, budget_webhooks_claim
-    from apps.jobs import webhooks
+    from controlplane import webhooks
 
     counts: dict[str, int] = {}
     for call in budget_webhooks_claim():

@@ -171,6 +171,7 @@ def test_who_sets_budgets(role, own, other, user_for_role, api_for, team, other_
 
 def test_a_budget_webhook_key_is_shown_once_and_never_logged(team_admin, team, api_for, settings):
     settings.WEBHOOK_ALLOW_HTTP = False
+    settings.WEBHOOK_ALLOW_PRIVATE = True  # hooks.example does not resolve here (no DNS)
     client = api_for(team_admin)
     body = {"team": team.pk, "monthly_limit": "100", "webhook_url": "https://hooks.example/b"}
 
@@ -190,6 +191,15 @@ def test_a_budget_webhook_key_is_shown_once_and_never_logged(team_admin, team, a
     assert plain.status_code == 400 and "webhook_url" in plain.json()["error"]["details"]
     for event in AuditEvent.objects.filter(action="budget.set"):
         assert "webhook_signing_key" not in (event.after or {})
+
+
+def test_a_budget_webhook_into_our_own_network_is_refused(team_admin, team, api_for, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    body = {"team": team.pk, "monthly_limit": "100", "webhook_url": "https://10.0.0.5/alerts"}
+    made = api_for(team_admin).post("/api/v1/budgets/", body, format="json")
+    assert made.status_code == 400
+    assert "private address" in str(made.json()["error"]["details"]["webhook_url"])
+    assert not Budget.objects.filter(team=team).exists()
 
 
 def test_budgets_and_alerts_of_other_teams_are_not_found(

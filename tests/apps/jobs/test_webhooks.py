@@ -9,8 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from apps.jobs import services, webhooks
+from apps.jobs import services
 from apps.jobs.models import WebhookDelivery
+from controlplane import webhooks
 from tests.apps.jobs.conftest import command_spec
 
 pytestmark = pytest.mark.django_db
