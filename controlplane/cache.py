@@ -6,7 +6,13 @@ A client is safe to share between threads: it takes a connection from its pool
 for each command.
 """
 
+import logging
+
+from django.core.cache import cache
+from django.core.cache.backends.base import DEFAULT_TIMEOUT
 from django.core.cache.backends.redis import RedisCache, RedisCacheClient
+
+log = logging.getLogger(__name__)
 
 
 class SharedClientRedisCacheClient(RedisCacheClient):
@@ -23,3 +29,39 @@ class SharedClientRedisCache(RedisCache):
     def __init__(self, server, params):
         super().__init__(server, params)
         self._class = SharedClientRedisCacheClient
+
+
+class BestEffort:
+    """Django's cache where it only saves work or publishes a hint: a cache that cannot be
+    reached reads as empty and takes nothing (with a warning), so a Redis outage slows
+    submissions and pages but breaks none. `add` answers False then, which callers that
+    use it to coalesce or to claim read as "someone else has it"."""
+
+    def get(self, key: str, default=None):
+        try:
+            return cache.get(key, default)
+        except Exception:
+            log.warning("cache unreachable: %s read as missing", key, exc_info=True)
+            return default
+
+    def set(self, key: str, value, timeout=DEFAULT_TIMEOUT) -> None:
+        try:
+            cache.set(key, value, timeout)
+        except Exception:
+            log.warning("cache unreachable: %s not stored", key, exc_info=True)
+
+    def add(self, key: str, value, timeout=DEFAULT_TIMEOUT) -> bool:
+        try:
+            return cache.add(key, value, timeout)
+        except Exception:
+            log.warning("cache unreachable: %s not added", key, exc_info=True)
+            return False
+
+    def delete(self, key: str) -> None:
+        try:
+            cache.delete(key)
+        except Exception:
+            log.warning("cache unreachable: %s not deleted", key, exc_info=True)
+
+
+best_effort = BestEffort()

@@ -53,13 +53,18 @@ def read_ahead(keys):
 
 def cache_get(key: str):
     """cache.get(key), answered by an enclosing read_ahead if it read this key (once: a
-    second get of the key asks the cache, which may have been written since)."""
+    second get of the key asks the cache, which may have been written since). A cache that
+    cannot be reached reads as missing."""
     ahead = _ahead.get()
     if ahead is not None:
         value = ahead.pop(key, _MISSING)
         if value is not _MISSING:
             return value
-    return cache.get(key)
+    try:
+        return cache.get(key)
+    except Exception:
+        log.warning("cache unreachable: %s read as missing", key, exc_info=True)
+        return None
 
 
 class ExactCache:

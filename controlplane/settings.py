@@ -126,6 +126,9 @@ if REDIS_URL:
             "BACKEND": "controlplane.cache.SharedClientRedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": env_str("CACHE_KEY_PREFIX", "cp"),
+            # A Redis that stops answering (rather than refusing) costs a request at most
+            # these seconds; the cache's users then read the database (controlplane/cache.py).
+            "OPTIONS": {"socket_connect_timeout": 1.0, "socket_timeout": 2.0},
         }
     }
 else:

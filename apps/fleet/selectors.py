@@ -3,7 +3,6 @@
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.core.cache import cache
 from django.db.models import Count, Prefetch, Q, QuerySet
 
 from apps.fleet.models import (
@@ -16,6 +15,7 @@ from apps.fleet.models import (
     Rack,
     Site,
 )
+from controlplane.cache import best_effort
 from controlplane.exactcache import cache_get
 
 
@@ -182,5 +182,5 @@ def pools_capacity(*, cached: bool = False) -> list[PoolCapacity]:
             )
         )
     if cached:
-        cache.set(CAPACITY_CACHE_KEY, out, settings.CAPACITY_CACHE_S)
+        best_effort.set(CAPACITY_CACHE_KEY, out, settings.CAPACITY_CACHE_S)
     return out

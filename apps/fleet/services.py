@@ -4,7 +4,6 @@ import datetime as dt
 import logging
 
 from django.conf import settings
-from django.core.cache import cache
 from django.db import transaction
 from django.utils import timezone
 
@@ -32,6 +31,7 @@ from apps.fleet.models import (
 from apps.fleet.models.nodes import GONE_STATES, CapacityType, Provider
 from apps.fleet.selectors import CAPACITY_CACHE_KEY
 from controlplane.bulk import InArray, update_logged
+from controlplane.cache import best_effort
 from controlplane.errors import ApplicationError
 
 S = NodeState
@@ -144,7 +144,7 @@ def provision_soon(node_id: int) -> None:
 
 def capacity_changed() -> None:
     """Pools or nodes came or went: forget submission's cached capacity once this commits."""
-    transaction.on_commit(lambda: cache.delete(CAPACITY_CACHE_KEY))
+    transaction.on_commit(lambda: best_effort.delete(CAPACITY_CACHE_KEY))
 
 
 @transaction.atomic

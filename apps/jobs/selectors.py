@@ -2,7 +2,6 @@
 
 from dataclasses import dataclass
 
-from django.core.cache import cache
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, F, Q, QuerySet, Sum
 
@@ -31,6 +30,7 @@ from apps.jobs.models.jobs import (
     waiting_reason,
 )
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
+from controlplane.cache import best_effort
 
 
 def jobs_visible_to(*, user) -> QuerySet[Job]:
@@ -72,7 +72,7 @@ def _active(*, state: str = "", team: str = "") -> QuerySet[Job]:
 
 def _queue_order() -> dict[int, int]:
     """Job id -> its place among the pending jobs, as the last scheduling pass ordered them."""
-    return {job_id: i + 1 for i, job_id in enumerate(cache.get(QUEUE_ORDER_KEY) or [])}
+    return {job_id: i + 1 for i, job_id in enumerate(best_effort.get(QUEUE_ORDER_KEY) or [])}
 
 
 def _queue_rows(jobs: QuerySet[Job], *, user, position: dict[int, int]) -> dict[int, dict]:

@@ -9,7 +9,6 @@ import time
 from decimal import Decimal
 
 from django.conf import settings
-from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -38,6 +37,7 @@ from apps.jobs.models.jobs import FINISHED_STATES, HOLDING_STATES, NOT_STARTED_S
 from apps.tuning import services as tuning
 from controlplane import webhooks
 from controlplane.bulk import insert_with
+from controlplane.cache import best_effort
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def schedule_soon() -> None:
         if now - _asked_at[0] < settings.SCHEDULE_COALESCE_S / 2:
             return
         _asked_at[0] = now
-        if cache.add("jobs:schedule:queued", 1, timeout=settings.SCHEDULE_COALESCE_S):
+        if best_effort.add("jobs:schedule:queued", 1, timeout=settings.SCHEDULE_COALESCE_S):
             from controlplane.celery import app
 
             try:

@@ -3,13 +3,13 @@
 import uuid
 
 from django.conf import settings
-from django.core.cache import cache
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
 
 from apps.accounts.models import GPU_TYPES
 from apps.jobs.scheduler.snapshot import BEYOND_DEPTH
+from controlplane.cache import best_effort
 
 ANY_GPU = "ANY"
 JOB_GPU_TYPES = [*GPU_TYPES, (ANY_GPU, "Any")]
@@ -248,7 +248,7 @@ QUEUE_ORDER_KEY = "jobs:queue-order"  # the pending jobs' ids in queue order
 
 def last_pass_read_at() -> float | None:
     """When the last committed scheduling pass read the queue (epoch seconds), if known."""
-    return cache.get(LAST_PASS_KEY)
+    return best_effort.get(LAST_PASS_KEY)
 
 
 def waiting_reason(stored: str | None, state_changed_at, last_pass_at: float | None) -> str:

@@ -5,7 +5,6 @@ import gc
 import time
 from dataclasses import dataclass
 
-from django.core.cache import cache
 from django.db import transaction
 from django.utils import timezone
 
@@ -14,6 +13,7 @@ from apps.jobs.scheduler.apply import PlacementWriter, decisions_apply
 from apps.jobs.scheduler.plan import plan
 from apps.jobs.scheduler.read import read_snapshot
 from apps.jobs.scheduler.snapshot import Decisions
+from controlplane.cache import best_effort
 
 
 @dataclass
@@ -50,7 +50,7 @@ def scheduling_pass() -> PassReport:
         # first collection then walks what the pass keeps, not everything it made.
         report, queue = _read_plan_apply()
     # Queue positions for the API and pages, without writing 50,000 rows a pass.
-    cache.set(QUEUE_ORDER_KEY, queue, timeout=3600)
+    best_effort.set(QUEUE_ORDER_KEY, queue, timeout=3600)
     return report
 
 

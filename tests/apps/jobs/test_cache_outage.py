@@ -1,0 +1,60 @@
+"""Redis, as the cache, gone: submissions, the Queue and job pages still answer from
+PostgreSQL (slower, with warnings), and nothing is written twice or lost."""
+
+import json
+import socket
+
+import pytest
+
+from apps.accounts import services as accounts
+from apps.jobs.api.submit import submit_fast_path
+from apps.jobs.models import Job
+from tests.apps.jobs.conftest import command_spec
+from tests.shortroads import call, django_and_road
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def redis_gone(settings):
+    """Django's cache pointed at a Redis that is not there: a port nothing listens on, so
+    every command is refused, as when Redis has died."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "controlplane.cache.SharedClientRedisCache",
+            "LOCATION": f"redis://127.0.0.1:{port}/0",
+        }
+    }
+    from django.core.cache import cache
+
+    with pytest.raises(Exception, match=r"(?i)connect"):
+        cache.get("anything")  # the cache really is gone
+
+
+def test_submissions_and_pages_answer_while_the_cache_is_gone(
+    fleet_pool, quota, team, researcher, redis_gone, api_for, client
+):
+    token = accounts.api_token_create(user=researcher, name="ci", scopes=["submit"], by=None)[1]
+    with django_and_road(submit_fast_path) as (django_app, road):
+        answers = [
+            call(app, token=token, path="/api/v1/jobs/", body=json.dumps(spec).encode())
+            for app, spec in (
+                (road, command_spec(team, name="by-the-short-road")),
+                (django_app, command_spec(team, name="through-django")),
+            )
+        ]
+    assert [status for status, _, _ in answers] == [201, 201], answers
+    assert sorted(Job.objects.values_list("name", flat=True)) == [
+        "by-the-short-road",
+        "through-django",
+    ]
+    job = Job.objects.get(name="through-django")
+    detail = api_for(researcher).get(f"/api/v1/jobs/{job.pk}/")
+    assert detail.status_code == 200 and detail.json()["pending_reason"]
+    assert api_for(researcher).get("/api/v1/queue/").status_code == 200
+    client.force_login(researcher)
+    queue = client.get("/jobs/")
+    assert queue.status_code == 200 and "through-django" in queue.content.decode()
