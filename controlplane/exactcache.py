@@ -23,6 +23,8 @@ import uuid
 from django.core.cache import cache
 from django.db import transaction
 
+from controlplane.cache import best_effort
+
 log = logging.getLogger(__name__)
 
 RECHECK = "recheck"
@@ -60,11 +62,7 @@ def cache_get(key: str):
         value = ahead.pop(key, _MISSING)
         if value is not _MISSING:
             return value
-    try:
-        return cache.get(key)
-    except Exception:
-        log.warning("cache unreachable: %s read as missing", key, exc_info=True)
-        return None
+    return best_effort.get(key)
 
 
 class ExactCache:

@@ -111,10 +111,11 @@ class CountingCache:
 
 @pytest.fixture
 def counted(monkeypatch):
-    from controlplane import exactcache
+    from controlplane import cache, exactcache
 
     counting = CountingCache(exactcache.cache)
     monkeypatch.setattr(exactcache, "cache", counting)
+    monkeypatch.setattr(cache, "cache", counting)  # cache_get reads through best_effort
     return counting
 
 
