@@ -226,8 +226,9 @@ def insert_with(
     On PostgreSQL `first` takes its id from its table's sequence, then all rows go in
     one statement (each INSERT but the last in a WITH): two round trips, and outside a
     transaction the statement commits by itself, so no BEGIN and COMMIT either. Ids
-    the database fills for the other rows are not read back. Elsewhere the rows are
-    saved one by one in a transaction.
+    the database fills for the other rows are not read back. Both statements are
+    prepared on the server once a connection has sent them often enough
+    (_statement_cursor). Elsewhere the rows are saved one by one in a transaction.
     """
     if connection.vendor != "postgresql":
         with transaction.atomic():
@@ -238,7 +239,7 @@ def insert_with(
         return [first, *others]
     db = connections[DEFAULT_DB_ALIAS]  # the wrapper itself: each use of the proxy costs a look-up
     meta = first._meta
-    with db.cursor() as cursor:
+    with _statement_cursor(db) as cursor:
         cursor.execute(
             "SELECT nextval(pg_get_serial_sequence(%s, %s))", [meta.db_table, meta.pk.column]
         )
@@ -253,7 +254,7 @@ def insert_with(
     # key) must leave the caller's transaction usable.
     unit = transaction.atomic() if db.in_atomic_block else contextlib.nullcontext()
     try:
-        with unit, db.cursor() as cursor:
+        with unit, _statement_cursor(db) as cursor:
             cursor.execute(sql, params)
     except Exception:
         first.pk = None  # nothing was inserted: the reserved id stays unused
@@ -262,6 +263,24 @@ def insert_with(
         obj._state.adding = False
         obj._state.db = db.alias
     return objects
+
+
+def _statement_cursor(db):
+    """A cursor for a statement sent on every submission: psycopg binds its parameters on
+    the server and, after the connection's `prepare_threshold` uses (controlplane/env.py),
+    prepares it, so PostgreSQL parses and plans it once per connection (about a quarter of
+    its CPU for a submission's insert; bench/RESULTS.md). Django's own cursors bind on the
+    client and never prepare; with no threshold, this is one of those."""
+    if db.settings_dict["OPTIONS"].get("prepare_threshold") is None:
+        return db.cursor()
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    # What db.cursor() does, with the server-binding class in place of the client one:
+    # the health check, the connection, Django's error classes and execute wrappers.
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    with db.wrap_database_errors:
+        return db._prepare_cursor(ServerBindingCursor(db.connection))
 
 
 def _insert_sql(obj: models.Model, db) -> tuple[str, list]:

@@ -381,3 +381,46 @@ def test_insert_with_commits_by_itself_outside_a_transaction(team):
         ) as other:
             count = other.execute("SELECT count(*) FROM jobs_job WHERE id = %s", [job.pk])
             assert count.fetchone()[0] == 1
+
+
+def _prepared_inserts() -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return [row[0] for row in cursor.fetchall() if row[0].startswith("WITH w0 AS (INSERT")]
+
+
+def test_insert_with_is_prepared_on_the_server_after_the_connections_threshold(team):
+    if connection.vendor != "postgresql":
+        pytest.skip("prepared statements are PostgreSQL's")
+    connection.ensure_connection()
+    threshold = connection.settings_dict["OPTIONS"].get("prepare_threshold")
+    if threshold is None or connection.connection.prepare_threshold is None:
+        pytest.skip("DATABASE_URL turns prepared statements off (prepare_threshold=none)")
+    before = len(_prepared_inserts())
+    for n in range(threshold + 1):
+        _inserted_as_one_unit_named(team, f"prepared-{n}")
+    assert len(_prepared_inserts()) == before + 1  # one statement, prepared once
+    assert Job.objects.filter(name__startswith="prepared-").count() == threshold + 1
+
+
+def test_without_a_threshold_insert_with_binds_on_the_client_and_prepares_nothing(
+    team, monkeypatch
+):
+    if connection.vendor != "postgresql":
+        pytest.skip("prepared statements are PostgreSQL's")
+    monkeypatch.setitem(connection.settings_dict["OPTIONS"], "prepare_threshold", None)
+    before = _prepared_inserts()
+    for n in range(5):
+        _inserted_as_one_unit_named(team, f"client-{n}")
+    assert _prepared_inserts() == before
+    assert Job.objects.filter(name__startswith="client-").count() == 5
+
+
+def _inserted_as_one_unit_named(team, name):
+    from apps.accounts.models import AuditEvent
+
+    job = _unsaved_job(team, name=name)
+    insert_with(job, _job_records)
+    assert JobEvent.objects.filter(job=job).count() == 1
+    audit = AuditEvent.objects.get(action="job.submit", object_id=str(job.pk))
+    assert audit.after["name"] == name
