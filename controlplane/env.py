@@ -84,15 +84,11 @@ def _prepare_threshold(raw: str | None) -> int | None:
         return DEFAULT_PREPARE_THRESHOLD
     if raw.strip().lower() in ("none", "off"):
         return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
+    if not raw.strip().isdecimal():
         raise ImproperlyConfigured(
             f"DATABASE_URL's prepare_threshold must be a whole number or none, got {raw!r}"
         )
-    return value
+    return int(raw)
 
 
 def sqlite_database(path: Path) -> dict:

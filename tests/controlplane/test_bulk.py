@@ -185,21 +185,21 @@ def _unsaved_job(team, name="together", key=""):
     )
 
 
-def _inserted_as_one_unit(team):
+def _inserted_as_one_unit(team, name="together"):
     from apps.accounts.models import AuditEvent
     from apps.jobs.models import JobEvent
 
-    job = _unsaved_job(team)
+    job = _unsaved_job(team, name=name)
     objects = insert_with(job, _job_records)
     assert objects[0] is job and job.pk is not None and not job._state.adding
     stored = Job.objects.get(pk=job.pk)
-    assert stored.name == "together" and stored.spec == {"argv": ["true"]}
+    assert stored.name == name and stored.spec == {"argv": ["true"]}
     assert stored.submitted_at is not None  # auto_now_add, as save() would set it
     assert stored.pool_id is None and stored.admitted_at is None  # NULLs stay NULL
     event = JobEvent.objects.get(job=job)
     assert (event.to_state, event.reason) == ("pending", "submitted") and event.at is not None
     audit = AuditEvent.objects.get(action="job.submit", object_id=str(job.pk))
-    assert audit.object_repr == f"together (#{job.pk})"
+    assert audit.object_repr == f"{name} (#{job.pk})"
     # The audit row's snapshot was taken with the job's id and insert-time values.
     assert audit.after["id"] == job.pk and audit.after["submitted_at"] is not None
     return job
@@ -398,7 +398,7 @@ def test_insert_with_is_prepared_on_the_server_after_the_connections_threshold(t
         pytest.skip("DATABASE_URL turns prepared statements off (prepare_threshold=none)")
     before = len(_prepared_inserts())
     for n in range(threshold + 1):
-        _inserted_as_one_unit_named(team, f"prepared-{n}")
+        _inserted_as_one_unit(team, f"prepared-{n}")
     assert len(_prepared_inserts()) == before + 1  # one statement, prepared once
     assert Job.objects.filter(name__startswith="prepared-").count() == threshold + 1
 
@@ -411,16 +411,6 @@ def test_without_a_threshold_insert_with_binds_on_the_client_and_prepares_nothin
     monkeypatch.setitem(connection.settings_dict["OPTIONS"], "prepare_threshold", None)
     before = _prepared_inserts()
     for n in range(5):
-        _inserted_as_one_unit_named(team, f"client-{n}")
+        _inserted_as_one_unit(team, f"client-{n}")
     assert _prepared_inserts() == before
     assert Job.objects.filter(name__startswith="client-").count() == 5
-
-
-def _inserted_as_one_unit_named(team, name):
-    from apps.accounts.models import AuditEvent
-
-    job = _unsaved_job(team, name=name)
-    insert_with(job, _job_records)
-    assert JobEvent.objects.filter(job=job).count() == 1
-    audit = AuditEvent.objects.get(action="job.submit", object_id=str(job.pk))
-    assert audit.after["name"] == name
