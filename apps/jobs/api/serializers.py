@@ -4,6 +4,7 @@ The submit serializers check types and ranges only; the rules that tie the
 fields together (layout against GPUs, tp against heads...) live in apps/jobs/specs.py.
 """
 
+import functools
 import re
 
 from drf_spectacular.utils import extend_schema_field
@@ -23,6 +24,7 @@ from controlplane.api import (
     StrictSerializer,
     Text,
 )
+from controlplane.plainchecks import NotPlain, compile_check
 from workers.trainer.presets import PRESETS
 
 # The trainer's own choices (workers/trainer/config.py; apps import only its presets, so a
@@ -203,6 +205,23 @@ class JobSubmitSerializer(SpecSerializer):
     resources = ResourcesSerializer()
     placement = PlacementSerializer(required=False)
     nccl = NcclSerializer(required=False)
+
+
+def submit_body(data) -> dict:
+    """A submission's validated body: checked by the compiled check when plainly valid
+    (most are; controlplane/plainchecks.py), by the serializer otherwise, which raises
+    the 400's ValidationError."""
+    try:
+        return _plain_submit_check()(data)
+    except NotPlain:
+        body = JobSubmitSerializer(data=data)
+        body.is_valid(raise_exception=True)
+        return dict(body.validated_data)
+
+
+@functools.cache
+def _plain_submit_check():
+    return compile_check(JobSubmitSerializer)
 
 
 class JobEventSerializer(StrictModelSerializer):

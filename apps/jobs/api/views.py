@@ -124,8 +124,7 @@ def submit_request(*, user, data, idempotency_key: str):
     (job, created). Raises ValidationError or ApplicationError, before anything is
     written, for a request refused. Both roads call it: the view above and the short
     one (apps/jobs/api/submit.py)."""
-    body = s.JobSubmitSerializer(data=data)
-    body.is_valid(raise_exception=True)
+    spec = s.submit_body(data)
     key = idempotency_key.strip()
     if len(key) > 200 or (key and not key.isprintable()):
         raise ApplicationError(
@@ -133,7 +132,6 @@ def submit_request(*, user, data, idempotency_key: str):
             details={"Idempotency-Key": ["At most 200 printable characters."]},
         )
     reject_unstorable_text(key)
-    spec = dict(body.validated_data)
     team = _team_visible(user, spec.pop("team"))
     return services.job_submit(
         team=team, spec=_jsonable(spec), submitted_by=user, idempotency_key=key

@@ -1,0 +1,209 @@
+"""A DRF serializer's validation compiled, once per process, into plain Python for bodies
+that are plainly valid: the same validated data for a fraction of the CPU.
+
+DRF validates field by field through several layers of generic calls (empty values,
+defaults, validators, error collection), which for a job submission costs about as much
+as writing the job (bench/RESULTS.md). The compiled check walks the same fields and
+takes the common case directly: an int for an IntegerField within its bounds, a known
+string for a ChoiceField, a bool for a BooleanField, storable text within its lengths, a
+nested serializer compiled alike. Every other field (lists, dicts, decimals, regexes,
+custom fields) is handed to DRF's own `field.run_validation`, and a serializer's
+`validate_<field>` methods run as DRF runs them, so what the check returns is what DRF
+would have. Anything it cannot vouch for (an error, a null, a type DRF would coerce, a
+serializer with its own `validate` or validators) raises NotPlain: the caller then runs
+the serializer, which gives the answer and the error messages. tests/controlplane/
+test_plainchecks.py holds the two equal over generated bodies.
+"""
+
+from collections.abc import Callable
+
+from django.core import validators as django_validators
+from django.core.exceptions import ValidationError as DjangoValidationError
+from rest_framework import fields as drf_fields
+from rest_framework import serializers
+from rest_framework.exceptions import ValidationError
+from rest_framework.fields import SkipField, empty
+
+from controlplane.api import StrictSerializerMixin, Text
+
+Check = Callable[[object], dict]
+
+
+class NotPlain(Exception):
+    """The body is not one the compiled check vouches for: let the serializer decide."""
+
+
+def compile_check(serializer_class: type[serializers.Serializer]) -> Check:
+    """check(data) -> the validated data the serializer would give, or raises NotPlain."""
+    return _compile(serializer_class())
+
+
+def _compile(serializer: serializers.Serializer) -> Check:
+    if type(serializer).validate is not serializers.Serializer.validate or serializer.validators:
+        return _by_drf(serializer)  # checks of the whole: DRF runs them
+    steps = []
+    for field in serializer._writable_fields:
+        name = field.field_name
+        if field.source_attrs != [name]:
+            return _by_drf(serializer)  # a dotted or renamed source: DRF places the value
+        steps.append(
+            (
+                name,
+                _value_check(field),
+                field.required,
+                field.default,
+                getattr(serializer, f"validate_{name}", None),
+            )
+        )
+    names = frozenset(step[0] for step in steps)
+    strict = _is_strict(serializer)
+
+    def check(data) -> dict:
+        if type(data) is not dict:
+            raise NotPlain
+        if strict and not names.issuperset(data):
+            raise NotPlain  # an unknown field
+        validated = {}
+        for name, value_check, required, default, validate_method in steps:
+            value = data.get(name, empty)
+            if value is empty:
+                if required:
+                    raise NotPlain
+                if default is empty:
+                    continue
+                if callable(default):
+                    raise NotPlain
+                value = default  # as DRF gives it: the default itself, not checked
+            elif value is None:
+                raise NotPlain  # null, allowed or not: DRF decides
+            else:
+                value = value_check(value)
+            if validate_method is not None:
+                value = _drf_answer(validate_method, value)
+            validated[name] = value
+        return validated
+
+    return check
+
+
+def _is_strict(serializer) -> bool:
+    return isinstance(serializer, StrictSerializerMixin)
+
+
+def _value_check(field) -> Callable[[object], object]:
+    """The check of one field's given, non-null value."""
+    if isinstance(field, serializers.Serializer):
+        return _compile(field)
+    kind = type(field)
+    validators = field.validators
+    if any(callable(getattr(v, "limit_value", None)) for v in validators):
+        return _field_by_drf(field)  # a limit worked out per call
+    if kind is drf_fields.IntegerField and _only(validators, _BOUNDS):
+        low, high = _bounds(validators)
+
+        def integer(value):
+            if type(value) is int and low <= value <= high:
+                return value
+            raise NotPlain
+
+        return integer
+    if kind is drf_fields.ChoiceField and not validators:
+        choices = dict(field.choice_strings_to_values)
+
+        def choice(value):
+            if type(value) is str and value and value in choices:
+                return choices[value]
+            raise NotPlain
+
+        return choice
+    if kind is drf_fields.BooleanField and not validators:
+
+        def boolean(value):
+            if type(value) is bool:
+                return value
+            raise NotPlain
+
+        return boolean
+    if kind is Text and _only(validators, _TEXT):
+        shortest, longest = _lengths(validators)
+        trim = field.trim_whitespace
+
+        def text(value):
+            if type(value) is not str:
+                raise NotPlain
+            if trim:
+                value = value.strip()
+            if not value or "\x00" in value or not shortest <= len(value) <= longest:
+                raise NotPlain  # blank, or refused
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise NotPlain from None  # a lone surrogate
+            return value
+
+        return text
+    return _field_by_drf(field)
+
+
+def _field_by_drf(field) -> Callable[[object], object]:
+    def by_drf(value):
+        try:
+            return field.run_validation(value)
+        except SkipField:
+            raise NotPlain from None  # never for a given value; kept exact regardless
+        except (ValidationError, DjangoValidationError):
+            raise NotPlain from None
+
+    return by_drf
+
+
+def _by_drf(serializer) -> Check:
+    """A serializer the compiler does not walk: its own run_validation, errors as NotPlain."""
+    by_drf = _field_by_drf(serializer)
+
+    def check(data) -> dict:
+        if type(data) is not dict:
+            raise NotPlain
+        return by_drf(data)
+
+    return check
+
+
+def _drf_answer(method, value):
+    try:
+        return method(value)
+    except (ValidationError, DjangoValidationError):
+        raise NotPlain from None
+
+
+_BOUNDS = (django_validators.MinValueValidator, django_validators.MaxValueValidator)
+_TEXT = (
+    django_validators.MinLengthValidator,
+    django_validators.MaxLengthValidator,
+    django_validators.ProhibitNullCharactersValidator,
+    drf_fields.ProhibitSurrogateCharactersValidator,
+)
+
+
+def _only(validators, kinds) -> bool:
+    return all(type(v) in kinds for v in validators)
+
+
+def _bounds(validators) -> tuple[float, float]:
+    low, high = float("-inf"), float("inf")
+    for v in validators:
+        if type(v) is django_validators.MinValueValidator:
+            low = max(low, v.limit_value)
+        else:
+            high = min(high, v.limit_value)
+    return low, high
+
+
+def _lengths(validators) -> tuple[float, float]:
+    shortest, longest = 0, float("inf")
+    for v in validators:
+        if type(v) is django_validators.MinLengthValidator:
+            shortest = max(shortest, v.limit_value)
+        elif type(v) is django_validators.MaxLengthValidator:
+            longest = min(longest, v.limit_value)
+    return shortest, longest
