@@ -24,7 +24,7 @@ from controlplane.api import (
     StrictSerializer,
     Text,
 )
-from controlplane.plainchecks import NotPlain, compile_check
+from controlplane.compiled_serializers import NotPlain, compile_check, compile_representation
 from workers.trainer.presets import PRESETS
 
 # The trainer's own choices (workers/trainer/config.py; apps import only its presets, so a
@@ -209,7 +209,7 @@ class JobSubmitSerializer(SpecSerializer):
 
 def submit_body(data) -> dict:
     """A submission's validated body: checked by the compiled check when plainly valid
-    (most are; controlplane/plainchecks.py), by the serializer otherwise, which raises
+    (most are; controlplane/compiled_serializers.py), by the serializer otherwise, which raises
     the 400's ValidationError."""
     try:
         return _plain_submit_check()(data)
@@ -287,6 +287,17 @@ class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
 
     def get_spec(self, job) -> dict:
         return {k: v for k, v in job.spec.items() if k != "fingerprint"}
+
+
+def job_answer(job) -> dict:
+    """A job as JobSerializer gives it, by the compiled representation (the answer to every
+    submission; controlplane/compiled_serializers.py)."""
+    return _job_representation()(job)
+
+
+@functools.cache
+def _job_representation():
+    return compile_representation(JobSerializer)
 
 
 class NcclVariableSerializer(StrictSerializer):

@@ -108,4 +108,4 @@ def _submit_as(request, raw: str, data) -> Answer | None:
             log.exception("Internal Server Error: %s (short road)", JOBS_PATH)
             body = error_body("server_error", "Internal error; it has been logged.")
             return Answer(500, _render(body))
-    return Answer(201 if created else 200, _render(s.JobSerializer(job).data), ALLOW)
+    return Answer(201 if created else 200, _render(s.job_answer(job)), ALLOW)

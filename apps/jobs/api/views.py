@@ -58,7 +58,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             data=request.data,
             idempotency_key=request.headers.get("Idempotency-Key", ""),
         )
-        answer = s.JobSerializer(job, context=self.get_serializer_context()).data
+        answer = s.job_answer(job)
         return Response(answer, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     def _operate(self, request, operation, **kwargs):

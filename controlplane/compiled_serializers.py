@@ -1,18 +1,26 @@
-"""A DRF serializer's validation compiled, once per process, into plain Python for bodies
-that are plainly valid: the same validated data for a fraction of the CPU.
+"""DRF serializers compiled, once per process, into plain Python for the API's hottest
+request (a job submission): the same validated data and the same answer for a fraction of
+the CPU.
 
-DRF validates field by field through several layers of generic calls (empty values,
-defaults, validators, error collection), which for a job submission costs about as much
-as writing the job (bench/RESULTS.md). The compiled check walks the same fields and
-takes the common case directly: an int for an IntegerField within its bounds, a known
-string for a ChoiceField, a bool for a BooleanField, storable text within its lengths, a
-nested serializer compiled alike. Every other field (lists, dicts, decimals, regexes,
-custom fields) is handed to DRF's own `field.run_validation`, and a serializer's
+DRF validates and represents field by field through several layers of generic calls
+(empty values, defaults, validators, error collection, attribute look-ups), which for a
+job submission cost about as much as writing the job (bench/RESULTS.md).
+
+The compiled check (compile_check) walks the same fields and takes the common case
+directly: an int for an IntegerField within its bounds, a known string for a
+ChoiceField, a bool for a BooleanField, storable text within its lengths, a nested
+serializer compiled alike. Every other field (lists, dicts, decimals, regexes, custom
+fields) is handed to DRF's own `field.run_validation`, and a serializer's
 `validate_<field>` methods run as DRF runs them, so what the check returns is what DRF
 would have. Anything it cannot vouch for (an error, a null, a type DRF would coerce, a
 serializer with its own `validate` or validators) raises NotPlain: the caller then runs
-the serializer, which gives the answer and the error messages. tests/controlplane/
-test_plainchecks.py holds the two equal over generated bodies.
+the serializer, which gives the answer and the error messages.
+
+The compiled representation (compile_representation) reads each field's attribute
+directly where its source is one plain attribute and calls the field's own
+`to_representation`, as DRF does, without DRF's per-field look-up machinery.
+
+tests/controlplane/test_compiled_serializers.py holds both equal to DRF.
 """
 
 from collections.abc import Callable
@@ -20,13 +28,14 @@ from collections.abc import Callable
 from django.core import validators as django_validators
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import fields as drf_fields
-from rest_framework import serializers
+from rest_framework import relations, serializers
 from rest_framework.exceptions import ValidationError
 from rest_framework.fields import SkipField, empty
 
-from controlplane.api import StrictSerializerMixin, Text
+from controlplane.api import SharedFieldsMixin, StrictSerializerMixin, Text
 
 Check = Callable[[object], dict]
+Representation = Callable[[object], dict]
 
 
 class NotPlain(Exception):
@@ -207,3 +216,58 @@ def _lengths(validators) -> tuple[float, float]:
         elif type(v) is django_validators.MaxLengthValidator:
             longest = min(longest, v.limit_value)
     return shortest, longest
+
+
+def compile_representation(serializer_class: type[serializers.Serializer]) -> Representation:
+    """represent(instance) -> what serializer_class(instance).data holds (a plain dict).
+
+    For serializers whose fields read nothing from the context (SharedFieldsMixin); any
+    other is represented by DRF itself."""
+    serializer = serializer_class()
+    if (
+        not isinstance(serializer, SharedFieldsMixin)  # its fields may read the context
+        or type(serializer).to_representation is not serializers.Serializer.to_representation
+    ):
+        return lambda instance: dict(serializer_class(instance).data)
+    steps = []
+    for field in serializer._readable_fields:
+        attrs = field.source_attrs
+        plain = (
+            len(attrs) == 1
+            and not isinstance(field, serializers.BaseSerializer | relations.RelatedField)
+            and type(field).get_attribute is drf_fields.Field.get_attribute
+        )
+        steps.append((field.field_name, attrs[0] if plain else None, field))
+
+    def represent(instance) -> dict:
+        answer = {}
+        for name, attr, field in steps:
+            if attr is not None:
+                try:
+                    value = getattr(instance, attr)
+                except Exception:  # DRF, asked again, gives the default, None or the error
+                    value = _attribute_by_drf(field, instance)
+                else:
+                    if callable(value):
+                        value = _attribute_by_drf(field, instance)
+            else:
+                value = _attribute_by_drf(field, instance)
+            if value is _SKIP:
+                continue
+            if (value.pk if isinstance(value, relations.PKOnlyObject) else value) is None:
+                answer[name] = None
+            else:
+                answer[name] = field.to_representation(value)
+        return answer
+
+    return represent
+
+
+_SKIP = object()
+
+
+def _attribute_by_drf(field, instance):
+    try:
+        return field.get_attribute(instance)
+    except SkipField:
+        return _SKIP

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from rest_framework import serializers
 
 from apps.jobs.api.serializers import JobSubmitSerializer, submit_body
-from controlplane.api import StrictSerializer, Text
-from controlplane.plainchecks import NotPlain, compile_check
+from controlplane.api import SharedFieldsMixin, StrictSerializer, Text
+from controlplane.compiled_serializers import NotPlain, compile_check, compile_representation
 
 COMMAND_JOB = {
     "name": "ci-smoke",
@@ -243,3 +243,54 @@ def test_integer_bounds_edge_to_edge(path, value):
     if expected is not None and answer == "stepped aside":
         # Only a body another rule refuses may be left to the serializer here.
         pytest.fail(f"the check stepped aside for a valid {'.'.join(path)}={value}")
+
+
+class Owner:
+    def __init__(self, name):
+        self.name = name
+
+
+class Thing:
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+    def shout(self):
+        return self.label.upper()
+
+
+class ThingSerializer(SharedFieldsMixin, StrictSerializer):
+    label = serializers.CharField()
+    size = serializers.IntegerField()
+    owner = serializers.CharField(source="owner.name", default=None)
+    shout = serializers.CharField()  # a method: DRF calls it
+    missing = serializers.CharField(required=False)  # no attribute, not required: left out
+    made = serializers.DateTimeField()
+    tags = serializers.ListField(child=serializers.CharField())
+    upper = serializers.SerializerMethodField()
+
+    def get_upper(self, thing):
+        return thing.label.upper()
+
+
+def test_a_compiled_representation_is_drfs():
+    from datetime import UTC, datetime
+
+    represent = compile_representation(ThingSerializer)
+    things = [
+        Thing(
+            label="a", size=3, owner=Owner("ann"), made=datetime(2026, 1, 2, tzinfo=UTC), tags=["x"]
+        ),
+        Thing(label="b", size=4, made=None, tags=[]),  # no owner: its default
+    ]
+    for thing in things:
+        assert represent(thing) == ThingSerializer(thing).data
+    assert represent(things[0])["shout"] == "A" and "missing" not in represent(things[0])
+    assert represent(things[1])["owner"] is None and represent(things[1])["made"] is None
+
+
+def test_a_serializer_that_reads_its_context_is_represented_by_drf():
+    class Contextual(StrictSerializer):
+        label = serializers.CharField()
+
+    represent = compile_representation(Contextual)
+    assert represent(Thing(label="z")) == {"label": "z"}
