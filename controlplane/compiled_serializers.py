@@ -49,23 +49,24 @@ def compile_check(serializer_class: type[serializers.Serializer]) -> Check:
 
 def _compile(serializer: serializers.Serializer) -> Check:
     if type(serializer).validate is not serializers.Serializer.validate or serializer.validators:
-        return _by_drf(serializer)  # checks of the whole: DRF runs them
+        return _by_drf(serializer.run_validation)  # checks of the whole: DRF runs them
     steps = []
     for field in serializer._writable_fields:
         name = field.field_name
         if field.source_attrs != [name]:
-            return _by_drf(serializer)  # a dotted or renamed source: DRF places the value
+            return _by_drf(serializer.run_validation)  # a dotted or renamed source
+        validate_method = getattr(serializer, f"validate_{name}", None)
         steps.append(
             (
                 name,
                 _value_check(field),
                 field.required,
                 field.default,
-                getattr(serializer, f"validate_{name}", None),
+                _by_drf(validate_method) if validate_method is not None else None,
             )
         )
     names = frozenset(step[0] for step in steps)
-    strict = _is_strict(serializer)
+    strict = isinstance(serializer, StrictSerializerMixin)
 
     def check(data) -> dict:
         if type(data) is not dict:
@@ -88,15 +89,11 @@ def _compile(serializer: serializers.Serializer) -> Check:
             else:
                 value = value_check(value)
             if validate_method is not None:
-                value = _drf_answer(validate_method, value)
+                value = validate_method(value)
             validated[name] = value
         return validated
 
     return check
-
-
-def _is_strict(serializer) -> bool:
-    return isinstance(serializer, StrictSerializerMixin)
 
 
 def _value_check(field) -> Callable[[object], object]:
@@ -106,7 +103,7 @@ def _value_check(field) -> Callable[[object], object]:
     kind = type(field)
     validators = field.validators
     if any(callable(getattr(v, "limit_value", None)) for v in validators):
-        return _field_by_drf(field)  # a limit worked out per call
+        return _by_drf(field.run_validation)  # a limit worked out per call
     if kind is drf_fields.IntegerField and _only(validators, _BOUNDS):
         low, high = _bounds(validators)
 
@@ -151,38 +148,20 @@ def _value_check(field) -> Callable[[object], object]:
             return value
 
         return text
-    return _field_by_drf(field)
+    return _by_drf(field.run_validation)
 
 
-def _field_by_drf(field) -> Callable[[object], object]:
+def _by_drf(validation: Callable[[object], object]) -> Callable[[object], object]:
+    """One of DRF's own steps (a field's or serializer's run_validation, a validate_<field>
+    method), its refusals as NotPlain so the serializer gives them with their messages."""
+
     def by_drf(value):
         try:
-            return field.run_validation(value)
-        except SkipField:
-            raise NotPlain from None  # never for a given value; kept exact regardless
-        except (ValidationError, DjangoValidationError):
+            return validation(value)
+        except (SkipField, ValidationError, DjangoValidationError):
             raise NotPlain from None
 
     return by_drf
-
-
-def _by_drf(serializer) -> Check:
-    """A serializer the compiler does not walk: its own run_validation, errors as NotPlain."""
-    by_drf = _field_by_drf(serializer)
-
-    def check(data) -> dict:
-        if type(data) is not dict:
-            raise NotPlain
-        return by_drf(data)
-
-    return check
-
-
-def _drf_answer(method, value):
-    try:
-        return method(value)
-    except (ValidationError, DjangoValidationError):
-        raise NotPlain from None
 
 
 _BOUNDS = (django_validators.MinValueValidator, django_validators.MaxValueValidator)
