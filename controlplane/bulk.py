@@ -10,6 +10,8 @@ one; elsewhere with Django's bulk_create. Rows are plain tuples in the order of
 
 import contextlib
 import functools
+import json
+import secrets
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from django.core.exceptions import EmptyResultSet
@@ -223,12 +225,19 @@ def insert_with(
     has its id and its insert-time values) as one unit: a job, its first event and its
     audit row.
 
-    On PostgreSQL `first` takes its id from its table's sequence, then all rows go in
-    one statement (each INSERT but the last in a WITH): two round trips, and outside a
-    transaction the statement commits by itself, so no BEGIN and COMMIT either. Ids
-    the database fills for the other rows are not read back. Both statements are
-    prepared on the server once a connection has sent them often enough
-    (_statement_cursor). Elsewhere the rows are saved one by one in a transaction.
+    On PostgreSQL all of it is one statement, one round trip: the id is drawn from the
+    table's sequence inside it (`new`, the first WITH), each INSERT (a WITH of its own)
+    reads it from there, and the statement answers with it. Until then `first` carries a
+    stand-in id, an 18-digit random number no row has (_stand_in), so `rest` builds its
+    rows as usual: a foreign key to `first`, the id in an audit row's text and in its
+    JSON snapshot. Wherever a value holds the stand-in, whole, the statement puts the
+    drawn id instead (a text cut short through the stand-in would keep its first digits:
+    the audit's 200 characters hold a job's repr, whose name is at most 100), and the
+    Python objects get it too once the rows are in. Outside a transaction the statement
+    commits by itself: no BEGIN and COMMIT either. Ids the database fills for the other
+    rows are not read back. The statement is prepared on the server once a connection
+    has sent it often enough (_statement_cursor). Elsewhere the rows are saved one by
+    one in a transaction.
     """
     if connection.vendor != "postgresql":
         with transaction.atomic():
@@ -239,27 +248,34 @@ def insert_with(
         return [first, *others]
     db = connections[DEFAULT_DB_ALIAS]  # the wrapper itself: each use of the proxy costs a look-up
     meta = first._meta
-    with _statement_cursor(db) as cursor:
-        cursor.execute(
-            "SELECT nextval(pg_get_serial_sequence(%s, %s))", [meta.db_table, meta.pk.column]
-        )
-        first.pk = cursor.fetchone()[0]
-    inserts = [_insert_sql(first, db)]  # first: its auto_now_add values are set before rest()
-    objects = [first, *rest(first)]
-    inserts += [_insert_sql(obj, db) for obj in objects[1:]]
-    chained = ", ".join(f"w{i} AS ({sql})" for i, (sql, _) in enumerate(inserts[:-1]))
-    sql = f"WITH {chained} {inserts[-1][0]}" if chained else inserts[-1][0]
-    params = [value for _, values in inserts for value in values]
-    # Inside a caller's transaction, a savepoint: a failed insert (a lost race on a unique
-    # key) must leave the caller's transaction usable.
-    unit = transaction.atomic() if db.in_atomic_block else contextlib.nullcontext()
+    stand_in = _stand_in()
+    first.pk = stand_in
     try:
+        inserts = [_insert_sql(first, db, stand_in)]  # its auto_now_add values set first
+        objects = [first, *rest(first)]
+        inserts += [_insert_sql(obj, db, stand_in) for obj in objects[1:]]
+        chained = ", ".join(f"w{i} AS ({sql})" for i, (sql, _, _) in enumerate(inserts))
+        sql = f"{NEW_ID}, {chained} SELECT id FROM new"  # noqa: S608 (names from the models)
+        params = [meta.db_table, meta.pk.column, str(stand_in)]
+        params += [value for _, values, _ in inserts for value in values]
+        # Inside a caller's transaction, a savepoint: a failed insert (a lost race on a
+        # unique key) must leave the caller's transaction usable.
+        unit = transaction.atomic() if db.in_atomic_block else contextlib.nullcontext()
         with unit, _statement_cursor(db) as cursor:
             cursor.execute(sql, params)
+            new_id = cursor.fetchone()[0]
     except Exception:
-        first.pk = None  # nothing was inserted: the reserved id stays unused
+        first.pk = None  # nothing was inserted
         raise
-    for obj in objects:
+    old, new = str(stand_in), str(new_id)
+    for obj, (_, _, marked) in zip(objects, inserts, strict=True):
+        for attname, kind, value in marked:
+            if kind == ID:
+                setattr(obj, attname, new_id)
+            elif kind == TEXT_WITH_ID:
+                setattr(obj, attname, value.replace(old, new))
+            else:  # JSON: what the row holds, read from the text that was sent
+                setattr(obj, attname, json.loads(value.replace(old, new)))
         obj._state.adding = False
         obj._state.db = db.alias
     return objects
@@ -283,14 +299,60 @@ def _statement_cursor(db):
         return db._prepare_cursor(ServerBindingCursor(db.connection))
 
 
-def _insert_sql(obj: models.Model, db) -> tuple[str, list]:
-    """INSERT of one new instance, its values as Model.save() would prepare them."""
+def _stand_in() -> int:
+    """An id no row has (ids count up from 1; this is 18 digits long), random, so no text
+    that a user wrote can hold it by design."""
+    return 10**17 + secrets.randbelow(9 * 10**17)
+
+
+# The id drawn from the sequence of the table (its name and column's are parameters), and
+# the stand-in's text that marks where it goes.
+NEW_ID = "WITH new AS (SELECT nextval(pg_get_serial_sequence(%s, %s)) AS id, %s::text AS stand_in)"
+
+# How _insert_sql writes a value: sent as it is, NULL, the new row's id, text holding the
+# id, JSON holding the id, JSON without it.
+VALUE, NULL, ID, TEXT_WITH_ID, JSON_WITH_ID, JSON = range(6)
+VALUE_SQL = {
+    VALUE: "%s",
+    NULL: "NULL",
+    ID: "(SELECT id FROM new)",
+    TEXT_WITH_ID: "replace(%s, (SELECT stand_in FROM new), (SELECT id::text FROM new))",
+    JSON_WITH_ID: "replace(%s, (SELECT stand_in FROM new), (SELECT id::text FROM new))::jsonb",
+    JSON: "%s::jsonb",
+}
+
+
+def _insert_sql(obj: models.Model, db, stand_in: int) -> tuple[str, list, list[tuple]]:
+    """INSERT of one new instance, its values as Model.save() would prepare them, the
+    stand-in id replaced by the one drawn in the statement; with the fields whose value
+    held the stand-in, as (attname, kind, the value sent)."""
+    from psycopg.types.json import Jsonb
+
     fields = _insert_fields(type(obj), obj.pk is None)
-    values = [f.get_db_prep_save(f.pre_save(obj, add=True), db) for f in fields]
-    # NULLs written as such, not sent: a job's three rows then take fewer than the 50
-    # parameters up to which psycopg keeps a statement's parsed form (bench/RESULTS.md).
-    sql = _insert_text(type(obj), obj.pk is None, tuple(value is None for value in values))
-    return sql, [value for value in values if value is not None]
+    text = str(stand_in)
+    kinds, params, marked = [], [], []
+    for field in fields:
+        value = field.get_db_prep_save(field.pre_save(obj, add=True), db)
+        if value is None:
+            # NULLs written as such, not sent: a job's three rows then take fewer than the
+            # 50 parameters up to which psycopg keeps a statement's parsed form.
+            kinds.append(NULL)
+            continue
+        if type(value) is int:
+            kind = ID if value == stand_in else VALUE
+        elif isinstance(value, str):
+            kind = TEXT_WITH_ID if text in value else VALUE
+        elif isinstance(value, Jsonb):
+            value = (value.dumps or json.dumps)(value.obj)
+            kind = JSON_WITH_ID if text in value else JSON
+        else:
+            kind = VALUE
+        kinds.append(kind)
+        if kind != ID:
+            params.append(value)
+        if kind in (ID, TEXT_WITH_ID, JSON_WITH_ID):
+            marked.append((field.attname, kind, value))
+    return _insert_text(type(obj), obj.pk is None, tuple(kinds)), params, marked
 
 
 @functools.cache
@@ -299,15 +361,15 @@ def _insert_fields(model: type[models.Model], pk_from_database: bool) -> tuple:
 
 
 @functools.cache
-def _insert_text(model: type[models.Model], pk_from_database: bool, nulls: tuple) -> str:
-    """The INSERT's text for these fields, with NULL where a value is None (made once per
-    model and pattern of NULLs: a few per model)."""
+def _insert_text(model: type[models.Model], pk_from_database: bool, kinds: tuple) -> str:
+    """The INSERT's text for these fields, each value written as its kind says (made once
+    per model and pattern of kinds: a few per model)."""
     quote = connections[DEFAULT_DB_ALIAS].ops.quote_name
     fields = _insert_fields(model, pk_from_database)
     columns = ", ".join(quote(f.column) for f in fields)
-    placeholders = ", ".join(["NULL" if null else "%s" for null in nulls])
+    values = ", ".join(VALUE_SQL[kind] for kind in kinds)
     table = quote(model._meta.db_table)
-    return f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"  # noqa: S608
+    return f"INSERT INTO {table} ({columns}) VALUES ({values})"  # noqa: S608
 
 
 def fetch_rows(queryset: models.QuerySet) -> list[tuple]:

@@ -202,6 +202,10 @@ def _inserted_as_one_unit(team, name="together"):
     assert audit.object_repr == f"{name} (#{job.pk})"
     # The audit row's snapshot was taken with the job's id and insert-time values.
     assert audit.after["id"] == job.pk and audit.after["submitted_at"] is not None
+    # The objects handed back hold the id the database drew, as the rows do.
+    _, event_object, audit_object = objects
+    assert event_object.job_id == job.pk and audit_object.object_id == str(job.pk)
+    assert audit_object.object_repr == audit.object_repr and audit_object.after == audit.after
     return job
 
 
@@ -325,8 +329,12 @@ def test_insert_with_sends_a_job_in_few_enough_parameters_for_psycopg_to_keep(te
 
     with connection.execute_wrapper(record):
         _inserted_as_one_unit(team)
-    insert = [params for sql, params in sent if sql.startswith("WITH w0 AS (INSERT")]
+    insert = [params for sql, params in sent if sql.startswith("WITH new AS")]
     assert len(insert) == 1
+    # The id is drawn inside that statement, not asked for before it.
+    assert [sql for sql, _ in sent if "nextval" in sql] == [
+        sql for sql, _ in sent if sql.startswith("WITH new AS")
+    ]
     # psycopg keeps the parsed form of statements of up to 50 parameters; NULLs go as
     # literals, never as parameters.
     assert len(insert[0]) <= 50 and None not in insert[0]
@@ -386,7 +394,7 @@ def test_insert_with_commits_by_itself_outside_a_transaction(team):
 def _prepared_inserts() -> list[str]:
     with connection.cursor() as cursor:
         cursor.execute("SELECT statement FROM pg_prepared_statements")
-        return [row[0] for row in cursor.fetchall() if row[0].startswith("WITH w0 AS (INSERT")]
+        return [row[0] for row in cursor.fetchall() if row[0].startswith("WITH new AS")]
 
 
 def test_insert_with_is_prepared_on_the_server_after_the_connections_threshold(team):
