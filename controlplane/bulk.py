@@ -249,14 +249,14 @@ def insert_with(
     db = connections[DEFAULT_DB_ALIAS]  # the wrapper itself: each use of the proxy costs a look-up
     meta = first._meta
     stand_in = _stand_in()
-    first.pk = stand_in
+    first.pk, mark = stand_in, str(stand_in)
     try:
-        inserts = [_insert_sql(first, db, stand_in)]  # its auto_now_add values set first
+        inserts = [_insert_sql(first, db, stand_in, mark)]  # its auto_now_add values set first
         objects = [first, *rest(first)]
-        inserts += [_insert_sql(obj, db, stand_in) for obj in objects[1:]]
+        inserts += [_insert_sql(obj, db, stand_in, mark) for obj in objects[1:]]
         chained = ", ".join(f"w{i} AS ({sql})" for i, (sql, _, _) in enumerate(inserts))
         sql = f"{NEW_ID}, {chained} SELECT id FROM new"  # noqa: S608 (names from the models)
-        params = [meta.db_table, meta.pk.column, str(stand_in)]
+        params = [meta.db_table, meta.pk.column, mark]
         params += [value for _, values, _ in inserts for value in values]
         # Inside a caller's transaction, a savepoint: a failed insert (a lost race on a
         # unique key) must leave the caller's transaction usable.
@@ -267,15 +267,15 @@ def insert_with(
     except Exception:
         first.pk = None  # nothing was inserted
         raise
-    old, new = str(stand_in), str(new_id)
+    new = str(new_id)
     for obj, (_, _, marked) in zip(objects, inserts, strict=True):
         for attname, kind, value in marked:
             if kind == ID:
                 setattr(obj, attname, new_id)
             elif kind == TEXT_WITH_ID:
-                setattr(obj, attname, value.replace(old, new))
+                setattr(obj, attname, value.replace(mark, new))
             else:  # JSON: what the row holds, read from the text that was sent
-                setattr(obj, attname, json.loads(value.replace(old, new)))
+                setattr(obj, attname, json.loads(value.replace(mark, new)))
         obj._state.adding = False
         obj._state.db = db.alias
     return objects
@@ -312,39 +312,40 @@ NEW_ID = "WITH new AS (SELECT nextval(pg_get_serial_sequence(%s, %s)) AS id, %s:
 # How _insert_sql writes a value: sent as it is, NULL, the new row's id, text holding the
 # id, JSON holding the id, JSON without it.
 VALUE, NULL, ID, TEXT_WITH_ID, JSON_WITH_ID, JSON = range(6)
+_WITH_ID = "replace(%s, (SELECT stand_in FROM new), (SELECT id::text FROM new))"
 VALUE_SQL = {
     VALUE: "%s",
     NULL: "NULL",
     ID: "(SELECT id FROM new)",
-    TEXT_WITH_ID: "replace(%s, (SELECT stand_in FROM new), (SELECT id::text FROM new))",
-    JSON_WITH_ID: "replace(%s, (SELECT stand_in FROM new), (SELECT id::text FROM new))::jsonb",
+    TEXT_WITH_ID: _WITH_ID,
+    JSON_WITH_ID: f"{_WITH_ID}::jsonb",
     JSON: "%s::jsonb",
 }
 
 
-def _insert_sql(obj: models.Model, db, stand_in: int) -> tuple[str, list, list[tuple]]:
+def _insert_sql(obj: models.Model, db, stand_in: int, mark: str) -> tuple[str, list, list[tuple]]:
     """INSERT of one new instance, its values as Model.save() would prepare them, the
-    stand-in id replaced by the one drawn in the statement; with the fields whose value
-    held the stand-in, as (attname, kind, the value sent)."""
+    stand-in id (`mark` its text) replaced by the one drawn in the statement; with the
+    fields whose value held the stand-in, as (attname, kind, the value sent)."""
     from psycopg.types.json import Jsonb
 
     fields = _insert_fields(type(obj), obj.pk is None)
-    text = str(stand_in)
     kinds, params, marked = [], [], []
     for field in fields:
         value = field.get_db_prep_save(field.pre_save(obj, add=True), db)
         if value is None:
             # NULLs written as such, not sent: a job's three rows then take fewer than the
-            # 50 parameters up to which psycopg keeps a statement's parsed form.
+            # 50 parameters up to which psycopg keeps a statement's parsed form
+            # (bench/RESULTS.md).
             kinds.append(NULL)
             continue
         if type(value) is int:
             kind = ID if value == stand_in else VALUE
         elif isinstance(value, str):
-            kind = TEXT_WITH_ID if text in value else VALUE
+            kind = TEXT_WITH_ID if mark in value else VALUE
         elif isinstance(value, Jsonb):
             value = (value.dumps or json.dumps)(value.obj)
-            kind = JSON_WITH_ID if text in value else JSON
+            kind = JSON_WITH_ID if mark in value else JSON
         else:
             kind = VALUE
         kinds.append(kind)
