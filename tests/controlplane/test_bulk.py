@@ -10,14 +10,18 @@ import datetime as dt
 from decimal import Decimal
 
 import pytest
+from django.apps import apps
 from django.db import DatabaseError, DataError, IntegrityError, connection, transaction
 from django.utils import timezone
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from apps.jobs.models import Job, JobEvent
 from apps.jobs.scheduler.read import Epoch
 from controlplane.bulk import (
     InArray,
     _binary_copy_types,
+    _preparers,
     fetch_batches,
     fetch_rows,
     insert_rows,
@@ -312,6 +316,58 @@ def test_insert_rows_refuses_a_value_too_long_for_its_column_as_django_would(job
     with pytest.raises(DataError), transaction.atomic():  # Django's error, not psycopg's
         insert_rows(JobEvent, EVENT_FIELDS, rows)
     assert not _events("long")
+
+
+# Values of each type a short preparation takes, edge cases included: integers past
+# every column's range (Django does not check them either), text with NUL and surrogates.
+_SHORT = {
+    int: st.integers(min_value=-(2**70), max_value=2**70),
+    str: st.text(),
+    bool: st.booleans(),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_short_preparation_gives_what_djangos_get_db_prep_save_gives(data):
+    """insert_with prepares a value of a known field class and type without Django's
+    generic steps: for every field of every model, the same value of the same type."""
+    shortened = 0
+    for model in apps.get_models():
+        for field, plain, adapt in _preparers(model, True, connection.alias):
+            if plain is None:
+                continue
+            shortened += 1
+            value = data.draw(_SHORT[plain], label=f"{model.__name__}.{field.name}")
+            expected = field.get_db_prep_save(
+                field.pre_save(_with(model, field, value), True), connection
+            )
+            got = adapt(value) if adapt is not None else value
+            assert (got, type(got)) == (expected, type(expected)), field
+    assert shortened > 20  # the job's own integers, texts, flags and keys among them
+
+
+def test_fields_of_other_classes_keep_djangos_preparation():
+    """Datetimes (auto_now_add), JSON, UUIDs, decimals and any subclass of a known class
+    are prepared by Django, whatever their value."""
+    from apps.accounts.models import AuditEvent
+
+    prepared = {
+        field.name: plain
+        for model in (Job, JobEvent, AuditEvent)
+        for field, plain, _ in _preparers(model, True, connection.alias)
+    }
+    assert prepared["queued_at"] is prepared["spec"] is prepared["uuid"] is None
+    assert prepared["max_cost_usd"] is prepared["at"] is None
+    assert (prepared["name"], prepared["nodes"], prepared["spot_allowed"]) == (str, int, bool)
+    assert prepared["team"] is int  # a key to an auto-numbered row
+    assert "id" not in prepared  # drawn by the database
+
+
+def _with(model, field, value):
+    obj = model()
+    setattr(obj, field.attname, value)
+    return obj
 
 
 def test_insert_with_writes_a_row_and_its_records_together(team):
