@@ -351,6 +351,7 @@ def test_fields_of_other_classes_keep_djangos_preparation():
     """Datetimes (auto_now_add), JSON, UUIDs, decimals and any subclass of a known class
     are prepared by Django, whatever their value."""
     from apps.accounts.models import AuditEvent
+    from apps.costs.models import UsageEntry
 
     prepared = {
         field.name: plain
@@ -362,6 +363,9 @@ def test_fields_of_other_classes_keep_djangos_preparation():
     assert (prepared["name"], prepared["nodes"], prepared["spot_allowed"]) == (str, int, bool)
     assert prepared["team"] is int  # a key to an auto-numbered row
     assert "id" not in prepared  # drawn by the database
+    # A subclass (costs' MoneyField stores dollars as integer micro-dollars) keeps its own.
+    usage = {f.name: plain for f, plain, _ in _preparers(UsageEntry, True, connection.alias)}
+    assert usage["amount"] is usage["rate_per_hour"] is None
 
 
 def _with(model, field, value):
