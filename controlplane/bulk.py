@@ -331,15 +331,12 @@ def _insert_sql(obj: models.Model, db, stand_in: int, mark: str) -> tuple[str, l
 
     kinds, params, marked = [], [], []
     for field, plain, adapt in _preparers(type(obj), obj.pk is None, db.alias):
-        if plain is None:
+        value = getattr(obj, field.attname) if plain is not None else None
+        if plain is not None and type(value) is plain:
+            if adapt is not None:
+                value = adapt(value)
+        elif plain is None or value is not None:  # a NULL stays one on the short way
             value = field.get_db_prep_save(field.pre_save(obj, add=True), db)
-        else:
-            value = getattr(obj, field.attname)
-            if type(value) is plain:
-                if adapt is not None:
-                    value = adapt(value)
-            elif value is not None:
-                value = field.get_db_prep_save(field.pre_save(obj, add=True), db)
         if value is None:
             # NULLs written as such, not sent: a job's three rows then take fewer than the
             # 50 parameters up to which psycopg keeps a statement's parsed form
