@@ -21,12 +21,16 @@ must not wait for it:
 Deletion outcomes: "deleted", "gone" (nothing there: done already), "elsewhere" (another
 committed checkpoint now sits at that path: ours is not there to delete) or "failed".
 Only directories named as the trainer names checkpoints are ever deleted, and a listing
-tidies only the trainer's temporaries, so no request can remove anything else.
+tidies only the trainer's temporaries, so no request can remove anything else. Nothing is
+checked, deleted or listed through a link: a job may plant one in its own directory to point
+at another job's, and the trainer reports real paths (resolved), so a path that is not its
+own real path is not one the registry recorded from the trainer.
 """
 
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import threading
@@ -85,8 +89,15 @@ class Verdict:
     problem: str = ""
 
 
+def _linked(path: Path) -> bool:
+    """Whether the path is relative or passes through a link (its real path is another)."""
+    return not path.is_absolute() or os.path.realpath(path) != str(path)
+
+
 def verify(path: Path, manifest_sha256: str) -> Verdict:
     """Every file against the manifest, the manifest against the registry; the first mismatch."""
+    if _linked(path):
+        return Verdict(False, problem=f"{path} is not its real path (a link): not checked")
     if not path.is_dir():
         return Verdict(False, missing=True, problem=f"{path} does not exist")
     manifest_path = path / MANIFEST
@@ -133,6 +144,8 @@ def delete(path: Path, manifest_sha256: str) -> tuple[str, str]:
         return "gone", ""
     if not path.is_dir() or path.is_symlink():
         return "failed", f"{path} is not a directory: not deleted"
+    if _linked(path):
+        return "failed", f"{path} is not its real path (a link): not deleted"
     if _manifest_of(path) is not None and sha256_of(path / MANIFEST) != manifest_sha256:
         return "elsewhere", f"another committed checkpoint is at {path}: not deleted"
     try:
@@ -152,12 +165,15 @@ def _size_of(path: Path, manifest: dict) -> int:
 
 def listing(directory: Path, *, tidy: bool) -> dict:
     """What a job's checkpoint directory holds; with `tidy`, the trainer's temporaries go."""
+    if _linked(directory):
+        problem = f"{directory} is not its real path (a link): not listed"
+        return {"missing": False, "entries": [], "removed": [], "problem": problem}
     if not directory.is_dir():
         return {"missing": True, "entries": [], "removed": []}
     entries, removed = [], []
     for child in sorted(directory.iterdir()):
         name = child.name
-        if CHECKPOINT_NAME.match(name) and child.is_dir():
+        if CHECKPOINT_NAME.match(name) and child.is_dir() and not child.is_symlink():
             manifest = _manifest_of(child)
             if manifest is None:
                 entries.append({"name": name, "kind": "incomplete"})
@@ -168,7 +184,7 @@ def listing(directory: Path, *, tidy: bool) -> dict:
                 {
                     "name": name,
                     "kind": "committed",
-                    "path": str(child.resolve()),
+                    "path": str(child),
                     "step": int(step.group(1)) if step else None,
                     "manifest_sha256": sha256_of(child / MANIFEST),
                     "manifest_step": manifest.get("step"),

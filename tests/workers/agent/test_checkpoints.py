@@ -113,6 +113,32 @@ def test_listing_reports_committed_ones_and_tidies_only_temporaries(tmp_path):
     assert checkpoints.listing(tmp_path / "nope", tidy=True)["missing"]
 
 
+def test_nothing_is_deleted_checked_or_listed_through_a_link(tmp_path):
+    """A job may plant links in its own directory pointing at another job's: the registry
+    records only real paths (the trainer reports them resolved), so a link is never followed."""
+    theirs, digest = _checkpoint(tmp_path / "beta" / "job-2", 5)
+    (theirs.parent / ".tmp-step-00000006").mkdir()
+    mine = tmp_path / "alpha" / "job-1"
+    mine.mkdir(parents=True)
+    (mine / "sub").symlink_to(theirs.parent)
+    (mine / "step-00000005").symlink_to(theirs)
+    linked = mine / "sub" / "step-00000005"
+
+    outcome, message = checkpoints.delete(linked, digest)
+    assert outcome == "failed" and "a link" in message
+    verdict = checkpoints.verify(linked, digest)
+    assert not verdict.ok and not verdict.missing and "a link" in verdict.problem
+    listed = checkpoints.listing(mine / "sub", tidy=True)
+    assert listed["entries"] == [] and "a link" in listed["problem"]
+    own = checkpoints.listing(mine, tidy=True)
+    assert {e["name"]: e["kind"] for e in own["entries"]} == {
+        "step-00000005": "other",
+        "sub": "other",
+    }
+    assert (theirs / "manifest.json").is_file() and (theirs.parent / ".tmp-step-00000006").is_dir()
+    assert checkpoints.verify(theirs, digest).ok  # its own real path: checked as ever
+
+
 class _Outbox:
     def __init__(self):
         self.messages: list[Message] = []
