@@ -65,8 +65,14 @@ def trainer_jobs_visible_to(*, user) -> QuerySet[Job]:
     )
 
 
-def s3_destinations() -> QuerySet[S3Destination]:
-    return S3Destination.objects.select_related("team", "pool").order_by("id")
+def s3_destinations_visible_to(*, user) -> QuerySet[S3Destination]:
+    """A team's destination to its members; every one, pools' too, to ops, finance and
+    superusers (a bucket and prefix say where another team's checkpoints can be read)."""
+    roles = roles_of(user)
+    rows = S3Destination.objects.select_related("team", "pool").order_by("id")
+    if roles.sees_every_team:
+        return rows
+    return rows.filter(team_id__in=roles.team_ids)
 
 
 # --- what agents and the S3 task are asked to do -----------------------------------------------

@@ -1,11 +1,13 @@
 """Every write to the checkpoint registry: what agents report, verification, deletion, sweeps,
 the choice of a checkpoint to resume from, and retention.
 
-Two rules hold throughout. Storage first: a copy is marked deleted only when whoever
+Three rules hold throughout. Storage first: a copy is marked deleted only when whoever
 reaches it (the agent for node-local and shared copies, the control plane for S3) said
 its files are gone, or that nothing was there. Nothing unregistered stays: a sweep lists
 a job's directory through an agent and registers every committed checkpoint it finds
-without a row, so GC can reach it, and removes the trainer's abandoned temporaries.
+without a row, so GC can reach it, and removes the trainer's abandoned temporaries. A job's
+output is evidence of its own work, never an instruction: a place it names is recorded,
+checked, deleted or resumed from only under that job's own directory or S3 prefix.
 """
 
 import datetime as dt
@@ -22,7 +24,7 @@ from django.utils import timezone
 
 from apps.accounts.context import current_origin
 from apps.accounts.selectors import roles_of
-from apps.accounts.services import audited_create, audited_delete, audited_update
+from apps.accounts.services import audit_record, audited_create, audited_delete, audited_update
 from apps.checkpoints import retention
 from apps.checkpoints.models import (
     LIVE_STATES,
@@ -284,15 +286,162 @@ def s3_copy_settings(job: Job) -> dict | None:
     }
 
 
-def _s3_wanted_by(run: Run) -> bool:
-    """Whether the run's run.json asks the trainer for S3 copies."""
-    for item in (run.plan or {}).get("files") or []:
+def _s3_of(plan: dict | None) -> dict | None:
+    """checkpoint.s3 of a run plan's run.json: where the control plane told the run to copy."""
+    for item in (plan or {}).get("files") or []:
         if item.get("path") == "run.json":
             try:
-                return bool(json.loads(item.get("content") or "{}")["checkpoint"].get("s3"))
+                s3 = json.loads(item.get("content") or "{}")["checkpoint"].get("s3")
             except (ValueError, KeyError, TypeError, AttributeError):
-                return False
-    return False
+                return None
+            return s3 if isinstance(s3, dict) else None
+    return None
+
+
+def _s3_wanted_by(run: Run) -> bool:
+    """Whether the run's run.json asks the trainer for S3 copies."""
+    return _s3_of(run.plan) is not None
+
+
+# --- what a job owns ------------------------------------------------------------------------------
+# A job's output is evidence of its own work, never an instruction: a path or URI that a job
+# prints, or that an agent reports about its directory, is recorded, checked, deleted or
+# resumed from only if it lies under that job's own directory or S3 prefix.
+
+
+def _inside(location: str, root: str) -> bool:
+    """Whether `location` names something strictly inside `root` (a directory, or an s3://
+    bucket and prefix), written plainly: storage could resolve a `.`, `..` or empty part to
+    somewhere other than the text says, so none is accepted."""
+    if not location.startswith(root + "/"):
+        return False
+    return all(part not in ("", ".", "..") for part in location[len(root) + 1 :].split("/"))
+
+
+@dataclass(frozen=True)
+class Own:
+    """Where one job's checkpoints may be: its directory (runconfig.checkpoint_dir) and the
+    S3 prefixes its runs were told to copy to (s3_copy_settings, kept in each run.json)."""
+
+    job_id: int
+    directory: str
+    prefixes: frozenset[str] = frozenset()
+
+    def refuses(self, location: str) -> str:
+        """Why `location` is not this job's ("" when it is)."""
+        if location.startswith("s3://"):
+            if any(_inside(location, root) for root in self.prefixes):
+                return ""
+            return f"not under job {self.job_id}'s own S3 prefix"
+        if _inside(location, self.directory):
+            return ""
+        return f"not under job {self.job_id}'s own checkpoint directory"
+
+
+def _own(jobs, *, s3: bool = True) -> dict[int, Own]:
+    """Each job's own places (its team loaded); with `s3`, its runs' prefixes too."""
+    prefixes: dict[int, set[str]] = {job.pk: set() for job in jobs}
+    if s3 and prefixes:
+        for job_id, plan in Run.objects.filter(job_id__in=prefixes).values_list("job_id", "plan"):
+            target = _s3_of(plan) or {}
+            bucket, prefix = target.get("bucket"), str(target.get("prefix") or "").strip("/")
+            if isinstance(bucket, str) and bucket and prefix:
+                prefixes[job_id].add(f"s3://{bucket}/{prefix}")
+    return {job.pk: Own(job.pk, checkpoint_dir(job), frozenset(prefixes[job.pk])) for job in jobs}
+
+
+def _refusal_record(job: Job, why: str, **facts) -> None:
+    """Kept in the audit log (ops and the team's admins read it) and logged, the place itself
+    left out of the log: it may name another team's storage."""
+    log.warning(
+        "refused checkpoint output of job %s: %s (%s)",
+        job.pk,
+        why,
+        ", ".join(f"{k}={v}" for k, v in facts.items() if k != "location"),
+    )
+    audit_record(
+        actor=None,
+        action="checkpoint.output_refused",
+        obj=job,
+        after={**facts, "why": why},
+        team=job.team,
+    )
+
+
+class NotOwned(ApplicationError):
+    """A job's output named a place that is not its own: refused, nothing recorded but that."""
+
+    def __init__(self, field: str, location: str, why: str):
+        super().__init__(
+            f"Refused: {field} is {why}.",
+            code="not_owned",
+            status=403,
+            details={field: [f"{why[0].upper()}{why[1:]}."]},
+        )
+        self.field, self.location, self.why = field, location, why
+
+
+def _place(event: dict, name: str, own: Own) -> str:
+    value = _text(event, name)
+    why = own.refuses(value)
+    if why:
+        raise NotOwned(f"event.{name}", value, why)
+    return value
+
+
+def copies_vet(*, copy_ids) -> set[int]:
+    """Of these copies, those that lie under their own job's directory or S3 prefix, checked
+    again just before storage is touched (a verification, a deletion). Any other is never
+    touched: its request is dropped, it is marked missing (as a copy found elsewhere is) and
+    the refusal recorded."""
+    copies = list(
+        CheckpointCopy.objects.filter(pk__in=list(copy_ids)).select_related("checkpoint__job__team")
+    )
+    jobs = {c.checkpoint.job_id: c.checkpoint.job for c in copies}
+    own = _own(jobs.values(), s3=any(c.kind == CopyKind.S3 for c in copies))
+    vetted = set()
+    for copy in copies:
+        why = own[copy.checkpoint.job_id].refuses(copy.location)
+        if not why:
+            vetted.add(copy.pk)
+            continue
+        with transaction.atomic():
+            _copy_refuse(copy.pk, why)
+        _refusal_record(
+            copy.checkpoint.job,
+            why,
+            copy=copy.pk,
+            request=copy.request,
+            location=copy.location[:300],
+        )
+    return vetted
+
+
+def _copy_refuse(copy_id: int, why: str) -> None:
+    copy = _locked_copy(copy_id)
+    now, actor = timezone.now(), _actor()
+    reason = f"{why}: neither checked nor deleted"
+    if S.MISSING in COPY_MOVES[copy.state]:
+        _move_copy(copy, S.MISSING, reason, actor=actor, now=now)
+    else:
+        _note(copy.checkpoint, reason, actor=actor, copy=copy)
+    copy.request, copy.request_node_id, copy.requested_at = CopyRequest.NONE, None, None
+    copy.error = reason[:500]
+    copy.save()
+    _settle(copy.checkpoint, reason, actor=actor, now=now)
+
+
+def agent_work_vet(*, work: dict) -> dict:
+    """An agent's work (selectors.agent_checkpoint_work) with every copy checked again."""
+    asked = [item["copy"] for kind in ("verify", "delete") for item in work[kind]]
+    if not asked:
+        return work
+    vetted = copies_vet(copy_ids=asked)
+    return {
+        **work,
+        "verify": [item for item in work["verify"] if item["copy"] in vetted],
+        "delete": [item for item in work["delete"] if item["copy"] in vetted],
+    }
 
 
 def _manages_fleet(by) -> None:
@@ -425,7 +574,7 @@ def _lock_copies(copies) -> list[CheckpointCopy]:
 
 def checkpoint_event_record(*, node_id: int, run_id: int, event: dict) -> dict:
     """One of the trainer's checkpoint lines, as the node's agent relays it."""
-    run = Run.objects.select_related("job", "node").filter(pk=run_id, node_id=node_id).first()
+    run = Run.objects.select_related("job__team", "node").filter(pk=run_id, node_id=node_id).first()
     if run is None:
         raise ApplicationError("No such run on this node.", code="not_found", status=404)
     if not isinstance(event, dict):
@@ -441,20 +590,34 @@ def checkpoint_event_record(*, node_id: int, run_id: int, event: dict) -> dict:
     if handler is None:
         return {"ignored": True}
     actor = f"agent:{run.node.name}"
+    own = _own([run.job])[run.job_id]
     for tries in range(3):  # two agents racing on one path: the loser reads the winner's row
         try:
             with transaction.atomic():
-                return handler(run, event, actor=actor, now=timezone.now())
+                return handler(run, event, own=own, actor=actor, now=timezone.now())
         except IntegrityError:
             if tries == 2:
                 raise
+        except NotOwned as refused:  # recorded once its transaction has rolled back
+            _refusal_record(
+                run.job,
+                refused.why,
+                run=run.pk,
+                event=event.get("event"),
+                field=refused.field,
+                location=refused.location[:300],
+            )
+            raise
     return {}  # pragma: no cover
 
 
-def _committed(run: Run, event: dict, *, actor: str, now) -> dict:
+def _committed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
     step = _integer(event, "step", maximum=2**31 - 1)
-    path = _text(event, "path")
     digest = _digest(event)
+    path = _place(event, "path", own)
+    replaced = event.get("replaced")
+    if isinstance(replaced, str) and 0 < len(replaced) <= 1024 and _storable(replaced):
+        replaced = _place(event, "replaced", own)
     kind = storage_kind()
     place = _placed(kind, run.node_id)
     checkpoint, created = Checkpoint.objects.get_or_create(
@@ -483,7 +646,6 @@ def _committed(run: Run, event: dict, *, actor: str, now) -> dict:
             reason=f"committed by attempt {run.attempt} on {run.node.name}",
             actor_label=actor,
         )
-    replaced = event.get("replaced")
     for other in _lock_copies(
         _present_at(run.job_id, kind, place, path).exclude(checkpoint=checkpoint)
     ):
@@ -531,11 +693,15 @@ def _of_step(run: Run, step: int) -> Checkpoint | None:
 
 
 def _s3_copy(checkpoint: Checkpoint, uri: str, state: str, *, actor: str, now, error=""):
-    """The checkpoint's S3 copy at `uri`, made or updated; a copy of another checkpoint that
-    was at the same keys has been overwritten."""
+    """The checkpoint's S3 copy at `uri`, made or updated; a copy of another checkpoint of the
+    job that was at the same keys has been overwritten (another job's never is: `uri` lies
+    under this job's own prefix)."""
     for other in _lock_copies(
         CheckpointCopy.objects.filter(
-            kind=CopyKind.S3, location=uri, state__in=ON_STORAGE_COPY_STATES
+            checkpoint__job_id=checkpoint.job_id,
+            kind=CopyKind.S3,
+            location=uri,
+            state__in=ON_STORAGE_COPY_STATES,
         ).exclude(checkpoint=checkpoint)
     ):
         _move_copy(
@@ -573,11 +739,12 @@ def _s3_copy(checkpoint: Checkpoint, uri: str, state: str, *, actor: str, now, e
     return copy
 
 
-def _copied(run: Run, event: dict, *, actor: str, now) -> dict:
+def _copied(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
     step = _integer(event, "step", maximum=2**31 - 1)
     uri = _text(event, "uri")
     if not uri.startswith("s3://"):
         raise invalid_input("event.uri", "An s3:// URI.")
+    uri = _place(event, "uri", own)
     checkpoint = _of_step(run, step)
     if checkpoint is None:
         return {"ignored": True}
@@ -586,11 +753,14 @@ def _copied(run: Run, event: dict, *, actor: str, now) -> dict:
     return {"checkpoint": checkpoint.pk, "copy": copy.pk}
 
 
-def _copy_failed(run: Run, event: dict, *, actor: str, now) -> dict:
+def _copy_failed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
     step = _integer(event, "step", maximum=2**31 - 1)
     uri = _text(event, "uri")
+    if not uri.startswith("s3://"):
+        return {"ignored": True}
+    uri = _place(event, "uri", own)
     checkpoint = _of_step(run, step)
-    if checkpoint is None or not uri.startswith("s3://"):
+    if checkpoint is None:
         return {"ignored": True}
     message = _clean(event.get("message") or "the upload failed", 250)
     tries = _integer(event, "attempts", default=1, maximum=1000)
@@ -611,8 +781,8 @@ def _copy_at(run: Run, path: str):
     )
 
 
-def _rejected(run: Run, event: dict, *, actor: str, now) -> dict:
-    path = _text(event, "path")
+def _rejected(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
+    path = _place(event, "path", own)
     reason = _clean(event.get("reason") or "it did not verify", 250)
     found = _lock_copies(_copy_at(run, path))
     copy = found[0] if found else None
@@ -625,8 +795,10 @@ def _rejected(run: Run, event: dict, *, actor: str, now) -> dict:
     return {"checkpoint": copy.checkpoint_id, "copy": copy.pk}
 
 
-def _fetched(run: Run, event: dict, *, actor: str, now) -> dict:
-    path = _text(event, "path")
+def _fetched(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
+    path = _place(event, "path", own)
+    if event.get("uri") is not None:
+        _place(event, "uri", own)
     digest = event.get("manifest_sha256")
     checkpoint = (
         Checkpoint.objects.filter(job_id=run.job_id, manifest_sha256=digest)
@@ -655,8 +827,8 @@ def _fetched(run: Run, event: dict, *, actor: str, now) -> dict:
     return {"checkpoint": checkpoint.pk, "copy": copy.pk}
 
 
-def _resumed(run: Run, event: dict, *, actor: str, now) -> dict:
-    path = _text(event, "path")
+def _resumed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
+    path = _place(event, "path", own)
     copy = (
         CheckpointCopy.objects.filter(checkpoint__job_id=run.job_id, location=path)
         .select_related("checkpoint")
@@ -944,13 +1116,17 @@ def sweep_record(*, node_id: int, sweep_id: int, report: dict) -> StorageSweep:
             )
         )
     }
-    seen, adopted, found_again = set(), 0, 0
+    own = _own([job], s3=False)[job.pk]
+    seen, adopted, found_again, refused = set(), 0, 0, []
     for entry in entries[:10_000]:
         if not _entry_ok(entry):
             continue
         if entry.get("job_uuid") not in (None, str(job.uuid)):
             continue  # another job's checkpoint: not ours to register or delete
         path, digest = entry["path"], entry["manifest_sha256"]
+        if own.refuses(path):
+            refused.append(path)
+            continue
         copy = known.get(path)
         if copy is not None and copy.checkpoint.manifest_sha256 == digest:
             seen.add(copy.pk)
@@ -1005,8 +1181,19 @@ def sweep_record(*, node_id: int, sweep_id: int, report: dict) -> StorageSweep:
         "missing": lost,
         "removed": removed,
         "directory_missing": bool(report.get("missing")),
+        "refused": len(refused),
     }
+    if report.get("problem"):
+        sweep.result["problem"] = _clean(report["problem"], 300)
     sweep.save(update_fields=["reported_at", "result"])
+    if refused:
+        _refusal_record(
+            job,
+            own.refuses(refused[0]),
+            sweep=sweep.pk,
+            refused=len(refused),
+            location=_clean(refused[0], 300),
+        )
     return sweep
 
 
@@ -1092,6 +1279,7 @@ def checkpoint_resume_prepare(*, job_id: int, now: dt.datetime | None = None) ->
     if last_ended is None and not Checkpoint.objects.filter(job=job).exists():
         return ResumePlan(s3=s3)  # its first attempt
     deadline = (job.admitted_at or now) + dt.timedelta(seconds=settings.CHECKPOINT_RESUME_WAIT_S)
+    own = _own([job])[job.pk]
     waiting = []
     with transaction.atomic():
         if last_ended is not None:
@@ -1111,7 +1299,11 @@ def checkpoint_resume_prepare(*, job_id: int, now: dt.datetime | None = None) ->
             .order_by("-step", "-committed_at")
         )
         for checkpoint in candidates:
-            copies = [c for c in checkpoint.copies.all() if c.state in (S.COMMITTED, S.VERIFIED)]
+            copies = [
+                c
+                for c in checkpoint.copies.all()
+                if c.state in (S.COMMITTED, S.VERIFIED) and not own.refuses(c.location)
+            ]
             verified = sorted(
                 (c for c in copies if c.state == S.VERIFIED and _reachable(c, nodes)),
                 key=lambda c: PREFERENCE[c.kind],

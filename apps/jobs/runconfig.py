@@ -6,6 +6,7 @@ the meaning of each field (workers/trainer); this is the control plane's half.
 """
 
 import json
+import posixpath
 
 from django.conf import settings
 
@@ -13,9 +14,9 @@ from apps.jobs.models import Job
 
 
 def checkpoint_dir(job: Job) -> str:
-    """Where the job's checkpoints live: shared storage for multi-node jobs (settings)."""
-    root = settings.CHECKPOINT_ROOT.rstrip("/")
-    return f"{root}/{job.team.slug}/job-{job.pk}"
+    """Where the job's checkpoints live: shared storage for multi-node jobs (settings). The one
+    place it is computed: run.json names it, and the registry accepts only paths under it."""
+    return posixpath.normpath(f"{settings.CHECKPOINT_ROOT}/{job.team.slug}/job-{job.pk}")
 
 
 def trainer_run_config(

@@ -25,14 +25,17 @@ def s3_store():
 
 
 def s3_copies_verify(*, store=None) -> dict[str, int]:
-    """Check the S3 copies asked for; record each verdict (or try again later)."""
+    """Check the S3 copies asked for; record each verdict (or try again later). A copy whose
+    URI is not under its own job's prefix is never read (copies_vet)."""
     from apps.checkpoints.selectors import s3_verifications_due
-    from apps.checkpoints.services import copy_request_retry, copy_verification_record
+    from apps.checkpoints.services import copies_vet, copy_request_retry, copy_verification_record
     from workers.providers.errors import ProviderError
 
     store = store or s3_store()
-    counts = {"verified": 0, "corrupt": 0, "later": 0}
-    for work in s3_verifications_due():
+    due = s3_verifications_due()
+    vetted = copies_vet(copy_ids=[work.copy_id for work in due])
+    counts = {"verified": 0, "corrupt": 0, "later": 0, "refused": len(due) - len(vetted)}
+    for work in (w for w in due if w.copy_id in vetted):
         try:
             verdict = store.verify(
                 work.uri, work.manifest_sha256, mode=settings.CHECKPOINT_S3_VERIFY
@@ -56,14 +59,17 @@ def s3_copies_verify(*, store=None) -> dict[str, int]:
 
 
 def s3_copies_delete(*, store=None) -> dict[str, int]:
-    """Delete the S3 copies GC marked; a copy is marked deleted only once S3 says so."""
+    """Delete the S3 copies GC marked; a copy is marked deleted only once S3 says so. A copy
+    whose URI is not under its own job's prefix is never deleted (copies_vet)."""
     from apps.checkpoints.selectors import s3_deletions_due
-    from apps.checkpoints.services import copy_deletion_record
+    from apps.checkpoints.services import copies_vet, copy_deletion_record
     from workers.providers.errors import ProviderError
 
     store = store or s3_store()
-    counts = {"deleted": 0, "gone": 0, "failed": 0}
-    for work in s3_deletions_due():
+    due = s3_deletions_due()
+    vetted = copies_vet(copy_ids=[work.copy_id for work in due])
+    counts = {"deleted": 0, "gone": 0, "failed": 0, "refused": len(due) - len(vetted)}
+    for work in (w for w in due if w.copy_id in vetted):
         try:
             removed = store.delete(work.uri)
         except ProviderError as exc:

@@ -19,7 +19,7 @@ def events(request, identity, body):
 
 @agent_endpoint("GET")
 def work(request, identity, body):
-    return selectors.agent_checkpoint_work(node_id=identity.node_id)
+    return services.agent_work_vet(work=selectors.agent_checkpoint_work(node_id=identity.node_id))
 
 
 @agent_endpoint("POST")

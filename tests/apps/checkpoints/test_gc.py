@@ -225,11 +225,11 @@ def test_s3_copies_are_verified_before_anything_older_is_deleted(
     assert services.retention_apply()["collected"] == 0
     uri = _copy_to_s3(job, run, keeper, 20)
     assert services.retention_apply()["collected"] == 0  # made, not yet checked
-    assert s3_copies_verify(store=store) == {"verified": 1, "corrupt": 0, "later": 0}
+    assert s3_copies_verify(store=store) == {"verified": 1, "corrupt": 0, "later": 0, "refused": 0}
     assert services.retention_apply()["collected"] == 1
 
     keeper.poll_once()  # the shared copy of step 10
-    assert s3_copies_delete(store=store) == {"deleted": 1, "gone": 0, "failed": 0}
+    assert s3_copies_delete(store=store) == {"deleted": 1, "gone": 0, "failed": 0, "refused": 0}
     assert _registered(job, "deleted") == {10}
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
     assert keys and all("/step-00000020/" in key for key in keys)
@@ -268,7 +268,7 @@ def test_s3_deletion_failing_then_already_gone_ends_consistent(
 
     store.delete(copy.location)  # gone meanwhile, by a lifecycle rule say
     CheckpointCopy.objects.filter(pk=copy.pk).update(retry_after=timezone.now())
-    assert s3_copies_delete(store=store) == {"deleted": 0, "gone": 1, "failed": 0}
+    assert s3_copies_delete(store=store) == {"deleted": 0, "gone": 1, "failed": 0, "refused": 0}
     assert Checkpoint.objects.get(step=10).state == "deleted"
 
 
