@@ -210,6 +210,16 @@ def _gpu_rows(node: Node, report: dict, *, now) -> None:
         gpu.save()
 
 
+def isolation_problems(*, provider: str, report: dict) -> list[str]:
+    """Owned and cloud nodes must run every job as its own user (workers/agent/isolation.py);
+    local nodes are for development and may not (the scheduler keeps one team per node)."""
+    found = report.get("isolation") if isinstance(report.get("isolation"), dict) else {}
+    if provider == "local" or found.get("mode") == "user":
+        return []
+    why = str(found.get("reason") or "the agent did not say it can")[:200]
+    return [f"jobs cannot run as their own users: {why}"]
+
+
 @transaction.atomic
 def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
     """The agent started: record what it is and found; a bootstrapping node becomes READY
@@ -221,6 +231,8 @@ def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
     node.nccl_version = str(report.get("nccl_version") or "")[:20]
     node.agent_registered_at = now
     node.last_heartbeat_at = now
+    isolation = report.get("isolation") if isinstance(report.get("isolation"), dict) else {}
+    node.job_isolation = isolation.get("mode") if isolation.get("mode") in ("user", "none") else ""
     node.save(
         update_fields=[
             "agent_version",
@@ -228,10 +240,12 @@ def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
             "nccl_version",
             "agent_registered_at",
             "last_heartbeat_at",
+            "job_isolation",
         ]
     )
     _gpu_rows(node, report, now=now)
     problems = health_problems(node_gpus=node.gpu_count, report=report)
+    problems += isolation_problems(provider=node.provider, report=report)
     if node.state == S.BOOTSTRAPPING:
         if problems:
             fleet.node_transition(

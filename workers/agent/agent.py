@@ -27,8 +27,9 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
-from workers.agent import VERSION, metrics
+from workers.agent import VERSION, isolation, metrics
 from workers.agent.checkpoints import CheckpointKeeper
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
 from workers.agent.config import AgentConfig
@@ -55,6 +56,23 @@ class Agent:
         self.spot_notice: dict | None = None  # set by the spot watch thread
         self._spot_handled = False
         self._nccl_version = ""
+        self.isolation = isolation.detect(
+            config.job_users,
+            work_dir=config.work_dir,
+            uid_base=config.job_uid_base,
+            uid_count=config.job_uid_count,
+        )
+        if self.isolation.on:
+            isolation.open_code(config.work_dir)
+            python = isolation.blocked_by(Path(sys.executable).parent)
+            if python:
+                log.warning(
+                    "jobs cannot run this agent's Python (%s): their python3 is the "
+                    "first on PATH they can run",
+                    python,
+                )
+        else:
+            log.warning("jobs run as the agent's own user: %s", self.isolation.reason)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -73,6 +91,7 @@ class Agent:
                         "metrics": metrics.gpu_metrics(slots=self.config.slots),
                         "nccl_version": self._nccl_version,
                         "slots": self.config.slots,
+                        "isolation": self.isolation.report(),
                     },
                 )
             except Unreachable as exc:
@@ -173,6 +192,8 @@ class Agent:
                 logs=self.logs,
                 base_env=run_base_env(),
                 on_stdout=functools.partial(self.checkpoints.relay, run_id),
+                isolation=self.isolation,
+                code_dir=self.config.work_dir,
             )
             run.start()
         except (PlanRefused, KeyError, TypeError, ValueError, OSError) as exc:
@@ -268,7 +289,13 @@ def run_base_env() -> dict[str, str]:
 
 
 def main(config: AgentConfig) -> None:
-    agent = Agent(config)
+    # What the agent writes itself (its log, its runs' files before they are handed
+    # over) is its own; directories a job must pass through are opened up explicitly.
+    os.umask(0o077)
+    try:
+        agent = Agent(config)
+    except isolation.IsolationUnavailable as exc:
+        raise SystemExit(f"agent: {exc}") from None
     signal.signal(signal.SIGTERM, agent.stop)
     signal.signal(signal.SIGINT, agent.stop)
     agent.run()
