@@ -7,7 +7,9 @@ wait in memory, and the runs carry on.
 
 The protocol (paths under /api/v1/agent/, JSON, `Authorization: Bearer <node token>`):
 
-    POST register            {version, hostname, metrics, nccl_version, slots}
+    POST register            {version, hostname, metrics, nccl_version, slots, isolation}
+                             -> {..., "token"} when it registered with a cloud node's
+                             bootstrap token: the node's own token from then on
     POST heartbeat           {seq, version, metrics, disk_free_bytes, nccl_version, runs}
     GET  runs/               -> {"start": [plan, ...], "stop": [{"id", "reason"}, ...]}
     POST runs/{id}/status    {state: running | exited | refused, pid, exit_code, signal,
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 from workers.agent import VERSION, isolation, metrics
+from workers.agent import config as config_module
 from workers.agent.checkpoints import CheckpointKeeper
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
 from workers.agent.config import AgentConfig
@@ -99,8 +102,19 @@ class Agent:
                 self.stopping.wait(delay)
                 delay = min(delay * 2, 30.0)
                 continue
+            token = answer.pop("token", None)
+            if token:
+                self._take_token(str(token))
             log.info("registered: %s", answer)
             return
+
+    def _take_token(self, token: str) -> None:
+        """The node's own token, for the bootstrap one its user data carried: kept in
+        agent.env (the agent's alone) so a restart uses it, and used from now on."""
+        config_file = self.config.work_dir / config_module.ENV_FILE
+        config_module.write_value(config_file, "CONTROLPLANE_NODE_TOKEN", token)
+        self.control.use_token(token)
+        log.info("took a token of the node's own; the bootstrap token is retired")
 
     def run(self) -> None:
         self.register()

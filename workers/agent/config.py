@@ -52,6 +52,23 @@ def read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
+def write_value(path: Path, name: str, value: str) -> None:
+    """Set one KEY=value line of agent.env, atomically and readable by the agent alone."""
+    if any(c in value for c in "\n\r\0"):
+        raise ValueError(f"{name} must be one line")
+    lines = [
+        line
+        for line in (path.read_text(encoding="utf-8").splitlines() if path.is_file() else [])
+        if line.partition("=")[0].strip() != name
+    ]
+    lines.append(f"{name}={value}")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write("\n".join(lines) + "\n")
+    os.replace(temporary, path)
+
+
 def load(work_dir: Path | None = None, environ: dict[str, str] | None = None) -> AgentConfig:
     work_dir = Path(work_dir or Path.cwd()).resolve()
     environ = dict(os.environ if environ is None else environ)
