@@ -3,7 +3,13 @@
 
 SHELL := bash
 .SHELLFLAGS := -o pipefail -c
-PYTHON ?= python3
+# The first Python 3.11+ with venv whose interpreter every user can run: jobs run as
+# unprivileged users of their own (README, Security), and on a local node they run this
+# venv's Python. A pyenv build under a home directory closed to others would not do.
+PYTHON ?= $(shell for p in /usr/bin/python3 /usr/local/bin/python3 python3; do \
+	"$$p" -c 'import sys, venv, ensurepip, os; sys.exit(sys.version_info < (3, 11) or \
+	not all(os.stat(d).st_mode & 1 for d in __import__("pathlib").Path(os.path.realpath(sys.executable)).parents))' \
+	2>/dev/null && { echo "$$p"; break; }; done)
 VENV := .venv
 BIN := $(VENV)/bin
 PORT ?= 8000

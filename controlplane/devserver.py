@@ -1,7 +1,9 @@
 """`make run`: the web server, a Celery worker and beat in one terminal; Ctrl-C stops all three."""
 
 import argparse
+import getpass
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -25,6 +27,34 @@ def _wait_for_web(health_url: str, web: subprocess.Popen, timeout_s: float = 60)
         except OSError:
             time.sleep(0.5)
     time.sleep(1.0)  # let the worker and beat finish their banners
+
+
+# What jobs on local nodes must pass through (var/nodes/<node>/runs/<run>, var/checkpoints/...).
+PASSED_THROUGH = ("nodes", "checkpoints")
+
+
+def close_var(var_dir: Path) -> None:
+    """Local nodes run jobs on this machine: nothing of the control plane's own under var/
+    (its secret key, its database, the broker's messages, the demo's passwords) may be
+    read by them. var/ can be passed through but not listed; the rest is ours alone."""
+    var_dir.mkdir(exist_ok=True)
+    os.chmod(var_dir, 0o711)  # noqa: S103 (pass through to nodes/ and checkpoints/)
+    for entry in var_dir.iterdir():
+        if entry.is_symlink():
+            continue
+        if entry.name in PASSED_THROUGH:
+            os.chmod(entry, 0o711)  # noqa: S103
+        else:
+            os.chmod(entry, 0o700 if entry.is_dir() else 0o600)
+
+
+def isolation_notice() -> str:
+    if os.geteuid() == 0:
+        return "Local nodes run each job as its own unprivileged user."
+    return (
+        f"Local nodes run jobs as {getpass.getuser()}: a job can read this control plane's "
+        "files. Development only; each node holds one team's jobs at a time."
+    )
 
 
 def main() -> int:
@@ -52,6 +82,9 @@ def main() -> int:
     }
     (var_dir / "broker" / "queue").mkdir(parents=True, exist_ok=True)
     (var_dir / "broker" / "processed").mkdir(parents=True, exist_ok=True)
+    (var_dir / "nodes").mkdir(exist_ok=True)
+    (var_dir / "checkpoints").mkdir(exist_ok=True)
+    close_var(var_dir)
     children = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
 
     url = f"http://{args.host}:{args.port}/"
@@ -62,6 +95,7 @@ def main() -> int:
         print("  Logins (first start's passwords; kept in var/demo-logins.json):")
         for username, password in logins.items():
             print(f"    {username:<8} {password}")
+    print(f"  {isolation_notice()}")
     print("  Ctrl-C stops the web server, the worker and beat.\n", flush=True)
 
     stopping = False
@@ -97,8 +131,6 @@ def main() -> int:
 def _stop_local_agents(nodes_dir: Path) -> int:
     """The demo's local nodes are processes of this machine: stop their agents with us.
     The next `make run` starts them again (fleet.local_nodes_revive)."""
-    import os
-
     stopped = 0
     for pid_file in nodes_dir.glob("node-*/agent.pid"):
         try:

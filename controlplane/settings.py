@@ -194,6 +194,9 @@ AGENT_SPOT_POLL_S = env_int("AGENT_SPOT_POLL_S", 5)
 # Node providers: `local` runs nodes as processes on this machine.
 NODE_PROVIDER_DEFAULT = env_str("NODE_PROVIDER_DEFAULT", "local")
 SSH_KEY_FILE = env_str("SSH_KEY_FILE")
+# Node directories on owned hosts: outside any home directory, so the unprivileged users
+# the agent runs jobs as can reach their run directories (workers/agent/isolation.py).
+SSH_NODE_ROOT = env_str("SSH_NODE_ROOT", "/var/lib/controlplane")
 AWS_REGION = env_str("AWS_REGION", "us-east-1")
 AWS_ENDPOINT_URL = env_str("AWS_ENDPOINT_URL")
 

@@ -14,6 +14,9 @@ from apps.accounts.models import OrgRoleName, TeamRole
 from tests import factories
 from tests.report_backends import describe
 
+# The sshd fixtures: the SSH provider's tests and the end-to-end ones both start one.
+pytest_plugins = ["tests.sshd"]
+
 hypothesis_settings.register_profile(
     "ci",
     max_examples=60,

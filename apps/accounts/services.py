@@ -40,6 +40,7 @@ User = get_user_model()
 
 # Never copied into the audit log.
 SECRET_FIELDS = {"password", "digest", "host_key_private", "secret", "ciphertext"}
+SECRET_SUFFIXES = tuple(f"_{name}" for name in SECRET_FIELDS)  # agent_token_digest...
 
 TOKEN_PREFIX = "cp_"  # noqa: S105  (a prefix, not a secret)
 LAST_USED_RESOLUTION = dt.timedelta(minutes=1)
@@ -67,7 +68,7 @@ def snapshot(obj: models.Model) -> dict:
     """The object's stored fields as JSON-ready data, secrets left out."""
     data = {}
     for field in obj._meta.concrete_fields:
-        if field.name in SECRET_FIELDS:
+        if field.name in SECRET_FIELDS or field.name.endswith(SECRET_SUFFIXES):
             continue
         data[field.attname] = _json_value(getattr(obj, field.attname))
     return data

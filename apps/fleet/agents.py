@@ -19,8 +19,8 @@ from django.core.cache import cache
 from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
-from django.utils.crypto import salted_hmac
 
+from apps.accounts.secrets import decrypt, encrypt
 from apps.fleet import services as fleet
 from apps.fleet.models import GONE_STATES, Gpu, GpuHealth, Node, NodeState
 from controlplane.bulk import update_rows
@@ -58,6 +58,7 @@ class AgentIdentity:
     node_id: int
     node_uuid: str
     name: str
+    bootstrap: bool = False  # the token of a cloud node's user data: registration only
 
 
 def node_agent_token_issue(*, node: Node) -> str:
@@ -74,32 +75,35 @@ def node_agent_token_issue(*, node: Node) -> str:
     return raw
 
 
-def node_agent_token_derive(*, node: Node, install: bool = True) -> str:
-    """The token of a cloud node's agent, which travels in its instance's user data.
+def node_bootstrap_token(*, node: Node) -> str:
+    """The token a cloud node's instance carries in its user data.
 
-    Derived from SECRET_KEY and the node's UUID rather than drawn at random: a launch
-    re-driven after a lost task finds the instance the first attempt made, whose user
-    data holds the first token, so every attempt must compute that same token. With
-    `install`, it becomes the node's token (stored as its SHA-256, like any other).
+    Any process on the instance can read user data from the metadata service, so it is
+    good for one thing only: the agent's registration, which answers with a token of the
+    node's own (node_agent_register) and retires it once that one is used. It is drawn at
+    random the first time and kept encrypted, so a launch re-driven after a lost task
+    writes the same user data as the first (EC2's ClientToken needs identical parameters).
     """
-    raw = (
-        NODE_TOKEN_PREFIX
-        + salted_hmac(
-            "controlplane.fleet.node-agent-token", str(node.uuid), algorithm="sha256"
-        ).hexdigest()
-    )
-    if not install:
-        return raw
-    digest = _digest(raw)
     with transaction.atomic():
         locked = Node.objects.select_for_update().get(pk=node.pk)
-        if locked.agent_token_digest != digest:
-            if locked.agent_token_digest:
-                _tokens.forget([locked.agent_token_digest])
-            locked.agent_token_digest = digest
-            locked.save(update_fields=["agent_token_digest"])
-    node.agent_token_digest = digest
+        if locked.bootstrap_token_ciphertext:
+            return decrypt(locked.bootstrap_token_ciphertext)
+        raw = NODE_TOKEN_PREFIX + secrets.token_urlsafe(32)
+        if locked.agent_registered_at is not None:
+            return raw  # registered already: a launch now gets a token that opens nothing
+        locked.bootstrap_token_digest = _digest(raw)
+        locked.bootstrap_token_ciphertext = encrypt(raw)
+        locked.save(update_fields=["bootstrap_token_digest", "bootstrap_token_ciphertext"])
     return raw
+
+
+def _bootstrap_token_retire(node_id: int, digest: str) -> None:
+    """The node's own token is in use: the one its user data carried opens nothing more."""
+    retired = Node.objects.filter(pk=node_id, bootstrap_token_digest=digest).update(
+        bootstrap_token_digest="", bootstrap_token_ciphertext=b""
+    )
+    if retired:
+        _tokens.forget([digest])
 
 
 def node_agent_token_revoke(*, node: Node) -> None:
@@ -120,14 +124,18 @@ def agent_identity(raw: str) -> AgentIdentity | None:
     if identity is not None:
         return identity
     row = (
-        Node.objects.filter(agent_token_digest=digest)
+        Node.objects.filter(Q(agent_token_digest=digest) | Q(bootstrap_token_digest=digest))
         .exclude(state__in=(S.TERMINATING, S.TERMINATED))
-        .values_list("id", "uuid", "name")
+        .values_list("id", "uuid", "name", "bootstrap_token_digest")
         .first()
     )
     if row is None:
         return None
-    identity = AgentIdentity(node_id=row[0], node_uuid=str(row[1]), name=row[2])
+    node_id, uuid, name, bootstrap_digest = row
+    bootstrap = bootstrap_digest == digest
+    if bootstrap_digest and not bootstrap:
+        _bootstrap_token_retire(node_id, bootstrap_digest)
+    identity = AgentIdentity(node_id=node_id, node_uuid=str(uuid), name=name, bootstrap=bootstrap)
     _tokens.remember(digest, identity)
     return identity
 
@@ -210,6 +218,16 @@ def _gpu_rows(node: Node, report: dict, *, now) -> None:
         gpu.save()
 
 
+def isolation_problems(*, provider: str, report: dict) -> list[str]:
+    """Owned and cloud nodes must run every job as its own user (workers/agent/isolation.py);
+    local nodes are for development and may not (the scheduler keeps one team per node)."""
+    found = report.get("isolation") if isinstance(report.get("isolation"), dict) else {}
+    if provider == "local" or found.get("mode") == "user":
+        return []
+    why = str(found.get("reason") or "the agent did not say it can")[:200]
+    return [f"jobs cannot run as their own users: {why}"]
+
+
 @transaction.atomic
 def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
     """The agent started: record what it is and found; a bootstrapping node becomes READY
@@ -221,6 +239,8 @@ def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
     node.nccl_version = str(report.get("nccl_version") or "")[:20]
     node.agent_registered_at = now
     node.last_heartbeat_at = now
+    isolation = report.get("isolation") if isinstance(report.get("isolation"), dict) else {}
+    node.job_isolation = isolation.get("mode") if isolation.get("mode") in ("user", "none") else ""
     node.save(
         update_fields=[
             "agent_version",
@@ -228,10 +248,12 @@ def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
             "nccl_version",
             "agent_registered_at",
             "last_heartbeat_at",
+            "job_isolation",
         ]
     )
     _gpu_rows(node, report, now=now)
     problems = health_problems(node_gpus=node.gpu_count, report=report)
+    problems += isolation_problems(provider=node.provider, report=report)
     if node.state == S.BOOTSTRAPPING:
         if problems:
             fleet.node_transition(
@@ -245,12 +267,18 @@ def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
     upgrade = version_older(node.agent_version, settings.AGENT_VERSION)
     if upgrade and node.provider in ("local", "ssh"):
         _upgrade_soon(node.pk)
-    return {
+    answer = {
         "heartbeat_every_s": settings.AGENT_HEARTBEAT_S,
         "latest_version": settings.AGENT_VERSION,
         "upgrade": upgrade,
         "problems": problems,
     }
+    if identity.bootstrap:
+        # The user data's token is readable on the instance: the agent takes its own, and
+        # the first request made with it retires the old one (a lost answer costs nothing:
+        # the agent registers again with the old token and gets another).
+        answer["token"] = node_agent_token_issue(node=node)
+    return answer
 
 
 def version_older(version: str, than: str) -> bool:

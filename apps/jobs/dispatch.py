@@ -122,21 +122,25 @@ def run_plan(
     if job.kind == JobKind.COMMAND:
         command = spec["command"]
         return {
+            "job": job.pk,  # the agent runs the job's processes as the job's own user
             "argv": list(command["argv"]),
             "env": env,
             "workdir": command.get("workdir") or command.get("path") or "",
             "git": command.get("git"),
             "files": [],
         }
-    from apps.jobs.runconfig import trainer_run_config  # the trainer issue's part
+    from apps.jobs.runconfig import checkpoint_dir, trainer_run_config
 
     # Fewer out-of-memory stops from fragmentation on long runs (PyTorch's allocator).
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return {
+        "job": job.pk,
         "argv": trainer_argv(job, rank=rank, head=head),
         "env": env,
         "workdir": "",
         "git": None,
+        # Made on the node and handed to the job's user before the trainer starts.
+        "owned_dirs": [checkpoint_dir(job)],
         "files": [
             {
                 "path": "run.json",

@@ -135,7 +135,6 @@ def _assert_registry_storage_and_page_agree(job, user) -> None:
 def test_a_killed_nodes_job_resumes_elsewhere_from_its_newest_verified_checkpoint(
     local_nodes, e2e_team, api_for, settings, tmp_path
 ):
-    settings.CHECKPOINT_ROOT = str(tmp_path / "checkpoints")  # every local node sees it
     settings.NODE_SUSPECT_AFTER_S = 2
     settings.NODE_DOWN_AFTER_S = 5
     pool = factories.make_owned_pool(slug="e2e-ckpt-kill")
@@ -209,7 +208,6 @@ def test_a_killed_nodes_job_resumes_elsewhere_from_its_newest_verified_checkpoin
 def test_a_preempted_job_whose_newest_checkpoint_rotted_resumes_from_the_one_before(
     local_nodes, e2e_team, api_for, settings, tmp_path
 ):
-    settings.CHECKPOINT_ROOT = str(tmp_path / "checkpoints")
     pool = factories.make_owned_pool(slug="e2e-ckpt-preempt")
     local_nodes(pool, count=1, gpus=2)
     member = factories.make_member(team=e2e_team)

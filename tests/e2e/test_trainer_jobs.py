@@ -17,7 +17,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(tran
 def test_a_tiny_trainer_job_trains_on_local_nodes_and_succeeds(
     local_nodes, e2e_team, api_for, settings, tmp_path
 ):
-    settings.CHECKPOINT_ROOT = str(tmp_path / "checkpoints")
     pool = factories.make_owned_pool(slug="e2e-train")
     local_nodes(pool, count=1, gpus=2)
     api = api_for(factories.make_member(team=e2e_team), scopes=("submit",))

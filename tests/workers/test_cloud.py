@@ -132,7 +132,11 @@ def register(node: Node) -> Node:
     ]
     agents.node_agent_register(
         identity=identity,
-        report={"version": "1", "metrics": {"source": "nvidia-smi", "gpus": gpus}},
+        report={
+            "version": "1",
+            "metrics": {"source": "nvidia-smi", "gpus": gpus},
+            "isolation": {"mode": "user"},  # the agent runs as root on the instance
+        },
     )
     return Node.objects.get(pk=node.pk)
 
@@ -244,7 +248,7 @@ def test_a_burst_node_launches_on_spot_tagged_with_its_job_and_its_token(aws, po
         "controlplane:pool": pool.slug,
     }
     assert [g["GroupId"] for g in instance["SecurityGroups"]] == [group["GroupId"]]
-    # The agent's token is in the user data, and it is the node's token.
+    # The user data carries the node's bootstrap token: it opens registration only.
     raw = aws.ec2.describe_instance_attribute(
         InstanceId=instance["InstanceId"], Attribute="userData"
     )["UserData"]["Value"]
@@ -256,6 +260,7 @@ def test_a_burst_node_launches_on_spot_tagged_with_its_job_and_its_token(aws, po
         if word.strip("'").startswith("CONTROLPLANE_NODE_TOKEN=")
     ]
     assert agents.agent_identity(token).node_id == node.pk
+    assert agents.agent_identity(token).bootstrap
     assert "https://cp.example.com/agent/bundle.tar.gz" in script
 
     # The agent registers (moto runs no user data, so the test does): READY, and the next

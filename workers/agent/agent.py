@@ -7,7 +7,9 @@ wait in memory, and the runs carry on.
 
 The protocol (paths under /api/v1/agent/, JSON, `Authorization: Bearer <node token>`):
 
-    POST register            {version, hostname, metrics, nccl_version, slots}
+    POST register            {version, hostname, metrics, nccl_version, slots, isolation}
+                             -> {..., "token"} when it registered with a cloud node's
+                             bootstrap token: the node's own token from then on
     POST heartbeat           {seq, version, metrics, disk_free_bytes, nccl_version, runs}
     GET  runs/               -> {"start": [plan, ...], "stop": [{"id", "reason"}, ...]}
     POST runs/{id}/status    {state: running | exited | refused, pid, exit_code, signal,
@@ -27,8 +29,10 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
-from workers.agent import VERSION, metrics
+from workers.agent import VERSION, isolation, metrics
+from workers.agent import config as config_module
 from workers.agent.checkpoints import CheckpointKeeper
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
 from workers.agent.config import AgentConfig
@@ -55,6 +59,23 @@ class Agent:
         self.spot_notice: dict | None = None  # set by the spot watch thread
         self._spot_handled = False
         self._nccl_version = ""
+        self.isolation = isolation.detect(
+            config.job_users,
+            work_dir=config.work_dir,
+            uid_base=config.job_uid_base,
+            uid_count=config.job_uid_count,
+        )
+        if self.isolation.on:
+            isolation.open_code(config.work_dir)
+            python = isolation.blocked_by(Path(sys.executable).parent)
+            if python:
+                log.warning(
+                    "jobs cannot run this agent's Python (%s): their python3 is the "
+                    "first on PATH they can run",
+                    python,
+                )
+        else:
+            log.warning("jobs run as the agent's own user: %s", self.isolation.reason)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -73,6 +94,7 @@ class Agent:
                         "metrics": metrics.gpu_metrics(slots=self.config.slots),
                         "nccl_version": self._nccl_version,
                         "slots": self.config.slots,
+                        "isolation": self.isolation.report(),
                     },
                 )
             except Unreachable as exc:
@@ -80,8 +102,19 @@ class Agent:
                 self.stopping.wait(delay)
                 delay = min(delay * 2, 30.0)
                 continue
+            token = answer.pop("token", None)
+            if token:
+                self._take_token(str(token))
             log.info("registered: %s", answer)
             return
+
+    def _take_token(self, token: str) -> None:
+        """The node's own token, for the bootstrap one its user data carried: kept in
+        agent.env (the agent's alone) so a restart uses it, and used from now on."""
+        config_file = self.config.work_dir / config_module.ENV_FILE
+        config_module.write_value(config_file, "CONTROLPLANE_NODE_TOKEN", token)
+        self.control.use_token(token)
+        log.info("took a token of the node's own; the bootstrap token is retired")
 
     def run(self) -> None:
         self.register()
@@ -173,6 +206,8 @@ class Agent:
                 logs=self.logs,
                 base_env=run_base_env(),
                 on_stdout=functools.partial(self.checkpoints.relay, run_id),
+                isolation=self.isolation,
+                code_dir=self.config.work_dir,
             )
             run.start()
         except (PlanRefused, KeyError, TypeError, ValueError, OSError) as exc:
@@ -268,7 +303,13 @@ def run_base_env() -> dict[str, str]:
 
 
 def main(config: AgentConfig) -> None:
-    agent = Agent(config)
+    # What the agent writes itself (its log, its runs' files before they are handed
+    # over) is its own; directories a job must pass through are opened up explicitly.
+    os.umask(0o077)
+    try:
+        agent = Agent(config)
+    except isolation.IsolationUnavailable as exc:
+        raise SystemExit(f"agent: {exc}") from None
     signal.signal(signal.SIGTERM, agent.stop)
     signal.signal(signal.SIGINT, agent.stop)
     agent.run()

@@ -35,6 +35,9 @@ class ControlPlane:
         self._token = token
         self.timeout_s = timeout_s
 
+    def use_token(self, token: str) -> None:
+        self._token = token
+
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(  # noqa: S310 (the configured control-plane URL)

@@ -32,6 +32,11 @@ class AgentConfig:
     # Log lines kept while the control plane cannot be reached; older ones are dropped
     # (and counted) beyond this.
     max_buffered_lines: int = 200_000
+    # Each job as its own user (workers/agent/isolation.py): auto (when privileged),
+    # required (refuse to start without), off. Jobs' uids are base + job id.
+    job_users: str = "auto"
+    job_uid_base: int = 0
+    job_uid_count: int = 0
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -45,6 +50,23 @@ def read_env_file(path: Path) -> dict[str, str]:
         name, _, value = line.partition("=")
         values[name.strip()] = value
     return values
+
+
+def write_value(path: Path, name: str, value: str) -> None:
+    """Set one KEY=value line of agent.env, atomically and readable by the agent alone."""
+    if any(c in value for c in "\n\r\0"):
+        raise ValueError(f"{name} must be one line")
+    lines = [
+        line
+        for line in (path.read_text(encoding="utf-8").splitlines() if path.is_file() else [])
+        if line.partition("=")[0].strip() != name
+    ]
+    lines.append(f"{name}={value}")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write("\n".join(lines) + "\n")
+    os.replace(temporary, path)
 
 
 def load(work_dir: Path | None = None, environ: dict[str, str] | None = None) -> AgentConfig:
@@ -76,4 +98,7 @@ def load(work_dir: Path | None = None, environ: dict[str, str] | None = None) ->
         request_timeout_s=number("AGENT_REQUEST_TIMEOUT_S", 10.0),
         stop_grace_s=number("AGENT_STOP_GRACE_S", 30.0),
         max_buffered_lines=int(number("AGENT_MAX_BUFFERED_LINES", 200_000)),
+        job_users=values.get("AGENT_JOB_USERS", "") or "auto",
+        job_uid_base=int(number("AGENT_JOB_UID_BASE", 0)),
+        job_uid_count=int(number("AGENT_JOB_UID_COUNT", 0)),
     )

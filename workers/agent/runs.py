@@ -3,9 +3,11 @@
 A run plan (from the control plane) says what to run: an argument list (never a
 shell string), environment variables, secrets (injected as variables, and
 masked in every output line the agent relays), a working directory, files to
-write, and optionally a git repository and ref to check out first. The process
-starts in a new session, so a stop or a spot notice signals torchrun and all
-its workers together.
+write, the directories the job must own (its checkpoints), and optionally a git
+repository and ref to check out first. The process starts in a new session, so a
+stop or a spot notice signals torchrun and all its workers together. Where the
+agent is privileged it runs as the job's own user (workers/agent/isolation.py),
+and whatever that user still runs when the run ends is killed.
 """
 
 import contextlib
@@ -21,6 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from workers.agent import isolation
+from workers.agent.isolation import Isolation
+
 log = logging.getLogger("agent")
 
 STATUS_FILE_VARIABLE = "CONTROLPLANE_STATUS_FILE"
@@ -28,6 +33,7 @@ RUN_ID_VARIABLE = "CONTROLPLANE_RUN_ID"
 MASK = "********"
 # Variables the run inherits from the agent; everything else comes from the plan.
 INHERITED = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")
+STATUS_LIMIT = 64 * 1024  # bytes of status file read back
 _REF = re.compile(r"[\w./-]+\Z")
 
 
@@ -44,6 +50,8 @@ class Plan:
     workdir: str = ""
     files: tuple[dict, ...] = ()
     git: dict | None = None
+    job_id: int | None = None
+    owned_dirs: tuple[str, ...] = ()  # absolute paths the job's user must own (checkpoints)
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
@@ -58,7 +66,30 @@ class Plan:
             workdir=str(data.get("workdir") or ""),
             files=tuple(data.get("files") or ()),
             git=data.get("git") or None,
+            job_id=_job_id(data),
+            owned_dirs=_owned_dirs(data.get("owned_dirs")),
         )
+
+
+def _job_id(data: dict) -> int | None:
+    value = data.get("job", (data.get("env") or {}).get("CONTROLPLANE_JOB_ID"))
+    try:
+        job_id = int(value)
+    except (TypeError, ValueError):
+        return None
+    return job_id if job_id >= 0 else None
+
+
+def _owned_dirs(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise PlanRefused("owned_dirs must be a list of paths")
+    for path in value:
+        pure = PurePosixPath(path)
+        if not pure.is_absolute() or ".." in pure.parts or len(pure.parts) < 3:
+            raise PlanRefused(f"{path!r} cannot be given to a job")
+    return tuple(value)
 
 
 class Masker:
@@ -128,6 +159,8 @@ class Run:
         logs: LogBuffer,
         base_env: dict[str, str],
         on_stdout=None,
+        isolation: Isolation | None = None,
+        code_dir: Path | None = None,
     ):
         self.plan = plan
         # Called with each stdout line (masked) by the reader thread: the agent picks out
@@ -137,6 +170,14 @@ class Run:
         self.status_file = self.dir / "status.json"
         self._logs = logs
         self._base_env = base_env
+        # Where the bundled packages are (the node directory): `-m workers.trainer` works
+        # from any working directory.
+        self._code_dir = code_dir
+        self.uid: int | None = None
+        if isolation is not None and isolation.on:
+            if plan.job_id is None:
+                raise PlanRefused("the plan names no job, so the job's user cannot be chosen")
+            self.uid = isolation.uid_for(plan.job_id)
         self._mask = Masker(plan.secrets.values())
         self._seq = 0
         self._seq_lock = threading.Lock()
@@ -144,6 +185,7 @@ class Run:
         self._readers: list[threading.Thread] = []
         self.stop_reason = ""
         self._kill_at: float | None = None
+        self.leftovers_killed = 0
 
     # --- output -------------------------------------------------------------------------
 
@@ -177,39 +219,62 @@ class Run:
             target.write_text(str(item.get("content", "")), encoding="utf-8")
             target.chmod(int(item.get("mode", 0o600)))
 
-    def _checkout(self) -> Path:
+    def _as_job(self) -> dict:
+        """Popen's arguments that start a process as the job's own user (none without one)."""
+        if self.uid is None:
+            return {}
+        return {"user": self.uid, "group": self.uid, "extra_groups": [], "umask": 0o077}
+
+    def _checkout(self, env: dict[str, str]) -> Path:
         repo, ref = str(self.plan.git["repo"]), str(self.plan.git["ref"])
         if ref.startswith("-") or not _REF.match(ref):
             raise PlanRefused(f"{ref!r} is not a branch, tag or commit")
         if repo.startswith("-"):
             raise PlanRefused(f"{repo!r} is not a repository")
         source = self.dir / "src"
-        if not (source / ".git").is_dir():
-            self._git(["git", "clone", "--quiet", "--no-checkout", "--", repo, str(source)])
-        self._git(["git", "-C", str(source), "checkout", "--quiet", "--detach", ref, "--"])
+        self._git(["git", "clone", "--quiet", "--no-checkout", "--", repo, str(source)], env)
+        self._git(["git", "-C", str(source), "checkout", "--quiet", "--detach", ref, "--"], env)
         return source
 
-    def _git(self, argv: list[str]) -> None:
+    def _git(self, argv: list[str], env: dict[str, str]) -> None:
+        """git runs as the job's user: a repository is the job's code, and so is its checkout."""
         self.note("$ " + " ".join(argv))
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=600, env=env, **self._as_job()
+        )
         for line in (done.stdout + done.stderr).splitlines():
             self.note(line, "stderr")
         if done.returncode != 0:
             raise PlanRefused(f"git exited {done.returncode}")
 
-    def start(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._write_files()
-        cwd = self._checkout() if self.plan.git else self.dir
-        if self.plan.workdir:
-            workdir = Path(self.plan.workdir)
-            cwd = workdir if workdir.is_absolute() else cwd / workdir
+    def _environment(self) -> dict[str, str]:
         env = {k: v for k, v in self._base_env.items() if k in INHERITED}
+        if self._code_dir is not None:
+            env["PYTHONPATH"] = str(self._code_dir)
+        if self.uid is not None:
+            # Nothing of the agent's own account: the job's home and temporary files are its
+            # run directory's.
+            name = f"job{self.plan.job_id}"
+            env.update(HOME=str(self.dir), USER=name, LOGNAME=name, TMPDIR=str(self.dir / "tmp"))
         env.update(self.plan.env)
         env.update(self.plan.secrets)
         env[STATUS_FILE_VARIABLE] = str(self.status_file)
         env[RUN_ID_VARIABLE] = str(self.plan.id)
-        self.status_file.unlink(missing_ok=True)
+        return env
+
+    def start(self) -> None:
+        isolation.fresh_directory(self.dir)
+        self._write_files()
+        if self.uid is not None:
+            (self.dir / "tmp").mkdir(mode=0o700)
+            isolation.hand_over(self.dir, self.uid, self.uid)
+            for path in self.plan.owned_dirs:
+                isolation.owned_directory(Path(path), self.uid, self.uid)
+        env = self._environment()
+        cwd = self._checkout(env) if self.plan.git else self.dir
+        if self.plan.workdir:
+            workdir = Path(self.plan.workdir)
+            cwd = workdir if workdir.is_absolute() else cwd / workdir
         try:
             self.process = subprocess.Popen(
                 list(self.plan.argv),
@@ -219,8 +284,9 @@ class Run:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                **self._as_job(),
             )
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:
             raise PlanRefused(f"could not start {self.plan.argv[0]!r}: {exc}") from None
         for pipe, stream in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr")):
             reader = threading.Thread(target=self._read, args=(pipe, stream), daemon=True)
@@ -260,19 +326,26 @@ class Run:
 
     def exit_report(self, code: int) -> dict:
         """What the control plane learns when the process ends."""
+        if self.uid is not None:
+            # Whatever the job left running (a daemon out of its session holds our pipes
+            # open too) and its files in the shared temporary directories go with it.
+            self.leftovers_killed = isolation.stop_everything_of(self.uid)
+            if self.leftovers_killed:
+                self.note(f"killed {self.leftovers_killed} process(es) the run left behind")
+            isolation.remove_temporary_files_of(self.uid)
         for reader in self._readers:
             reader.join(timeout=5)  # the last lines first
         status = None
-        if self.status_file.is_file():
-            try:
-                status = json.loads(self.status_file.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                status = {"unreadable": str(exc)}
-        report = {
+        try:
+            data = isolation.read_job_file(self.status_file, uid=self.uid, limit=STATUS_LIMIT)
+            if data is not None:
+                status = json.loads(data.decode("utf-8"))
+        except (OSError, ValueError) as exc:
+            status = {"unreadable": str(exc)[:200]}
+        return {
             "state": "exited",
             "exit_code": code if code >= 0 else None,
             "signal": -code if code < 0 else None,
             "reason": self.stop_reason,
             "status": status,
         }
-        return report

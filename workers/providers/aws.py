@@ -212,6 +212,9 @@ def user_data(
         "set -eu",
         "umask 077",
         quote_argv(["mkdir", "-p", node_dir]),
+        # Jobs run as users of their own and must pass through to their run directories;
+        # they list nothing here (the agent opens its packages to them when it starts).
+        quote_argv(["chmod", "711", node_root.rstrip("/") or "/", node_dir]),
         quote_argv(["printf", "%s\\n", *settings]) + " > " + path(AGENT_ENV_FILE),
         quote_argv(
             [

@@ -1,7 +1,11 @@
 """The `local` provider: a node is a directory and an agent process on this machine.
 
 Its "GPUs" are CPU slots. `make run`'s demo fleet and the tests use it; nothing
-here needs a network, a cloud account or root.
+here needs a network, a cloud account or root. It is for development: its jobs run
+on the control plane's own host. Started by root, the agent runs each job as its
+own unprivileged user (workers/agent/isolation.py); started by anyone else it
+cannot, its jobs run as the control plane's user, and the node says so when it
+registers (the scheduler then keeps one team per node).
 """
 
 import contextlib
@@ -76,7 +80,7 @@ class LocalProvider:
 
     def create(self, spec: LocalNodeSpec, *, progress: Progress | None = None) -> NodeDescription:
         node_dir = self.node_dir(spec)
-        node_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        node_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         report(progress, "create", 100, f"Node directory {node_dir}.")
         return self.describe(spec)
 
@@ -89,7 +93,7 @@ class LocalProvider:
         progress: Progress | None = None,
     ) -> BootstrapReport:
         node_dir = self.node_dir(spec)
-        node_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        node_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         with _locked(node_dir):
             files = bundle_files(bundle)
             for done, (relative, source) in enumerate(files, start=1):
@@ -151,7 +155,9 @@ class LocalProvider:
     def _start(self, spec: LocalNodeSpec, bundle: Bundle, node_dir: Path) -> int:
         env = {name: os.environ[name] for name in _PASSED_THROUGH if name in os.environ}
         env.update(self._own_variables(spec))
-        with open(node_dir / AGENT_LOG_FILE, "ab") as log:
+        # The agent's log is the agent's alone (mode 600), like agent.env.
+        fd = os.open(node_dir / AGENT_LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "ab") as log:
             try:
                 process = subprocess.Popen(
                     list(bundle.agent_argv),

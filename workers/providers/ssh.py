@@ -284,6 +284,8 @@ if ours; then
   stop || { echo "agent $pid would not stop" >&2; exit 1; }
 fi
 export UUID_VARIABLE="$uuid"
+umask 077
+touch LOG_FILE && chmod 600 LOG_FILE
 setsid nohup "$@" >>LOG_FILE 2>&1 </dev/null 9>&- &
 echo $! > PID_FILE
 sleep 0.3

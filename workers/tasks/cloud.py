@@ -72,10 +72,6 @@ class AwsNodeProvider:
             )
 
     def create(self, spec: AwsNodeSpec, *, progress: Progress | None = None) -> NodeDescription:
-        from apps.fleet import agents
-
-        # The token goes into the user data: the node's token from now on.
-        agents.node_agent_token_derive(node=self._node())
         # Two workers on one node (a re-drive beside a retry) launch one at a time; the
         # look-up by tag and the ClientToken keep it to one instance either way.
         with single_flight(f"fleet.aws-launch:{spec.uuid}", ttl_s=300) as ours:
@@ -95,12 +91,9 @@ class AwsNodeProvider:
         restart_agent: bool = False,
         progress: Progress | None = None,
     ) -> BootstrapReport:
-        """Wait for the instance to run; its user data starts the agent. The bundle's
-        token (provisioning issues one for every provider) never reaches an instance,
-        so the node's token goes back to the one the user data carries."""
-        from apps.fleet import agents
-
-        agents.node_agent_token_derive(node=self._node())
+        """Wait for the instance to run; its user data starts the agent, which registers
+        with the user data's bootstrap token. (The bundle's token, which provisioning
+        issues for every provider, never reaches an instance.)"""
         report = self.provider.bootstrap(spec, progress=progress)
         self._record(self.provider.describe(spec))
         return report
@@ -144,7 +137,7 @@ def aws_provider_for(node) -> tuple[AwsNodeProvider, AwsNodeSpec]:
         security_group_ids=tuple(pool.security_group_ids or ()),
         key_name=pool.key_name,
         instance_profile=pool.instance_profile,
-        node_token=agents.node_agent_token_derive(node=node, install=False),
+        node_token=agents.node_bootstrap_token(node=node),
     )
     return AwsNodeProvider(AwsProvider(aws_config(pool.region)), node.pk), spec
 

@@ -41,7 +41,9 @@ def provider_for(node):
                 "SSH_KEY_FILE is not set: owned nodes cannot be reached."
             )
         return (
-            SshProvider(SshConfig(key_file=Path(settings.SSH_KEY_FILE))),
+            SshProvider(
+                SshConfig(key_file=Path(settings.SSH_KEY_FILE), remote_root=settings.SSH_NODE_ROOT)
+            ),
             SshNodeSpec(
                 uuid=str(node.uuid),
                 address=node.address,

@@ -36,8 +36,12 @@ def _identity(request) -> agents.AgentIdentity | None:
     return agents.agent_identity(raw) if raw is not None else None
 
 
-def agent_endpoint(*methods: str):
-    """Node-token authentication, a JSON body, the error shape; the view gets the identity."""
+def agent_endpoint(*methods: str, bootstrap: bool = False):
+    """Node-token authentication, a JSON body, the error shape; the view gets the identity.
+
+    A cloud node's bootstrap token (its user data's) opens only the endpoints that say
+    `bootstrap=True`: registration, which hands the agent a token of its own.
+    """
 
     def wrap(view):
         @csrf_exempt
@@ -46,6 +50,8 @@ def agent_endpoint(*methods: str):
             if request.method not in methods:
                 return _error(405, "method_not_allowed", f"Use {' or '.join(methods)}.")
             identity = _identity(request)
+            if identity is not None and identity.bootstrap and not bootstrap:
+                identity = None
             if identity is None:
                 response = _error(401, "not_authenticated", "A valid node token is required.")
                 response["WWW-Authenticate"] = 'Bearer realm="agent"'
@@ -71,7 +77,7 @@ def agent_endpoint(*methods: str):
     return wrap
 
 
-@agent_endpoint("POST")
+@agent_endpoint("POST", bootstrap=True)
 def register(request, identity, body):
     return agents.node_agent_register(identity=identity, report=body)
 
@@ -104,7 +110,7 @@ def heartbeat_fast_path(application):
 def _land_plain_heartbeat(request) -> Answer | None:
     """Land the heartbeat if it is a plain, valid one; None leaves it to the view."""
     identity = _identity(request)
-    if identity is None:
+    if identity is None or identity.bootstrap:
         return None  # the view answers 401
     try:
         report = json.loads(request.body or b"{}")

@@ -101,9 +101,20 @@ class Node(models.Model):
 
     # The agent: its token (only a SHA-256 of it), and what it reports.
     agent_token_digest = models.CharField(max_length=64, blank=True, editable=False)
+    # Cloud nodes: the token their instance's user data carries (which any process on the
+    # instance could read from the metadata service), valid only until the agent registers
+    # and takes a token of its own. Kept encrypted so a re-driven launch writes the same.
+    bootstrap_token_digest = models.CharField(max_length=64, blank=True, editable=False)
+    bootstrap_token_ciphertext = models.BinaryField(blank=True, default=b"", editable=False)
     agent_version = models.CharField(max_length=20, blank=True, editable=False)
     agent_hostname = models.CharField(max_length=255, blank=True, editable=False)
     agent_registered_at = models.DateTimeField(null=True, blank=True, editable=False)
+    job_isolation = models.CharField(
+        max_length=8,
+        blank=True,
+        editable=False,
+        choices=[("", "not reported"), ("user", "user"), ("none", "none")],
+    )
     nccl_version = models.CharField(
         max_length=20, blank=True, editable=False, help_text="As the node's agent reports it."
     )
@@ -143,6 +154,11 @@ class Node(models.Model):
                 fields=["agent_token_digest"],
                 condition=~models.Q(agent_token_digest=""),
                 name="node_agent_token_unique",
+            ),
+            models.UniqueConstraint(
+                fields=["bootstrap_token_digest"],
+                condition=~models.Q(bootstrap_token_digest=""),
+                name="node_bootstrap_token_unique",
             ),
         ]
 

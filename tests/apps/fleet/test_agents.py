@@ -99,6 +99,89 @@ def test_a_body_that_is_not_a_json_object_is_a_400():
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "parse_error"
 
 
+def cloud_node_fields() -> dict:
+    p5 = factories.instance_type("p5.48xlarge")
+    slug = factories.unique("aws")
+    pool = services.pool_create(
+        by=None,
+        name=slug,
+        slug=slug,
+        kind="cloud",
+        gpu_type="H100",
+        region="us-east-1",
+        instance_types=[p5],
+    )
+    return {
+        "pool": pool,
+        "provider": "aws",
+        "capacity_type": "spot",
+        "gpu_count": 8,
+        "instance_type": p5,
+    }
+
+
+def test_a_cloud_nodes_bootstrap_token_only_registers_and_is_traded_for_its_own(
+    django_capture_on_commit_callbacks,
+):
+    """The user data's token is readable by anything on the instance (the metadata
+    service): it opens registration only, and is retired once the node's own is used."""
+    node = bootstrapping_node(**cloud_node_fields())
+    bootstrap = agents.node_bootstrap_token(node=node)
+    assert agents.node_bootstrap_token(node=node) == bootstrap  # a re-driven launch: the same
+    stored = Node.objects.get(pk=node.pk)
+    assert bootstrap not in str(stored.bootstrap_token_ciphertext)  # encrypted at rest
+    other = agents.node_bootstrap_token(node=bootstrapping_node(**cloud_node_fields()))
+    assert other != bootstrap  # drawn at random, not derived from anything public
+    old = agent_client(bootstrap)
+    assert old.post("/api/v1/agent/heartbeat", {}, format="json").status_code == 401
+    assert old.get("/api/v1/agent/runs/").status_code == 401
+    body = {**report(8), "isolation": {"mode": "user"}}
+    answer = old.post("/api/v1/agent/register", body, format="json")
+    assert answer.status_code == 200, answer.content
+    own = answer.json()["token"]
+    assert own.startswith("cpn_") and own != bootstrap
+    assert Node.objects.get(pk=node.pk).state == S.READY
+    # Until the node's own token is used, the bootstrap one may register again (the
+    # answer may have been lost); once it is, the bootstrap token opens nothing.
+    new = agent_client(own)
+    with django_capture_on_commit_callbacks(execute=True):
+        beat = new.post("/api/v1/agent/heartbeat", {"seq": 1}, format="json")
+    assert beat.status_code == 200
+    assert old.post("/api/v1/agent/register", body, format="json").status_code == 401
+    assert agents.agent_identity(bootstrap) is None
+    retired = Node.objects.get(pk=node.pk)
+    assert retired.bootstrap_token_digest == "" and bytes(retired.bootstrap_token_ciphertext) == b""
+    # A launch after registration gets a token that opens nothing.
+    assert agents.agent_identity(agents.node_bootstrap_token(node=node)) is None
+
+
+@pytest.mark.parametrize("provider", ["ssh", "aws"])
+def test_an_owned_or_cloud_node_whose_agent_cannot_isolate_jobs_fails(provider):
+    fields = (
+        cloud_node_fields()
+        if provider == "aws"
+        else {"provider": "ssh", "address": "10.0.0.9", "gpu_count": 8}
+    )
+    node = bootstrapping_node(**fields)
+    client = agent_client(agents.node_agent_token_issue(node=node))
+    why = "the agent runs as uid 1000 without CAP_SETUID"
+    body = {**report(8), "isolation": {"mode": "none", "reason": why}}
+    assert client.post("/api/v1/agent/register", body, format="json").status_code == 200
+    node.refresh_from_db()
+    assert node.state == S.FAILED and node.job_isolation == "none"
+    assert f"jobs cannot run as their own users: {why}" in node.state_reason
+
+
+def test_a_local_node_says_whether_its_jobs_run_as_their_own_users():
+    for mode in ("user", "none"):
+        node = bootstrapping_node(gpu_count=4)
+        client = agent_client(agents.node_agent_token_issue(node=node))
+        body = {**report(4), "isolation": {"mode": mode, "reason": "not root"}}
+        assert client.post("/api/v1/agent/register", body, format="json").status_code == 200
+        node.refresh_from_db()
+        assert (node.state, node.job_isolation) == (S.READY, mode)  # development: it may run
+
+
 # --- registration -------------------------------------------------------------------------------
 
 

@@ -314,3 +314,40 @@ def test_the_spot_watch_reads_the_notice_through_imdsv2():
     finally:
         server.close()
     assert SpotWatch(server.url, timeout_s=0.5).check() is None  # metadata gone: no notice
+
+
+def test_a_token_handed_back_at_registration_replaces_the_bootstrap_one(tmp_path, caplog):
+    """A cloud node registers with its user data's token and is answered with its own:
+    kept in agent.env (the agent's alone) and used from then on, never logged."""
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(self.headers["Authorization"])
+            answer = {"token": "cpn_own_token"} if self.path.endswith("/register") else {}
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(answer).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = _Server(Handler)
+    env_file = tmp_path / "agent.env"
+    env_file.write_text(f"CONTROLPLANE_URL={server.url}\nCONTROLPLANE_NODE_TOKEN=cpn_boot\n")
+    try:
+        from workers.agent.agent import Agent
+        from workers.agent.config import load
+
+        agent = Agent(load(tmp_path, environ={"AGENT_JOB_USERS": "off"}))
+        with caplog.at_level("INFO", logger="agent"):
+            agent.register()
+            agent._heartbeat()
+    finally:
+        server.close()
+    assert seen == ["Bearer cpn_boot", "Bearer cpn_own_token"]
+    assert "CONTROLPLANE_NODE_TOKEN=cpn_own_token" in env_file.read_text().splitlines()
+    assert oct(env_file.stat().st_mode & 0o777) == "0o600"
+    assert "cpn_own_token" not in caplog.text

@@ -67,7 +67,8 @@ def test_create_makes_the_node_directory_and_is_idempotent(provider, spec):
 
     node_dir = provider.node_dir(spec)
     assert node_dir.is_dir()
-    assert stat.S_IMODE(node_dir.stat().st_mode) == 0o700
+    # Jobs' own users pass through to their run directories; they list nothing here.
+    assert stat.S_IMODE(node_dir.stat().st_mode) == 0o711
     assert described == again
     assert described.state == MachineState.RUNNING
     assert described.capacity_type == CapacityType.OWNED
@@ -96,6 +97,8 @@ def test_bootstrap_copies_the_packages_and_starts_the_agent_once(provider, spec,
     assert (node_dir / "nccl.env").read_text() == "NCCL_DEBUG=WARN\n"
     agent_env = node_dir / "agent.env"
     assert stat.S_IMODE(agent_env.stat().st_mode) == 0o600
+    # The agent's log is its own too: a job must not read what the agent writes.
+    assert stat.S_IMODE((node_dir / "agent.log").stat().st_mode) == 0o600
     assert agent_env.read_text().splitlines() == [
         "CONTROLPLANE_URL=http://127.0.0.1:8000",
         "CONTROLPLANE_NODE_TOKEN=cpn_x",

@@ -1,7 +1,6 @@
-"""Real servers for the provider tests: an OpenSSH sshd on 127.0.0.1 (the moto server
-is in tests/workers/conftest.py, shared with the cloud tasks' tests).
-
-No database: providers take and return plain dataclasses.
+"""A real OpenSSH sshd on 127.0.0.1 for the SSH provider's tests and the end-to-end ones
+(a pytest plugin, named in tests/conftest.py). The moto server is in
+tests/workers/conftest.py, shared with the cloud tasks' tests.
 """
 
 import shutil

@@ -1,0 +1,272 @@
+"""Each job's processes run as an unprivileged user of their own, never as the agent.
+
+A job is someone else's code. When the agent is privileged (root, or the
+capabilities below), every run of job J starts as uid = gid = `base + J`: a number
+no login account uses, the same on every node (a shared checkpoint directory then
+has one owner), and different for every job. Such a process cannot read another
+job's `/proc/<pid>/environ`, its run directory or its checkpoints, nor the agent's
+token (agent.env is root's, mode 600). When the agent is not privileged (a `local`
+node started by a developer's own user), runs start as the agent's user and the
+node says so when it registers: the scheduler then keeps one team per node.
+
+The agent acts as root on directories a job can write to, so it never follows a
+job's links there: files the agent reads from them are opened with O_NOFOLLOW and
+must be regular files the job's user owns; ownership is changed without following
+links; a directory left from an earlier start is removed, never reused.
+"""
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import signal
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("agent")
+
+# Above the ranges distributions give people, systemd and containers: no account lives here.
+DEFAULT_UID_BASE = 1_500_000_000
+DEFAULT_UID_COUNT = 500_000_000
+# What switching a child to another user, handing it its directories and stopping
+# everything it left behind takes: CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_KILL,
+# CAP_SETGID, CAP_SETUID.
+NEEDED_CAPABILITIES = {0: "CAP_CHOWN", 1: "CAP_DAC_OVERRIDE", 3: "CAP_FOWNER", 5: "CAP_KILL"}
+NEEDED_CAPABILITIES |= {6: "CAP_SETGID", 7: "CAP_SETUID"}
+MODES = ("auto", "required", "off")
+
+
+class IsolationUnavailable(Exception):
+    """AGENT_JOB_USERS=required, and this agent cannot switch users."""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """How this agent starts runs: `user` (each job its own uid) or `none` (as the agent)."""
+
+    mode: str
+    reason: str = ""
+    uid_base: int = DEFAULT_UID_BASE
+    uid_count: int = DEFAULT_UID_COUNT
+
+    @property
+    def on(self) -> bool:
+        return self.mode == "user"
+
+    def uid_for(self, job_id: int) -> int:
+        """The job's own uid (and gid): the same on every node, different for every job."""
+        return self.uid_base + job_id % self.uid_count
+
+    def report(self) -> dict:
+        """What the agent tells the control plane when it registers."""
+        return {"mode": self.mode, "reason": self.reason}
+
+
+def missing_capabilities(status_text: str | None = None) -> list[str]:
+    """The capabilities this process lacks for isolation (none for an ordinary root)."""
+    if status_text is None:
+        try:
+            status_text = Path("/proc/self/status").read_text()
+        except OSError:
+            return [] if os.geteuid() == 0 else list(NEEDED_CAPABILITIES.values())
+    for line in status_text.splitlines():
+        if line.startswith("CapEff:"):
+            effective = int(line.split()[1], 16)
+            return [name for bit, name in NEEDED_CAPABILITIES.items() if not effective >> bit & 1]
+    return [] if os.geteuid() == 0 else list(NEEDED_CAPABILITIES.values())
+
+
+def detect(
+    mode: str = "auto", *, work_dir: Path | None = None, uid_base: int = 0, uid_count: int = 0
+) -> Isolation:
+    """Decide how runs start here. `required` refuses to go on without isolation."""
+    uid_base = uid_base or DEFAULT_UID_BASE
+    uid_count = uid_count or DEFAULT_UID_COUNT
+    if mode not in MODES:
+        raise IsolationUnavailable(f"AGENT_JOB_USERS={mode!r}: use one of {', '.join(MODES)}")
+    if not 0 < uid_base <= 2**32 - 2 - uid_count:
+        raise IsolationUnavailable("AGENT_JOB_UID_BASE and _COUNT must fit in a 32-bit uid")
+    if mode == "off":
+        return Isolation("none", "turned off by AGENT_JOB_USERS=off", uid_base, uid_count)
+    missing = missing_capabilities()
+    # The node directory itself the agent opens (open_code); what leads to it, it cannot.
+    blocked = blocked_by(work_dir.parent) if work_dir is not None else ""
+    if not missing and not blocked:
+        return Isolation("user", "", uid_base, uid_count)
+    if missing:
+        reason = f"the agent runs as uid {os.geteuid()} without {', '.join(missing)}"
+    else:
+        reason = f"jobs' users could not reach the node directory: {blocked} is closed to them"
+    if mode == "required":
+        raise IsolationUnavailable(f"jobs cannot run as their own users: {reason}")
+    return Isolation("none", reason, uid_base, uid_count)
+
+
+def blocked_by(path: Path) -> str:
+    """The first directory on the way to `path` that other users cannot pass through
+    ('' when there is none): a job's user could not reach what lies under it."""
+    path = path.resolve()
+    for directory in [*reversed(path.parents), path]:
+        try:
+            mode = directory.stat().st_mode
+        except OSError:
+            return str(directory)
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            return f"{directory} (mode {stat.S_IMODE(mode):o})"
+    return ""
+
+
+def open_code(code_dir: Path) -> None:
+    """Let job users pass through the node directory and read the bundled packages
+    (public code), but list nothing else in it (agent.env, agent.log stay the agent's)."""
+    os.chmod(code_dir, 0o711)  # noqa: S103 (pass through, list nothing)
+    packages = code_dir / "workers"
+    if not packages.is_dir():
+        return
+    for root, _dirs, files in os.walk(packages):
+        os.chmod(root, 0o755)  # noqa: S103 (public code)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+
+
+# --- directories a job may write to -----------------------------------------------------------
+
+
+def traversable(path: Path) -> None:
+    """Make `path` and its missing parents as directories a job's user may pass through
+    but not list (0711), whatever the umask."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir()
+        os.chmod(directory, 0o711)  # noqa: S103 (pass through, list nothing)
+
+
+def fresh_directory(path: Path) -> None:
+    """An empty directory at `path` owned by the agent, whatever was there before.
+
+    A directory left from an earlier start of the same run may hold a job's links
+    (run.json -> /etc/passwd): it is removed (rmtree does not follow links), not reused.
+    """
+    traversable(path.parent)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+    path.mkdir(mode=0o700)
+
+
+def hand_over(path: Path, uid: int, gid: int) -> None:
+    """Give a tree to the job's user, never following a link (a link itself is chowned)."""
+    os.chown(path, uid, gid, follow_symlinks=False)
+    if path.is_symlink() or not path.is_dir():
+        return
+    for root, dirs, files in os.walk(path):  # os.walk does not descend into linked dirs
+        for name in dirs + files:
+            with contextlib.suppress(FileNotFoundError):
+                os.chown(os.path.join(root, name), uid, gid, follow_symlinks=False)
+
+
+def owned_directory(path: Path, uid: int, gid: int) -> None:
+    """A directory that must belong to the job (its checkpoints): made if missing, its
+    parents made traversable but not listable, the tree handed to the job's user if an
+    earlier start or an older agent left it to someone else."""
+    traversable(path.parent)
+    if path.is_symlink():
+        raise PermissionError(f"{path} is a link")
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.lstat()
+    if (info.st_uid, info.st_gid) != (uid, gid):
+        hand_over(path, uid, gid)
+    os.chmod(path, 0o700)
+
+
+def read_job_file(path: Path, *, uid: int | None, limit: int = 64 * 1024) -> bytes | None:
+    """A small file the job wrote, read safely as root: no link, no FIFO, not someone
+    else's file, and no more than `limit` bytes. None when there is none to read."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("a link, not followed") from None
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if uid is not None and info.st_uid not in (uid, os.geteuid()):
+            raise ValueError("not written by the job")
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data
+
+
+# --- what a job leaves behind ------------------------------------------------------------------
+
+
+def processes_of(uid: int) -> list[int]:
+    """Every live process whose real or effective uid is `uid`."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as file:
+                for line in file:
+                    if line.startswith("Uid:"):
+                        real, effective = line.split()[1:3]
+                        if uid in (int(real), int(effective)):
+                            found.append(int(entry.name))
+                        break
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def stop_everything_of(uid: int, *, timeout_s: float = 5.0) -> int:
+    """SIGKILL whatever the job's user still runs (a daemon that left the session, a
+    double fork): nothing of a job outlives its run. Returns how many were killed."""
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = [pid for pid in processes_of(uid) if pid != os.getpid()]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+        time.sleep(0.05)
+    return len(killed)
+
+
+def remove_temporary_files_of(uid: int, places=("/tmp", "/var/tmp", "/dev/shm")) -> int:  # noqa: S108
+    """Remove what the job's user left at the top of the shared temporary directories."""
+    removed = 0
+    for place in places:
+        try:
+            entries = list(os.scandir(place))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                removed += 1
+            except OSError:
+                continue
+    return removed
