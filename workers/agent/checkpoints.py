@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -74,9 +75,19 @@ def event_of(text: str) -> dict | None:
     return None
 
 
+def _open_regular(path: Path):
+    """A checkpoint file, opened for reading as the agent (root): never through a link,
+    never a FIFO or device a job left there to hang or mislead the agent."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path.name} is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
@@ -101,34 +112,47 @@ def verify(path: Path, manifest_sha256: str) -> Verdict:
     if not path.is_dir():
         return Verdict(False, missing=True, problem=f"{path} does not exist")
     manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
+    if not _regular(manifest_path):
         return Verdict(False, problem=f"{MANIFEST} is missing")
     if sha256_of(manifest_path) != manifest_sha256:
         return Verdict(False, problem=f"{MANIFEST} does not match the SHA-256 the trainer reported")
     try:
-        files = json.loads(manifest_path.read_text())["files"]
+        with _open_regular(manifest_path) as f:
+            files = json.loads(f.read())["files"]
         items = sorted(files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return Verdict(False, problem=f"unreadable {MANIFEST}: {exc}")
     for name, expected in items:
         file = path / name
-        if "/" in name or not file.is_file():
-            return Verdict(False, problem=f"{name} is missing")
+        if "/" in name or name in (".", "..") or not _regular(file):
+            return Verdict(False, problem=f"{name} is missing (or not a plain file)")
         try:
             size, digest = expected["size"], expected["sha256"]
         except (KeyError, TypeError):
             return Verdict(False, problem=f"{MANIFEST} has no size and SHA-256 for {name}")
-        if file.stat().st_size != size:
-            return Verdict(False, problem=f"{name} has {file.stat().st_size} bytes, not {size}")
-        if sha256_of(file) != digest:
-            return Verdict(False, problem=f"{name} does not match its SHA-256")
+        if file.lstat().st_size != size:
+            return Verdict(False, problem=f"{name} has {file.lstat().st_size} bytes, not {size}")
+        try:
+            if sha256_of(file) != digest:
+                return Verdict(False, problem=f"{name} does not match its SHA-256")
+        except OSError as exc:
+            return Verdict(False, problem=f"{name} cannot be read: {exc}")
     return Verdict(True)
+
+
+def _regular(path: Path) -> bool:
+    """A plain file itself, not a link to one."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def _manifest_of(path: Path) -> dict | None:
     """The directory's manifest if it reads as one (a step and files), else None."""
     try:
-        data = json.loads((path / MANIFEST).read_text())
+        with _open_regular(path / MANIFEST) as f:
+            data = json.loads(f.read())
     except (OSError, ValueError):
         return None
     if isinstance(data, dict) and isinstance(data.get("files"), dict) and "step" in data:

@@ -139,6 +139,30 @@ def test_nothing_is_deleted_checked_or_listed_through_a_link(tmp_path):
     assert checkpoints.verify(theirs, digest).ok  # its own real path: checked as ever
 
 
+def test_a_fifo_or_a_link_inside_a_checkpoint_neither_hangs_nor_misleads_the_agent(tmp_path):
+    """The agent reads a job's checkpoint as root: a FIFO would block it forever, and a
+    link would have it hash (or parse) a file the job cannot read."""
+    outside = tmp_path / "root-only.json"
+    outside.write_text(json.dumps({"step": 99, "files": {}}))
+    step, digest = _checkpoint(tmp_path / "job-1", 3)
+    shard = next(p for p in step.iterdir() if p.name != "manifest.json")
+    shard.unlink()
+    os.mkfifo(shard)
+    started = time.monotonic()
+    verdict = checkpoints.verify(step, digest)
+    assert not verdict.ok and "not a plain file" in verdict.problem
+    other, _ = _checkpoint(tmp_path / "job-1", 4)
+    (other / "manifest.json").unlink()
+    os.mkfifo(other / "manifest.json")
+    linked, _ = _checkpoint(tmp_path / "job-1", 5)
+    (linked / "manifest.json").unlink()
+    (linked / "manifest.json").symlink_to(outside)
+    listed = checkpoints.listing(tmp_path / "job-1", tidy=False)
+    kinds = {e["name"]: e["kind"] for e in listed["entries"]}
+    assert kinds["step-00000004"] == kinds["step-00000005"] == "incomplete"
+    assert time.monotonic() - started < 10
+
+
 class _Outbox:
     def __init__(self):
         self.messages: list[Message] = []
