@@ -202,6 +202,13 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Passwords are checked by a backend that refuses, before hashing, an address that failed
+# LOGIN_FAILURES_PER_USER times for one username or LOGIN_FAILURES_PER_ADDRESS times in all;
+# each count is forgotten LOGIN_FAILURE_WINDOW_S after its latest failure.
+AUTHENTICATION_BACKENDS = ["apps.accounts.backends.ThrottledModelBackend"]
+LOGIN_FAILURES_PER_USER = env_int("LOGIN_FAILURES_PER_USER", 5)
+LOGIN_FAILURES_PER_ADDRESS = env_int("LOGIN_FAILURES_PER_ADDRESS", 20)
+LOGIN_FAILURE_WINDOW_S = env_int("LOGIN_FAILURE_WINDOW_S", 900)
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "fleet:overview"
 LOGOUT_REDIRECT_URL = "login"

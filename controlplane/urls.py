@@ -6,6 +6,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from apps.accounts import views as accounts_views
 from controlplane import agent_bundle, observability
 
 # Django tries these in order, each app's routes in turn: the jobs API (CI's polls, and
@@ -21,7 +22,7 @@ api_v1 = [
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="fleet:overview", permanent=False)),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", accounts_views.SignInView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("fleet/", include("apps.fleet.urls")),
     path("jobs/", include("apps.jobs.urls")),

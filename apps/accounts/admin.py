@@ -4,6 +4,7 @@ from django.contrib import admin, messages
 from django.http import HttpResponseRedirect
 
 from apps.accounts import services
+from apps.accounts.forms import AdminSignInForm
 from apps.accounts.models import (
     ApiToken,
     AuditEvent,
@@ -16,6 +17,9 @@ from apps.accounts.models import (
 )
 from apps.accounts.services import audited_create, audited_delete, audited_update
 from controlplane.errors import ApplicationError
+
+# The admin's login page, throttled as the site's own is (apps/accounts/backends.py).
+admin.site.login_form = AdminSignInForm
 
 
 class AuditedAdmin(admin.ModelAdmin):
