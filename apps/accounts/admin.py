@@ -150,6 +150,14 @@ class MembershipAdmin(AuditedAdmin):
     list_display = ["user", "team", "role", "created_at"]
     list_filter = ["role", "team"]
     search_fields = ["user__username", "team__slug"]
+    create_service = services.membership_create
+    update_service = services.membership_update
+    delete_service = services.membership_delete
+    instance_kwarg = "membership"
+
+    def get_readonly_fields(self, request, obj=None):
+        # A membership changes only its role; another user or team is another membership.
+        return ["user", "team"] if obj is not None else []
 
 
 @admin.register(OrgRole)
@@ -177,6 +185,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
         "prefix",
         "scopes",
         "created_by",
+        "parent",
         "created_at",
         "expires_at",
         "last_used_at",

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from apps.jobs import services
-from apps.jobs.models import WebhookDelivery
+from apps.jobs.models import Webhook, WebhookDelivery
 from controlplane import webhooks
 from tests.apps.jobs.conftest import command_spec
 
@@ -99,6 +99,21 @@ def test_researchers_add_webhooks_only_to_their_own_jobs(
         "/api/v1/webhooks/", {"team": team.pk, "job": job.pk, "url": receiver["url"]}, format="json"
     )
     assert own.status_code == 201, own.content
+
+
+def test_a_submit_token_neither_adds_nor_removes_webhooks(team, team_admin, api_for, receiver):
+    submit = api_for(team_admin, scopes=("submit",))
+    made = submit.post(
+        "/api/v1/webhooks/", {"team": team.pk, "url": receiver["url"]}, format="json"
+    )
+    assert made.status_code == 403
+    assert not Webhook.objects.exists()
+    hook, _ = services.webhook_create(team=team, url=receiver["url"], by=team_admin)
+    assert submit.get(f"/api/v1/webhooks/{hook.pk}/").status_code == 200
+    assert submit.delete(f"/api/v1/webhooks/{hook.pk}/").status_code == 403
+    assert Webhook.objects.filter(pk=hook.pk).exists()
+    admin = api_for(team_admin, scopes=("admin",))
+    assert admin.delete(f"/api/v1/webhooks/{hook.pk}/").status_code == 204
 
 
 def test_private_addresses_are_refused_by_default(team, team_admin, api_for, settings):
