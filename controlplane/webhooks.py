@@ -3,9 +3,10 @@
 Each call is `POST url` with the job's outcome as JSON and the header
 `X-Controlplane-Signature: sha256=<hex HMAC-SHA256 of the body>` under the
 webhook's signing key, which the receiver checks. Calls to any address that is not
-global (loopback, private, link-local such as a cloud's metadata service, shared,
-reserved) are refused unless WEBHOOK_ALLOW_PRIVATE is on: the control plane must not
-be a way into its own network. So that a check cannot be got round, the call connects
+global unicast (loopback, private, link-local such as a cloud's metadata service, shared,
+reserved, multicast, or an IPv6 address that leads to such an IPv4 one through NAT64,
+6to4 or IPv4 mapping) are refused unless WEBHOOK_ALLOW_PRIVATE is on: the control plane
+must not be a way into its own network. So that a check cannot be got round, the call connects
 to the very address that was checked (a name that resolves elsewhere a second time,
 DNS rebinding, does not move it) and follows no redirect (a 3xx is the call's answer,
 a failed one).
@@ -41,6 +42,39 @@ class RefusedAddress(ValueError):
     pass
 
 
+# Refused whatever Python's ipaddress says of them (it calls some of them global): the
+# IETF protocol assignments (DS-Lite, NAT64 discovery, TURN anycast...), the retired 6to4
+# relay anycast, local-use NAT64 (which the operator maps to anything, its own network
+# included), Teredo, and the retired IPv6 site-local block.
+REFUSED_NETWORKS = [
+    ipaddress.ip_network(network)
+    for network in ("192.0.0.0/24", "192.88.99.0/24", "64:ff9b:1::/48", "2001::/32", "fec0::/10")
+]
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+
+
+def _embedded_ipv4(ip) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address leads to (IPv4-mapped, 6to4, NAT64, IPv4-compatible)."""
+    if ip.version == 4:
+        return None
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in NAT64 or ip in IPV4_COMPATIBLE:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def is_public(ip) -> bool:
+    """Global unicast, and so is any IPv4 address it carries."""
+    if not ip.is_global or ip.is_multicast or any(ip in net for net in REFUSED_NETWORKS):
+        return False
+    embedded = _embedded_ipv4(ip)
+    return embedded is None or is_public(embedded)
+
+
 def check_destination(url: str) -> str | None:
     """Refuse a URL that is not http(s) or whose host is not a global address. Returns the
     address a call must connect to (the first the name resolved to, all of them checked),
@@ -61,7 +95,7 @@ def check_destination(url: str) -> str | None:
     addresses = list(dict.fromkeys(info[4][0] for info in infos))
     for address in addresses:
         ip = ipaddress.ip_address(address.split("%")[0])
-        if not ip.is_global:
+        if not is_public(ip):
             raise RefusedAddress(f"{parsed.hostname} resolves to a private address ({ip}).")
     return addresses[0]  # getaddrinfo answers at least one, or raises
 
