@@ -292,7 +292,8 @@ LOGGING = {
 # Behind a proxy that sets X-Forwarded-For, the audit log records the client's address.
 TRUST_X_FORWARDED_FOR = env_bool("TRUST_X_FORWARDED_FOR", False)
 
-# When set, /metrics asks for `Authorization: Bearer <METRICS_TOKEN>`.
+# When set, /metrics asks for `Authorization: Bearer <METRICS_TOKEN>`; unset, a signed-in
+# ops user or superuser.
 METRICS_TOKEN = env_str("METRICS_TOKEN")
 
 # The scheduler: a pass on a beat, and soon after a submit, finish or cancel, with
