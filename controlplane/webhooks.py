@@ -19,10 +19,13 @@ import hmac
 import http.client
 import ipaddress
 import json
+import re
 import socket
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import URLValidator
 
 RETRY_DELAYS_S = [10, 30, 120, 600, 1800, 3600, 3 * 3600, 6 * 3600]
 
@@ -40,6 +43,59 @@ def next_attempt(attempts: int, now: dt.datetime) -> dt.datetime | None:
 
 class RefusedAddress(ValueError):
     pass
+
+
+# RFC 3986's characters of a path, query or fragment, and of the user information.
+_URI_PART = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*")
+_USERINFO = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:]|%[0-9A-Fa-f]{2})*")
+_http_url = URLValidator(schemes=["http", "https"])
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` is not an absolute http(s) URL written as an RFC 3986 URI, or None.
+
+    Django's URL check alone lets through what a URI may not hold (non-ASCII text, brackets,
+    broken %-escapes): such a URL would be stored and then fail the API's `format: uri`.
+    """
+    if not url.isascii():
+        return "Write the URL in ASCII: other characters %-encoded, host names in punycode."
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises for a port out of range)
+        _http_url(url)
+    except (ValueError, ValidationError):
+        return "Enter an absolute http(s) URL."
+    if parts.scheme not in ("http", "https"):
+        return "Webhooks are http(s) URLs."
+    userinfo = parts.netloc.rpartition("@")[0]
+    if not _USERINFO.fullmatch(userinfo) or not all(
+        _URI_PART.fullmatch(part) for part in (parts.path, parts.query, parts.fragment)
+    ):
+        return "Characters a URI does not allow there must be %-encoded."
+    return None
+
+
+def validate_url(url: str) -> None:
+    """The model field's validator (apps/jobs' Webhook.url)."""
+    problem = url_problem(url)
+    if problem is not None:
+        raise ValidationError(problem, code="invalid")
+
+
+def redacted_url(url: str) -> str:
+    """The URL with its user information, query and fragment hidden, for those who may see
+    where a webhook goes but not the credentials it may carry."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(
+        (
+            parts.scheme,
+            f"***@{host}" if "@" in parts.netloc else host,
+            parts.path,
+            "***" if parts.query else "",
+            "***" if parts.fragment else "",
+        )
+    )
 
 
 # Refused whatever Python's ipaddress says of them (it calls some of them global): the
@@ -79,13 +135,12 @@ def check_destination(url: str) -> str | None:
     """Refuse a URL that is not http(s) or whose host is not a global address. Returns the
     address a call must connect to (the first the name resolved to, all of them checked),
     or None where private addresses are allowed (the name is then resolved as usual)."""
+    problem = url_problem(url)
+    if problem is not None:
+        raise RefusedAddress(problem)
     parsed = urlparse(url)
-    if parsed.scheme not in ("https", "http"):
-        raise RefusedAddress("Webhooks are http(s) URLs.")
     if parsed.scheme == "http" and not settings.WEBHOOK_ALLOW_HTTP:
         raise RefusedAddress("Webhooks must use https.")
-    if not parsed.hostname:
-        raise RefusedAddress("The URL names no host.")
     if settings.WEBHOOK_ALLOW_PRIVATE:
         return None
     try:

@@ -2,6 +2,7 @@
 
 import ipaddress
 
+import jsonschema_rs
 import pytest
 from django.test import override_settings
 from hypothesis import given
@@ -83,3 +84,27 @@ def test_multicast_is_refused(address):
 @given(address=st.ip_addresses(network="192.0.0.0/24"))
 def test_the_ietf_protocol_assignments_are_refused(address):
     assert _refused(address)
+
+
+URI = jsonschema_rs.validator_for({"type": "string", "format": "uri"}, validate_formats=True)
+PIECE = st.text(st.sampled_from("aZ09-._~!$&'()*+,;=:@/?#[]% é\x00\x7f\\\"<>{}|^`"), max_size=8)
+
+
+@given(
+    scheme=st.sampled_from(["https", "http", "ftp", "HTTPS", ""]),
+    userinfo=st.one_of(st.just(""), PIECE.map(lambda text: text + "@")),
+    host=st.sampled_from(["hooks.example", "8.8.8.8", "[2606:4700::1111]", "exämple.com", ""]),
+    port=st.sampled_from(["", ":443", ":99999", ":x"]),
+    rest=PIECE,
+)
+def test_every_url_a_webhook_accepts_is_a_uri(scheme, userinfo, host, port, rest):
+    url = f"{scheme}://{userinfo}{host}{port}/{rest}"
+    if webhooks.url_problem(url) is None:
+        assert URI.is_valid(url), url
+
+
+def test_redacted_urls_hide_credentials_and_the_query():
+    assert webhooks.redacted_url("https://u:p@h.example:8443/a/b?t=1#f") == (
+        "https://***@h.example:8443/a/b?***#***"
+    )
+    assert webhooks.redacted_url("https://h.example/a") == "https://h.example/a"
