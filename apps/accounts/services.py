@@ -543,34 +543,35 @@ def api_token_revoke(*, token: ApiToken, by) -> ApiToken:
         after=snapshot(locked),
         team=team,
     )
-    _revoke_descendants(locked, by=by, team=team)
+    _revoke_descendants(locked, by=by)
     return locked
 
 
-def _revoke_descendants(token: ApiToken, *, by, team) -> None:
+def _revoke_descendants(token: ApiToken, *, by) -> None:
     """Revoke every token made with this one, and those made with them, in its transaction."""
-    changes = []
+    revoked = []
     level = [token.pk]
     while level:
         children = list(
-            ApiToken.objects.select_for_update().filter(
-                parent_id__in=level, revoked_at__isnull=True
-            )
+            ApiToken.objects.select_for_update(of=("self",))
+            .select_related("user__service_account")
+            .filter(parent_id__in=level, revoked_at__isnull=True)
         )
-        for child in children:
-            before = snapshot(child)
-            child.revoked_at = token.revoked_at
-            changes.append((child, before, snapshot(child)))
+        revoked += children
         level = [child.pk for child in children]
-    if not changes:
+    if not revoked:
         return
-    revoked = [child for child, _, _ in changes]
     ApiToken.objects.filter(pk__in=[child.pk for child in revoked]).update(
         revoked_at=token.revoked_at
     )
-    audit_record_many(
-        actor=by, action="api_token.revoke", changes=changes, team_id=team.pk if team else None
-    )
+    by_team = {}
+    for child in revoked:
+        before = snapshot(child)
+        child.revoked_at = token.revoked_at
+        team = _team_of(child.user)
+        by_team.setdefault(team.pk if team else None, []).append((child, before, snapshot(child)))
+    for team_id, changes in by_team.items():
+        audit_record_many(actor=by, action="api_token.revoke", changes=changes, team_id=team_id)
     # A queryset update sends no signal: mark their cached answers stale here.
     principals.forget_digests([child.digest for child in revoked])
 

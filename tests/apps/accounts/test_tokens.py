@@ -260,6 +260,26 @@ def test_revoking_a_token_revokes_what_it_made(
     assert AuditEvent.objects.filter(action="api_token.revoke").count() == 3
 
 
+def test_a_service_accounts_token_made_with_an_admins_token_ends_with_it(
+    team, team_admin, api_for, anon_api, django_capture_on_commit_callbacks
+):
+    account = services.service_account_create(team=team, name="ci", by=team_admin)
+    admin = api_for(team_admin)
+    made = admin.post(
+        "/api/v1/tokens/",
+        {"name": "pipeline", "scopes": ["submit"], "service_account": account.pk},
+        format="json",
+    )
+    assert made.status_code == 201, made.content
+    parent = ApiToken.objects.get(pk=made.json()["parent"])
+    with django_capture_on_commit_callbacks(execute=True):
+        services.api_token_revoke(token=parent, by=team_admin)
+    anon_api.credentials(HTTP_AUTHORIZATION=f"Bearer {made.json()['token']}")
+    assert anon_api.get("/api/v1/me/").status_code == 401
+    event = AuditEvent.objects.get(action="api_token.revoke", object_id=str(made.json()["id"]))
+    assert event.team == team
+
+
 def test_a_token_whose_parent_ended_is_refused(researcher, anon_api):
     parent, _ = services.api_token_create(
         user=researcher, name="parent", scopes=["admin"], by=researcher
