@@ -57,6 +57,20 @@ class BestEffort:
             log.warning("cache unreachable: %s not added", key, exc_info=True)
             return False
 
+    def count(self, key: str, *, timeout: float) -> int | None:
+        """Add one to the counter at `key`, which is forgotten `timeout` seconds after its
+        latest count; the new count, or None when the cache cannot be reached."""
+        try:
+            cache.add(key, 0, timeout)
+            counted = cache.incr(key)
+            # Django's incr keeps the expiry on Redis but resets it to the default on the
+            # database cache: set it here, so both forget at the same time.
+            cache.touch(key, timeout)
+            return counted
+        except Exception:
+            log.warning("cache unreachable: %s not counted", key, exc_info=True)
+            return None
+
     def delete(self, key: str) -> None:
         try:
             cache.delete(key)

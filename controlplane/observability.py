@@ -88,11 +88,20 @@ def _registry() -> CollectorRegistry:
 
 @require_GET
 def metrics(request):
+    """For Prometheus with METRICS_TOKEN as its bearer token; without one set, for a signed-in
+    ops user or superuser only (the fleet's size and every route's traffic are not public)."""
     expected = getattr(settings, "METRICS_TOKEN", "")
     if expected:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), expected.encode()):
             return HttpResponse("metrics token required\n", status=401, content_type="text/plain")
+    else:
+        from apps.accounts.selectors import roles_of
+
+        if not request.user.is_authenticated:
+            return HttpResponse("sign in first\n", status=401, content_type="text/plain")
+        if not roles_of(request.user).manages_fleet:
+            return HttpResponse("ops only\n", status=403, content_type="text/plain")
     return HttpResponse(generate_latest(_registry()), content_type=CONTENT_TYPE_LATEST)
 
 

@@ -44,7 +44,8 @@ CSRF_COOKIE_SECURE = SECURE
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
-SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0)
+# A year of HTTPS only once a browser has seen the site over HTTPS (not on a laptop's http).
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000)
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
 if env_bool("TRUST_X_FORWARDED_PROTO", False):
@@ -72,6 +73,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "controlplane.csp.ContentSecurityPolicyMiddleware",
     "controlplane.observability.RequestMetricsMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -205,6 +207,13 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Passwords are checked by a backend that refuses, before hashing, an address that failed
+# LOGIN_FAILURES_PER_USER times for one username or LOGIN_FAILURES_PER_ADDRESS times in all;
+# each count is forgotten LOGIN_FAILURE_WINDOW_S after its latest failure.
+AUTHENTICATION_BACKENDS = ["apps.accounts.backends.ThrottledModelBackend"]
+LOGIN_FAILURES_PER_USER = env_int("LOGIN_FAILURES_PER_USER", 5)
+LOGIN_FAILURES_PER_ADDRESS = env_int("LOGIN_FAILURES_PER_ADDRESS", 20)
+LOGIN_FAILURE_WINDOW_S = env_int("LOGIN_FAILURE_WINDOW_S", 900)
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "fleet:overview"
 LOGOUT_REDIRECT_URL = "login"
@@ -288,7 +297,8 @@ LOGGING = {
 # Behind a proxy that sets X-Forwarded-For, the audit log records the client's address.
 TRUST_X_FORWARDED_FOR = env_bool("TRUST_X_FORWARDED_FOR", False)
 
-# When set, /metrics asks for `Authorization: Bearer <METRICS_TOKEN>`.
+# When set, /metrics asks for `Authorization: Bearer <METRICS_TOKEN>`; unset, a signed-in
+# ops user or superuser.
 METRICS_TOKEN = env_str("METRICS_TOKEN")
 
 # The scheduler: a pass on a beat, and soon after a submit, finish or cancel, with

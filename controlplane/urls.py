@@ -4,8 +4,9 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from django.views.generic import RedirectView
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
+from apps.accounts import views as accounts_views
 from controlplane import agent_bundle, observability
 
 # Django tries these in order, each app's routes in turn: the jobs API (CI's polls, and
@@ -21,7 +22,7 @@ api_v1 = [
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="fleet:overview", permanent=False)),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", accounts_views.SignInView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("fleet/", include("apps.fleet.urls")),
     path("jobs/", include("apps.jobs.urls")),
@@ -32,7 +33,13 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
-    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    # Swagger UI's start-up script from its own URL, not inline, so the page keeps the
+    # Content-Security-Policy (controlplane/csp.py).
+    path(
+        "api/docs/",
+        SpectacularSwaggerSplitView.as_view(url_name="api-schema", template_name="api_docs.html"),
+        name="api-docs",
+    ),
     # Cloud nodes' user data downloads the agent from here (workers/providers/aws.py's
     # AGENT_BUNDLE_PATH): code only, no secrets, so no authentication.
     path("agent/bundle.tar.gz", agent_bundle.download, name="agent-bundle"),

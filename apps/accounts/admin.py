@@ -4,6 +4,7 @@ from django.contrib import admin, messages
 from django.http import HttpResponseRedirect
 
 from apps.accounts import services
+from apps.accounts.forms import AdminSignInForm
 from apps.accounts.models import (
     ApiToken,
     AuditEvent,
@@ -16,6 +17,9 @@ from apps.accounts.models import (
 )
 from apps.accounts.services import audited_create, audited_delete, audited_update
 from controlplane.errors import ApplicationError
+
+# The admin's login page, throttled as the site's own is (apps/accounts/backends.py).
+admin.site.login_form = AdminSignInForm
 
 
 class AuditedAdmin(admin.ModelAdmin):
@@ -146,6 +150,14 @@ class MembershipAdmin(AuditedAdmin):
     list_display = ["user", "team", "role", "created_at"]
     list_filter = ["role", "team"]
     search_fields = ["user__username", "team__slug"]
+    create_service = services.membership_create
+    update_service = services.membership_update
+    delete_service = services.membership_delete
+    instance_kwarg = "membership"
+
+    def get_readonly_fields(self, request, obj=None):
+        # A membership changes only its role; another user or team is another membership.
+        return ["user", "team"] if obj is not None else []
 
 
 @admin.register(OrgRole)
@@ -173,6 +185,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
         "prefix",
         "scopes",
         "created_by",
+        "parent",
         "created_at",
         "expires_at",
         "last_used_at",

@@ -1,13 +1,42 @@
-"""The API tokens page's form: a token for yourself or for a service account of a team you
-administer."""
+"""The sign-in forms (the login page's and the admin's), and the API tokens page's form: a
+token for yourself or for a service account of a team you administer."""
 
 import datetime as dt
 
 from django import forms
+from django.conf import settings
+from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.auth.forms import AuthenticationForm
 from django.utils import timezone
 
+from apps.accounts.backends import signin_refused
 from apps.accounts.models import TokenScope
 from apps.accounts.selectors import service_accounts_managed_by
+
+THROTTLED = "throttled"
+
+
+class ThrottledSignInMixin:
+    """Says why a sign-in is refused while the throttle holds (the backend refuses it anyway)."""
+
+    def clean(self):
+        username = self.cleaned_data.get("username")
+        if username is not None and signin_refused(self.request, username):
+            minutes = -(-settings.LOGIN_FAILURE_WINDOW_S // 60)
+            raise forms.ValidationError(
+                f"Too many failed sign-ins from this address; try again in {minutes} minutes.",
+                code=THROTTLED,
+            )
+        return super().clean()
+
+
+class SignInForm(ThrottledSignInMixin, AuthenticationForm):
+    pass
+
+
+class AdminSignInForm(ThrottledSignInMixin, AdminAuthenticationForm):
+    pass
+
 
 YOURSELF = ""
 

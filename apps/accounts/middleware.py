@@ -6,10 +6,12 @@ from apps.accounts.context import Origin, acting_from
 
 
 def client_address(request) -> str | None:
+    """The client's address: behind a trusted proxy, the entry that proxy added to
+    X-Forwarded-For (the last one; those before it are whatever the client sent)."""
     if getattr(settings, "TRUST_X_FORWARDED_FOR", False):
         forwarded = request.META.get("HTTP_X_FORWARDED_FOR", "")
         if forwarded:
-            return forwarded.split(",")[0].strip() or None
+            return forwarded.split(",")[-1].strip() or None
     return request.META.get("REMOTE_ADDR") or None
 
 

@@ -157,6 +157,16 @@ class ApiToken(models.Model):
         on_delete=models.SET_NULL,
         related_name="+",
     )
+    parent = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="children",
+        editable=False,
+        help_text="The token that made this one (none: made in a browser session). "
+        "A token never outlives, nor holds more scopes than, its parent.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)

@@ -296,8 +296,19 @@ def team_quota_delete(*, quota: TeamQuota, by) -> None:
 # --- members and org roles ------------------------------------------------------------
 
 
+def _service_account_role_allowed(user, role: str) -> None:
+    """A service account acts through tokens that CI holds: it may submit or read, never
+    administer a team (add members, make tokens)."""
+    if role == TeamRole.ADMIN and hasattr(user, "service_account"):
+        raise ApplicationError(
+            "A service account cannot administer a team.",
+            details={"role": ["A service account may be researcher or viewer only."]},
+        )
+
+
 def membership_create(*, team: Team, user, role: str = TeamRole.RESEARCHER, by) -> Membership:
     require_team_admin(by, team)
+    _service_account_role_allowed(user, role)
     if hasattr(user, "service_account"):
         raise ApplicationError(
             "A service account belongs to its own team only.",
@@ -322,6 +333,7 @@ def membership_create(*, team: Team, user, role: str = TeamRole.RESEARCHER, by) 
 
 def membership_update(*, membership: Membership, role: str, by) -> Membership:
     require_team_admin(by, membership.team)
+    _service_account_role_allowed(membership.user, role)
     _keep_one_admin(membership, new_role=role)
     updated = audited_update(
         instance=membership,
@@ -442,9 +454,20 @@ def _team_of(user) -> Team | None:
 
 @transaction.atomic
 def api_token_create(
-    *, user, name: str, scopes: list[str], expires_at: dt.datetime | None = None, by
+    *,
+    user,
+    name: str,
+    scopes: list[str],
+    expires_at: dt.datetime | None = None,
+    by,
+    parent: ApiToken | None = None,
 ) -> tuple[ApiToken, str]:
-    """Make a token for `user`; returns the row and the secret, which is never stored."""
+    """Make a token for `user`; returns the row and the secret, which is never stored.
+
+    `parent` is the token the request that asks was authenticated with (none for a browser
+    session): the new token is contained by it, so that revoking or expiring a leaked token
+    also ends every token made with it.
+    """
     team = _team_of(user)
     if by is not None and by.pk != user.pk:
         if team is None:
@@ -456,6 +479,29 @@ def api_token_create(
             "Choose at least one scope of read, submit, admin.",
             details={"scopes": [f"Unknown scope: {s}" for s in unknown] or ["Required."]},
         )
+    if parent is not None:
+        # Locked, so that a revocation of the parent either sees this token or comes first.
+        parent = ApiToken.objects.select_for_update().get(pk=parent.pk)
+        if parent.revoked_at is not None:
+            raise ApplicationError(
+                "This request's token has been revoked.", code="authentication_failed", status=401
+            )
+        beyond = sorted(scope for scope in set(scopes) if not token_allows(parent, scope))
+        if beyond:
+            raise ApplicationError(
+                "A token cannot hold a scope the token that makes it lacks.",
+                details={"scopes": [f"Not held by this request's token: {s}" for s in beyond]},
+            )
+        if parent.expires_at is not None:
+            if expires_at is None:
+                expires_at = parent.expires_at
+            elif expires_at > parent.expires_at:
+                raise ApplicationError(
+                    "A token cannot outlive the token that makes it.",
+                    details={
+                        "expires_at": [f"At most {parent.expires_at.isoformat()}, its expiry."]
+                    },
+                )
     if expires_at is not None and expires_at <= timezone.now():
         raise ApplicationError(
             "The expiry is in the past.", details={"expires_at": ["Must be in the future."]}
@@ -469,6 +515,7 @@ def api_token_create(
         scopes=sorted(set(scopes)),
         expires_at=expires_at,
         created_by=by if by is not None and by.pk else None,
+        parent=parent,
     )
     _validated(token, exclude=["digest"])
     token.save()
@@ -497,7 +544,37 @@ def api_token_revoke(*, token: ApiToken, by) -> ApiToken:
         after=snapshot(locked),
         team=team,
     )
+    _revoke_descendants(locked, by=by)
     return locked
+
+
+def _revoke_descendants(token: ApiToken, *, by) -> None:
+    """Revoke every token made with this one, and those made with them, in its transaction."""
+    revoked = []
+    level = [token.pk]
+    while level:
+        children = list(
+            ApiToken.objects.select_for_update(of=("self",))
+            .select_related("user__service_account")
+            .filter(parent_id__in=level, revoked_at__isnull=True)
+        )
+        revoked += children
+        level = [child.pk for child in children]
+    if not revoked:
+        return
+    ApiToken.objects.filter(pk__in=[child.pk for child in revoked]).update(
+        revoked_at=token.revoked_at
+    )
+    by_team = {}
+    for child in revoked:
+        before = snapshot(child)
+        child.revoked_at = token.revoked_at
+        team = _team_of(child.user)
+        by_team.setdefault(team.pk if team else None, []).append((child, before, snapshot(child)))
+    for team_id, changes in by_team.items():
+        audit_record_many(actor=by, action="api_token.revoke", changes=changes, team_id=team_id)
+    # A queryset update sends no signal: mark their cached answers stale here.
+    principals.forget_digests([child.digest for child in revoked])
 
 
 class TokenRejected(Exception):
@@ -520,13 +597,19 @@ def api_token_use(*, raw: str, now: dt.datetime | None = None) -> ApiToken:
         token.user._controlplane_roles = roles
     else:
         cached = None
-        token = ApiToken.objects.select_related("user").filter(digest=digest).first()
+        token = ApiToken.objects.select_related("user", "parent").filter(digest=digest).first()
         if token is None:
             raise TokenRejected("Invalid token.")
     if token.revoked_at is not None:
         raise TokenRejected("This token has been revoked.")
     if token.expires_at is not None and token.expires_at <= now:
         raise TokenRejected("This token has expired.")
+    parent = token.parent
+    if parent is not None and (
+        parent.revoked_at is not None
+        or (parent.expires_at is not None and parent.expires_at <= now)
+    ):
+        raise TokenRejected("The token that made this token has been revoked or has expired.")
     if not token.user.is_active:
         raise TokenRejected("The token's user is inactive.")
     if cached is None:

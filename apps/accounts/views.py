@@ -1,15 +1,32 @@
-"""Pages: API tokens (yours, and your teams' service accounts'), for cpctl and CI."""
+"""Pages: signing in, and API tokens (yours, and your teams' service accounts'), for cpctl
+and CI."""
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.views import LoginView
+from django.core.exceptions import NON_FIELD_ERRORS
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from apps.accounts import selectors, services
-from apps.accounts.forms import TokenForm
+from apps.accounts.forms import THROTTLED, SignInForm, TokenForm
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
+
+
+class SignInView(LoginView):
+    """Django's login page; a sign-in refused by the throttle answers 429."""
+
+    authentication_form = SignInForm
+
+    def form_invalid(self, form):
+        response = super().form_invalid(form)
+        if form.has_error(NON_FIELD_ERRORS, THROTTLED):
+            response.status_code = 429
+            response["Retry-After"] = str(settings.LOGIN_FAILURE_WINDOW_S)
+        return response
 
 
 @login_required

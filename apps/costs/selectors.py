@@ -38,6 +38,7 @@ from apps.costs.models import (
 from apps.costs.money import ZERO, money_text
 from apps.fleet.models import InstanceType, Node, NodeEvent, NodePool, NodeState, PoolKind
 from apps.fleet.models.nodes import CapacityType
+from controlplane import webhooks
 
 CAPACITY_LABELS = dict(CapacityType.choices)
 IDLE_LABEL = "idle"
@@ -829,6 +830,16 @@ def budget_states(
 
 def budgets_visible_to(*, user) -> QuerySet[Budget]:
     return _of_visible_teams(Budget.objects.select_related("team"), user)
+
+
+def budget_webhook_url_seen_by(*, budget: Budget, user) -> str:
+    """The alert webhook's URL whole for who may set the budget (finance, the team's admins)
+    and ops; for other members, without the credentials its user information and query may
+    carry."""
+    roles = roles_of(user)
+    if roles.sees_every_team or roles.is_team_admin(budget.team_id):
+        return budget.webhook_url
+    return webhooks.redacted_url(budget.webhook_url)
 
 
 def budget_alerts_visible_to(*, user) -> QuerySet[BudgetAlert]:

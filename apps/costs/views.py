@@ -44,6 +44,10 @@ def _chart(report: reports.Report):
 
 @login_required
 def overview(request):
+    return _overview(request)
+
+
+def _overview(request, *, webhook_key: str | None = None, status: int = 200):
     try:
         report = reports.build(user=request.user, query=request.GET)
     except ApplicationError as exc:
@@ -92,7 +96,9 @@ def overview(request):
             "cloud_form": CloudPriceForm() if finance else None,
             "discount_form": PoolDiscountForm() if finance else None,
             "querystring": report.query.urlencode(),
+            "webhook_key": webhook_key,
         },
+        status=status,
     )
 
 
@@ -113,11 +119,16 @@ def budget_set(request):
     except ApplicationError as exc:
         messages.error(request, exc.message)
         return redirect("costs:overview")
-    text = f"Budget of {budget.team.slug} set to {money_text(budget.monthly_limit)} a month."
-    if key:
-        text += f" Webhook signing key (shown once): {key}"
-    messages.success(request, text)
-    return redirect("costs:overview")
+    messages.success(
+        request, f"Budget of {budget.team.slug} set to {money_text(budget.monthly_limit)} a month."
+    )
+    if not key:
+        return redirect("costs:overview")
+    # The new webhook's key is in this answer only: never in the messages, whose storage
+    # is a cookie (signed, not encrypted), nor in the session.
+    response = _overview(request, webhook_key=key, status=201)
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 PRICE_FORMS = {

@@ -30,6 +30,7 @@ from apps.jobs.models.jobs import (
     waiting_reason,
 )
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
+from controlplane import webhooks
 from controlplane.cache import best_effort
 
 
@@ -352,6 +353,16 @@ def webhooks_visible_to(*, user) -> QuerySet[Webhook]:
     if roles.superuser or roles.ops:
         return hooks
     return hooks.filter(team_id__in=roles.team_ids)
+
+
+def webhook_url_seen_by(*, webhook: Webhook, user) -> str:
+    """The webhook's URL as `user` may see it: whole for those who manage the team's webhooks
+    (its admins, ops) and for whoever made it; for other members, without the credentials
+    and tokens a URL may carry in its user information and query."""
+    roles = roles_of(user)
+    if roles.ops or roles.is_team_admin(webhook.team_id) or webhook.created_by_id == user.pk:
+        return webhook.url
+    return webhooks.redacted_url(webhook.url)
 
 
 def job_nccl_environments(*, job: Job) -> list[RenderedEnvironment]:

@@ -36,7 +36,8 @@ def _samples(text: str) -> dict:
     return out
 
 
-def test_metrics_counts_nodes_by_state_gpus_by_health_and_requests(client):
+def test_metrics_counts_nodes_by_state_gpus_by_health_and_requests(client, ops_user):
+    client.force_login(ops_user)
     ready_node()
     ready_node()
     factories.make_node()
@@ -60,3 +61,15 @@ def test_metrics_can_require_a_token(client, settings):
     assert client.get("/metrics").status_code == 401
     ok = client.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-secret")
     assert ok.status_code == 200
+
+
+def test_without_a_token_metrics_answer_only_ops_and_superusers(
+    client, settings, researcher, ops_user, superuser
+):
+    settings.METRICS_TOKEN = ""
+    assert client.get("/metrics").status_code == 401
+    client.force_login(researcher)
+    assert client.get("/metrics").status_code == 403
+    for user in (ops_user, superuser):
+        client.force_login(user)
+        assert client.get("/metrics").status_code == 200

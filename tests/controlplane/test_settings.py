@@ -17,7 +17,8 @@ PROBE = (
     "'db': settings.DATABASES['default']['ENGINE'], 'broker': settings.CELERY_BROKER_URL, "
     "'cache': settings.CACHES['default']['BACKEND'], "
     "'acks_late': settings.CELERY_TASK_ACKS_LATE, "
-    "'reject_on_lost': settings.CELERY_TASK_REJECT_ON_WORKER_LOST}))"
+    "'reject_on_lost': settings.CELERY_TASK_REJECT_ON_WORKER_LOST, "
+    "'hsts': settings.SECURE_HSTS_SECONDS}))"
 )
 
 
@@ -65,6 +66,9 @@ def test_production_defaults_are_safe(tmp_path):
     assert values["hosts"] == []
     assert values["parsers"] == ["rest_framework.parsers.JSONParser"]
     assert values["acks_late"] is True and values["reject_on_lost"] is True
+    assert values["hsts"] == 31536000  # a year of HTTPS only, unless told otherwise
+    told = json.loads(load_settings(tmp_path, SECRET_KEY="x" * 50, SECURE_HSTS_SECONDS="0").stdout)
+    assert told["hsts"] == 0
 
 
 def test_embedded_defaults_without_urls(tmp_path):
@@ -95,6 +99,7 @@ def test_development_reads_the_key_file_and_turns_debug_on(tmp_path):
     values = json.loads(result.stdout)
     assert values["debug"] is True and values["secure"] is False
     assert "127.0.0.1" in values["hosts"]
+    assert values["hsts"] == 0  # plain http on a laptop
 
 
 @pytest.mark.parametrize("raw", ["maybe", "2"])

@@ -126,12 +126,13 @@ class ApiTokenSerializer(StrictModelSerializer):
             "username",
             "service_account",
             "scopes",
+            "parent",
             "created_at",
             "expires_at",
             "last_used_at",
             "revoked_at",
         ]
-        read_only_fields = ["prefix", "created_at", "last_used_at", "revoked_at"]
+        read_only_fields = ["prefix", "parent", "created_at", "last_used_at", "revoked_at"]
 
 
 class ApiTokenCreatedSerializer(ApiTokenSerializer):

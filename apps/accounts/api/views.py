@@ -16,7 +16,7 @@ from apps.accounts.filtersets import (
     TeamQuotaFilterSet,
     TeamSecretFilterSet,
 )
-from apps.accounts.models import TokenScope
+from apps.accounts.models import ApiToken, TokenScope
 from controlplane.api import ServiceViewSet
 
 
@@ -140,7 +140,10 @@ class ApiTokenViewSet(
         data = dict(serializer.validated_data)
         account = data.pop("service_account", None)
         token, secret = services.api_token_create(
-            user=account.user if account is not None else request.user, by=request.user, **data
+            user=account.user if account is not None else request.user,
+            by=request.user,
+            parent=request.auth if isinstance(request.auth, ApiToken) else None,
+            **data,
         )
         token.token = secret
         body = s.ApiTokenCreatedSerializer(token, context=self.get_serializer_context()).data

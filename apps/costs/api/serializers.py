@@ -219,6 +219,13 @@ class BudgetSerializer(StrictModelSerializer):
             },
         }
     )
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        data["webhook_url"] = selectors.budget_webhook_url_seen_by(
+            budget=instance, user=self.context["request"].user
+        )
+        return data
+
     def get_state(self, budget) -> dict:
         if "_budget_states" not in self.context:
             self.context["_budget_states"] = {s.team_id: s for s in selectors.budget_states()}

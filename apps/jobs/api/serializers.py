@@ -16,7 +16,12 @@ from apps.fleet.models import Node
 from apps.jobs.extensions import job_detail_part
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
 from apps.jobs.models.jobs import ACTIVE_STATES, ANY_GPU
-from apps.jobs.selectors import job_cost, job_nccl_environments, jobs_visible_to
+from apps.jobs.selectors import (
+    job_cost,
+    job_nccl_environments,
+    jobs_visible_to,
+    webhook_url_seen_by,
+)
 from controlplane.api import (
     ScopedPrimaryKeyField,
     SharedFieldsMixin,
@@ -409,6 +414,11 @@ class WebhookSerializer(StrictModelSerializer):
         model = Webhook
         fields = ["id", "team", "job", "url", "active", "created_at"]
         read_only_fields = ["active", "created_at"]
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        data["url"] = webhook_url_seen_by(webhook=instance, user=self.context["request"].user)
+        return data
 
 
 class WebhookCreatedSerializer(WebhookSerializer):

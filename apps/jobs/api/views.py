@@ -210,7 +210,9 @@ class WebhookViewSet(
 
     serializer_class = s.WebhookSerializer
     lookup_value_regex = ServiceViewSet.lookup_value_regex
-    required_scope = TokenScope.SUBMIT
+    # Where the team's job outcomes are sent is configuration, not job work: a submit
+    # token (CI's) must not be able to redirect them.
+    required_scope = TokenScope.ADMIN
 
     def get_queryset(self):
         return selectors.webhooks_visible_to(user=self.request.user).order_by("id")

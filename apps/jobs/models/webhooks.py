@@ -3,6 +3,8 @@
 from django.conf import settings
 from django.db import models
 
+from controlplane import webhooks
+
 
 class Webhook(models.Model):
     team = models.ForeignKey("accounts.Team", on_delete=models.CASCADE, related_name="webhooks")
@@ -14,7 +16,7 @@ class Webhook(models.Model):
         related_name="webhooks",
         help_text="Empty: every job of the team.",
     )
-    url = models.URLField(max_length=1000)
+    url = models.URLField(max_length=1000, validators=[webhooks.validate_url])
     signing_key = models.BinaryField(editable=False, help_text="Encrypted; signs each call.")
     active = models.BooleanField(default=True)
     created_by = models.ForeignKey(

@@ -6,6 +6,7 @@ import pytest
 
 from apps.accounts import services
 from apps.accounts.models import AuditEvent, Membership, ServiceAccount, Team, TeamQuota
+from controlplane.errors import ApplicationError
 from tests import factories
 
 pytestmark = pytest.mark.django_db
@@ -141,6 +142,31 @@ def test_service_account_belongs_to_its_team(team, team_admin, api_for):
     account = ServiceAccount.objects.get(pk=response.json()["id"])
     assert account.user.memberships.get().team == team
     assert not account.user.has_usable_password()
+
+
+def test_a_service_account_cannot_be_made_team_admin(team, team_admin, api_for):
+    account = services.service_account_create(team=team, name="ci", by=team_admin)
+    membership = account.user.memberships.get()
+    response = api_for(team_admin).patch(
+        f"/api/v1/memberships/{membership.pk}/", {"role": "admin"}, format="json"
+    )
+    assert response.status_code == 400, response.content
+    assert "role" in response.json()["error"]["details"]
+    assert Membership.objects.get(pk=membership.pk).role == "researcher"
+    with pytest.raises(ApplicationError) as refused:
+        services.membership_create(team=team, user=account.user, role="admin", by=team_admin)
+    assert "role" in refused.value.details
+
+
+def test_the_admin_cannot_make_a_service_account_team_admin(client, superuser, team):
+    account = services.service_account_create(team=team, name="ci", by=None)
+    membership = account.user.memberships.get()
+    client.force_login(superuser)
+    client.post(
+        f"/admin/accounts/membership/{membership.pk}/change/",
+        {"user": account.user.pk, "team": team.pk, "role": "admin"},
+    )
+    assert Membership.objects.get(pk=membership.pk).role == "researcher"
 
 
 def test_me_names_roles_and_teams(team, team_admin, api_for):

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from apps.accounts import services
 from apps.accounts.models import ApiToken, AuditEvent
+from controlplane.errors import ApplicationError
 from tests import factories
 
 pytestmark = pytest.mark.django_db
@@ -193,3 +194,110 @@ def test_a_cached_token_follows_its_users_roles_and_activity(
         researcher.is_active = False
         researcher.save()
     assert client.get("/api/v1/me/").status_code == 401
+
+
+# --- tokens made by tokens ------------------------------------------------------------
+
+
+def test_a_token_made_by_a_token_is_capped_at_its_parents_expiry(researcher, anon_api):
+    ends = timezone.now() + dt.timedelta(days=1)
+    parent, secret = services.api_token_create(
+        user=researcher, name="parent", scopes=["admin"], expires_at=ends, by=researcher
+    )
+    anon_api.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    before = ApiToken.objects.count()
+    later = anon_api.post(
+        "/api/v1/tokens/",
+        {"name": "later", "scopes": ["read"], "expires_at": (ends + dt.timedelta(days=1))},
+        format="json",
+    )
+    assert later.status_code == 400, later.content
+    assert "expires_at" in later.json()["error"]["details"]
+    assert ApiToken.objects.count() == before
+    unsaid = anon_api.post("/api/v1/tokens/", {"name": "child", "scopes": ["read"]}, format="json")
+    assert unsaid.status_code == 201, unsaid.content
+    child = ApiToken.objects.get(pk=unsaid.json()["id"])
+    assert child.parent_id == parent.pk and unsaid.json()["parent"] == parent.pk
+    assert child.expires_at == ends
+
+
+def test_a_token_made_by_a_token_has_no_scope_its_parent_lacks(researcher):
+    parent, _ = services.api_token_create(
+        user=researcher, name="parent", scopes=["submit"], by=researcher
+    )
+    with pytest.raises(ApplicationError) as refused:
+        services.api_token_create(
+            user=researcher, name="child", scopes=["admin"], by=researcher, parent=parent
+        )
+    assert "scopes" in refused.value.details
+    child, _ = services.api_token_create(
+        user=researcher, name="child", scopes=["read"], by=researcher, parent=parent
+    )
+    assert child.parent_id == parent.pk
+
+
+def test_revoking_a_token_revokes_what_it_made(
+    researcher, anon_api, api_for, django_capture_on_commit_callbacks
+):
+    parent, _ = services.api_token_create(
+        user=researcher, name="leaked", scopes=["admin"], by=researcher
+    )
+    child, child_secret = services.api_token_create(
+        user=researcher, name="child", scopes=["admin"], by=researcher, parent=parent
+    )
+    grandchild, grandchild_secret = services.api_token_create(
+        user=researcher, name="grandchild", scopes=["read"], by=researcher, parent=child
+    )
+    for secret in (child_secret, grandchild_secret):  # used, so cached
+        anon_api.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+        assert anon_api.get("/api/v1/me/").status_code == 200
+    with django_capture_on_commit_callbacks(execute=True):  # the revocation commits
+        assert api_for(researcher).delete(f"/api/v1/tokens/{parent.pk}/").status_code == 204
+    for token, secret in ((child, child_secret), (grandchild, grandchild_secret)):
+        assert ApiToken.objects.get(pk=token.pk).revoked_at is not None
+        anon_api.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+        assert anon_api.get("/api/v1/me/").status_code == 401
+    assert AuditEvent.objects.filter(action="api_token.revoke").count() == 3
+
+
+def test_a_service_accounts_token_made_with_an_admins_token_ends_with_it(
+    team, team_admin, api_for, anon_api, django_capture_on_commit_callbacks
+):
+    account = services.service_account_create(team=team, name="ci", by=team_admin)
+    admin = api_for(team_admin)
+    made = admin.post(
+        "/api/v1/tokens/",
+        {"name": "pipeline", "scopes": ["submit"], "service_account": account.pk},
+        format="json",
+    )
+    assert made.status_code == 201, made.content
+    parent = ApiToken.objects.get(pk=made.json()["parent"])
+    with django_capture_on_commit_callbacks(execute=True):
+        services.api_token_revoke(token=parent, by=team_admin)
+    anon_api.credentials(HTTP_AUTHORIZATION=f"Bearer {made.json()['token']}")
+    assert anon_api.get("/api/v1/me/").status_code == 401
+    event = AuditEvent.objects.get(action="api_token.revoke", object_id=str(made.json()["id"]))
+    assert event.team == team
+
+
+def test_a_token_whose_parent_ended_is_refused(researcher, anon_api):
+    parent, _ = services.api_token_create(
+        user=researcher, name="parent", scopes=["admin"], by=researcher
+    )
+    _, secret = services.api_token_create(
+        user=researcher, name="child", scopes=["read"], by=researcher, parent=parent
+    )
+    ApiToken.objects.filter(pk=parent.pk).update(expires_at=timezone.now())
+    anon_api.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    response = anon_api.get("/api/v1/me/")
+    assert response.status_code == 401
+    assert "made this token" in response.json()["error"]["message"]
+
+
+def test_a_token_made_in_the_browser_has_no_parent(researcher, client):
+    client.force_login(researcher)
+    made = client.post(
+        "/api/v1/tokens/", {"name": "web", "scopes": ["admin"]}, content_type="application/json"
+    )
+    assert made.status_code == 201, made.content
+    assert made.json()["parent"] is None

@@ -193,6 +193,19 @@ def test_a_budget_webhook_key_is_shown_once_and_never_logged(team_admin, team, a
         assert "webhook_signing_key" not in (event.after or {})
 
 
+def test_only_who_sets_a_budget_sees_its_webhooks_credentials(
+    team_admin, viewer, finance_user, team, api_for, settings
+):
+    settings.WEBHOOK_ALLOW_PRIVATE = True  # hooks.example does not resolve here (no DNS)
+    url = "https://ci:hunter2@hooks.example/b?token=abc"
+    body = {"team": team.pk, "monthly_limit": "100", "webhook_url": url}
+    assert api_for(team_admin).post("/api/v1/budgets/", body, format="json").status_code == 201
+    for user in (team_admin, finance_user):
+        assert api_for(user).get("/api/v1/budgets/").json()["results"][0]["webhook_url"] == url
+    seen = api_for(viewer, scopes=("read",)).get("/api/v1/budgets/").json()["results"][0]
+    assert seen["webhook_url"] == "https://***@hooks.example/b?***"
+
+
 def test_a_budget_webhook_into_our_own_network_is_refused(team_admin, team, api_for, settings):
     settings.WEBHOOK_ALLOW_PRIVATE = False
     body = {"team": team.pk, "monthly_limit": "100", "webhook_url": "https://10.0.0.5/alerts"}

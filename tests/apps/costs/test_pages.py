@@ -11,6 +11,7 @@ from django.db.models import Sum
 from django.test import Client
 from django.utils import timezone
 
+from apps.accounts.secrets import decrypt
 from apps.costs import selectors, services
 from apps.costs.models import Budget
 from tests import factories
@@ -133,6 +134,24 @@ def test_a_team_admin_sets_their_teams_budget_on_the_page(team_admin, team, othe
     assert done.status_code == 302
     assert Budget.objects.get(team=team).monthly_limit == Decimal(1000)
     assert refused.status_code == 302 and not Budget.objects.filter(team=other_team).exists()
+
+
+def test_a_budget_webhook_key_is_shown_on_the_answer_and_never_put_in_a_cookie(
+    team_admin, team, settings
+):
+    settings.WEBHOOK_ALLOW_PRIVATE = True  # hooks.example does not resolve here (no DNS)
+    client = browser(team_admin)
+    done = client.post(
+        "/costs/budgets/",
+        {"team": team.pk, "monthly_limit": "100", "webhook_url": "https://hooks.example/b"},
+    )
+    key = decrypt(Budget.objects.get(team=team).webhook_signing_key)
+
+    assert done.status_code == 201
+    assert key in done.content.decode()
+    assert "no-store" in done["Cache-Control"]
+    assert key not in str(done.cookies) and key not in str(client.cookies)
+    assert key not in client.get("/costs/").content.decode()  # shown once
 
 
 def test_members_see_a_banner_once_their_budget_passes_a_threshold(researcher, team):

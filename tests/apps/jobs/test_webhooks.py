@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from apps.jobs import services
-from apps.jobs.models import WebhookDelivery
+from apps.jobs.models import Webhook, WebhookDelivery
 from controlplane import webhooks
 from tests.apps.jobs.conftest import command_spec
 
@@ -99,6 +99,58 @@ def test_researchers_add_webhooks_only_to_their_own_jobs(
         "/api/v1/webhooks/", {"team": team.pk, "job": job.pk, "url": receiver["url"]}, format="json"
     )
     assert own.status_code == 201, own.content
+
+
+def test_a_submit_token_neither_adds_nor_removes_webhooks(team, team_admin, api_for, receiver):
+    submit = api_for(team_admin, scopes=("submit",))
+    made = submit.post(
+        "/api/v1/webhooks/", {"team": team.pk, "url": receiver["url"]}, format="json"
+    )
+    assert made.status_code == 403
+    assert not Webhook.objects.exists()
+    hook, _ = services.webhook_create(team=team, url=receiver["url"], by=team_admin)
+    assert submit.get(f"/api/v1/webhooks/{hook.pk}/").status_code == 200
+    assert submit.delete(f"/api/v1/webhooks/{hook.pk}/").status_code == 403
+    assert Webhook.objects.filter(pk=hook.pk).exists()
+    admin = api_for(team_admin, scopes=("admin",))
+    assert admin.delete(f"/api/v1/webhooks/{hook.pk}/").status_code == 204
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://8.8.8.8/é",  # not ASCII: an IRI, not a URI
+        "https://exämple.com/hook",  # a name not in punycode
+        "ftp://hooks.example/hook",
+        "https://hooks.example/a b",
+        "https://hooks.example/a[b]",
+        "https://hooks.example/%zz",
+        "https://hooks.example/hook#a#b",
+        "https://hooks.example:99999/hook",
+        "https:///hook",
+    ],
+)
+def test_a_webhook_url_is_a_real_absolute_http_url(url, team, team_admin, api_for, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = True  # nothing here resolves names
+    response = api_for(team_admin).post(
+        "/api/v1/webhooks/", {"team": team.pk, "url": url}, format="json"
+    )
+    assert response.status_code == 400, response.content
+    assert "url" in response.json()["error"]["details"]
+    assert not Webhook.objects.exists()
+
+
+def test_only_who_manages_a_webhook_sees_its_credentials(
+    team, team_admin, viewer, researcher, ops_user, api_for, settings
+):
+    settings.WEBHOOK_ALLOW_PRIVATE = True
+    url = "https://ci:hunter2@hooks.example/path?token=abc"
+    hook, _ = services.webhook_create(team=team, url=url, by=team_admin)
+    for user in (team_admin, ops_user):
+        assert api_for(user).get(f"/api/v1/webhooks/{hook.pk}/").json()["url"] == url
+    for user in (viewer, researcher):
+        listed = api_for(user, scopes=("read",)).get("/api/v1/webhooks/").json()["results"]
+        assert [row["url"] for row in listed] == ["https://***@hooks.example/path?***"]
 
 
 def test_private_addresses_are_refused_by_default(team, team_admin, api_for, settings):
