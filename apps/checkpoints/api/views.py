@@ -33,7 +33,11 @@ class CheckpointViewSet(
     filterset_class = CheckpointFilterSet
     ordering_fields = ["committed_at", "step", "size_bytes"]
     lookup_value_regex = ServiceViewSet.lookup_value_regex
-    required_scope = TokenScope.SUBMIT
+
+    @property
+    def required_scope(self):
+        # Deleting stored work needs an admin token; asking for a check is a job's matter.
+        return TokenScope.ADMIN if self.action == "destroy" else TokenScope.SUBMIT
 
     def get_queryset(self):
         rows = selectors.checkpoints_visible_to(user=self.request.user)
@@ -77,7 +81,7 @@ class CheckpointCopyViewSet(
     filterset_class = CheckpointCopyFilterSet
     ordering_fields = ["created_at", "id"]
     lookup_value_regex = ServiceViewSet.lookup_value_regex
-    required_scope = TokenScope.SUBMIT
+    required_scope = TokenScope.ADMIN  # its one write deletes stored work
 
     def get_queryset(self):
         return selectors.copies_visible_to(user=self.request.user).order_by("-id")

@@ -73,8 +73,13 @@ def test_another_teams_checkpoints_do_not_exist(checkpointed, outsider, api_for)
 def test_deleting_is_storage_first_and_never_the_point_it_resumes_from(
     checkpointed, researcher, api_for
 ):
-    api = api_for(researcher, scopes=("submit",))
+    api = api_for(researcher, scopes=("admin",))
     newest, older = Checkpoint.objects.order_by("-step")
+    # Deleting stored work needs an admin token: a CI pipeline's submit token cannot.
+    submit_only = api_for(researcher, scopes=("submit",)).delete(f"/api/v1/checkpoints/{older.pk}/")
+    assert (
+        submit_only.status_code == 403 and Checkpoint.objects.get(pk=older.pk).state != "deleting"
+    )
     refused = api.delete(f"/api/v1/checkpoints/{newest.pk}/")
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "in_use"
     answer = api.delete(f"/api/v1/checkpoints/{older.pk}/", {"reason": "bad run"}, format="json")

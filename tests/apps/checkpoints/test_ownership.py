@@ -282,7 +282,7 @@ def _commit_newer(jobs, step: int = 8) -> None:
 
 def _delete_step_7(jobs, api_for, researcher) -> Checkpoint:
     checkpoint = Checkpoint.objects.get(job=jobs["mine"][0], step=7)
-    answer = api_for(researcher, scopes=("submit",)).delete(
+    answer = api_for(researcher, scopes=("admin",)).delete(
         f"/api/v1/checkpoints/{checkpoint.pk}/", {}, format="json"
     )
     assert answer.status_code == 202, answer.content
