@@ -63,7 +63,7 @@ def test_production_defaults_are_safe(tmp_path):
     assert values["debug"] is False
     assert values["secure"] is True and values["csrf_secure"] is True
     assert values["hosts"] == []
-    assert values["parsers"] == ["rest_framework.parsers.JSONParser"]
+    assert values["parsers"] == ["controlplane.parsers.JSONParser"]  # JSON only
     assert values["acks_late"] is True and values["reject_on_lost"] is True
 
 
