@@ -33,16 +33,39 @@ def integer_range(model_field) -> tuple[int, int] | None:
     return None
 
 
-def reject_unstorable_text(value: str) -> None:
-    """PostgreSQL stores neither NUL nor lone UTF-16 surrogates: refuse them up front."""
+def unstorable_text_problem(value: str) -> str | None:
+    """Why PostgreSQL could not store or compare `value`, or None: it takes neither NUL nor
+    lone UTF-16 surrogates."""
     if "\x00" in value:
-        raise serializers.ValidationError("Null characters are not allowed.")
+        return "Null characters are not allowed."
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise serializers.ValidationError(
-            "Text must be valid Unicode (no lone surrogates)."
-        ) from None
+        return "Text must be valid Unicode (no lone surrogates)."
+    return None
+
+
+def reject_unstorable_text(value: str) -> None:
+    """Refuse unstorable text up front, before any query or message uses it."""
+    problem = unstorable_text_problem(value)
+    if problem is not None:
+        raise serializers.ValidationError(problem)
+
+
+def showable(value):
+    """`value` (text, or dicts and lists of it) with what UTF-8 cannot carry (a lone surrogate
+    echoed from the input) escaped, so an error that names it still renders."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
+    if isinstance(value, dict):
+        return {showable(key): showable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [showable(item) for item in value]
+    return value
 
 
 class StorableTextMixin:
@@ -125,6 +148,25 @@ class Text(StorableTextMixin, serializers.CharField):
     """A CharField for plain serializers that refuses what the database cannot store."""
 
 
+class TextKeyedDictField(serializers.DictField):
+    """A JSON object whose keys are storable text of at most `max_key_length` characters,
+    checked before anything (an error message included) uses them."""
+
+    def __init__(self, *, max_key_length: int = 128, **kwargs):
+        self.max_key_length = max_key_length
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict):
+            for key in data:
+                problem = unstorable_text_problem(str(key))
+                if problem is None and len(str(key)) > self.max_key_length:
+                    problem = f"At most {self.max_key_length} characters."
+                if problem is not None:
+                    raise serializers.ValidationError(f"Names: {problem}")
+        return super().to_internal_value(data)
+
+
 class ScopedPrimaryKeyField(serializers.PrimaryKeyRelatedField):
     """A foreign key limited to what the requesting user may see (others "do not exist")."""
 
@@ -178,7 +220,8 @@ def _validation_message(detail) -> str:
 def exception_handler(exc, context):
     """Render every API error as `{"error": {"code", "message", "details"}}`."""
     if isinstance(exc, ApplicationError):
-        return Response(error_body(exc.code, exc.message, exc.details), status=exc.status)
+        body = error_body(exc.code, exc.message, exc.details)
+        return Response(showable(body), status=exc.status)
     if isinstance(exc, DjangoValidationError):
         detail = (
             exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
@@ -200,6 +243,7 @@ def exception_handler(exc, context):
         code = codes if isinstance(codes, str) else "error"
         message = str(exc.detail) if hasattr(exc, "detail") else str(exc)
         response.data = error_body(code, message)
+    response.data = showable(response.data)
     return response
 
 

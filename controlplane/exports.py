@@ -1,21 +1,32 @@
-"""CSV exports of the pages' tables, safe to open in a spreadsheet."""
+"""CSV exports of the pages' tables, safe to open in a spreadsheet.
+
+Every export writes its cells through spreadsheet_safe here (csv_response, csv_stream); the
+one exception, the ledger's COPY in apps/costs/selectors.py, neutralises text alike in SQL.
+"""
 
 import csv
+import re
 from collections.abc import Iterable, Iterator
 from decimal import Decimal
 
 from django.http import HttpResponse, StreamingHttpResponse
 
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+# A number already written as text (-3.5, 1e-07): a spreadsheet reads it as a number, not a
+# formula, and should still be able to add it up.
+PLAIN_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 
 
 def spreadsheet_safe(value) -> str:
-    """A cell a spreadsheet will not run as a formula (CSV injection). Numbers are written
-    as they are, so a negative one stays a number a spreadsheet can add up."""
+    """A cell a spreadsheet will not run as a formula (CSV injection): text starting with one
+    of FORMULA_STARTS gets a leading quote, as OWASP advises. Numbers, and text that is just a
+    number, are written as they are, so a negative one stays a number."""
     if isinstance(value, int | float | Decimal):
         return str(value)
     text = "" if value is None else str(value)
-    return "'" + text if text.startswith(FORMULA_STARTS) else text
+    if text.startswith(FORMULA_STARTS) and not PLAIN_NUMBER.fullmatch(text):
+        return "'" + text
+    return text
 
 
 def csv_response(filename: str, header: list[str], rows: Iterable[list]) -> HttpResponse:
@@ -36,15 +47,14 @@ class _Line:
 
 
 def csv_stream(filename: str, header: list[str], rows: Iterable[list]) -> StreamingHttpResponse:
-    """A CSV export streamed as it is read, for tables of millions of rows. Cells must
-    already be safe: free text through spreadsheet_safe (ids, numbers and times are)."""
+    """A CSV export streamed as it is read, for tables of millions of rows."""
     writer = csv.writer(_Line())
 
     def lines() -> Iterator[str]:
         yield writer.writerow(header)
         batch = []
         for row in rows:
-            batch.append(writer.writerow(row))
+            batch.append(writer.writerow([spreadsheet_safe(cell) for cell in row]))
             if len(batch) >= 2000:
                 yield "".join(batch)
                 batch = []
@@ -55,7 +65,8 @@ def csv_stream(filename: str, header: list[str], rows: Iterable[list]) -> Stream
 
 
 def csv_stream_text(filename: str, chunks: Iterable) -> StreamingHttpResponse:
-    """Stream CSV text (or bytes) already formatted, e.g. by PostgreSQL's COPY."""
+    """Stream CSV text (or bytes) already formatted, e.g. by PostgreSQL's COPY; its text cells
+    must already be neutralised as spreadsheet_safe does."""
     response = StreamingHttpResponse(chunks, content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
     return response

@@ -26,6 +26,7 @@ _ERRORS_ALWAYS = {
 }
 _ERRORS_WITH_BODY = {
     "400": "Invalid input: `details` names each field and the reason.",
+    "413": "The body is over the server's limit (DATA_UPLOAD_MAX_MEMORY_SIZE, 2.5 MB).",
     "415": "The body is not JSON (the API accepts application/json only).",
 }
 _ERRORS_ON_OBJECT = {

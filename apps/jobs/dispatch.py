@@ -445,7 +445,7 @@ def trainer_event(text: str) -> dict | None:
         return None
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a job prints what it likes
         return None
     return data if isinstance(data, dict) and isinstance(data.get("event"), str) else None
 

@@ -5,6 +5,7 @@ from django import forms
 from apps.accounts.models import GPU_TYPES, Team
 from apps.accounts.selectors import roles_of
 from apps.jobs.models import Placement, PriorityClass
+from apps.jobs.specs import MAX_GPUS_PER_NODE
 from workers.trainer.presets import PRESETS
 
 GPU_COUNTS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -20,7 +21,7 @@ class SubmitForm(forms.Form):
     preset = forms.ChoiceField(choices=[(p, p) for p in PRESETS], initial="tiny", required=False)
     gpu_type = forms.ChoiceField(choices=GPU_TYPES, initial="H100")
     gpus = forms.TypedChoiceField(choices=[(n, n) for n in GPU_COUNTS], coerce=int, initial=8)
-    gpus_per_node = forms.IntegerField(min_value=1, max_value=64, initial=8)
+    gpus_per_node = forms.IntegerField(min_value=1, max_value=MAX_GPUS_PER_NODE, initial=8)
     layout = forms.CharField(
         max_length=40, required=False, help_text="dp_replicate × dp_shard × tp × pp"
     )

@@ -158,6 +158,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
         )
     if spec.get("command"):
         specs.check_command(spec["command"], errors)
+    specs.check_env(spec, errors)
     _check_nccl(spec, resources, pool_ids, errors)
     _check_cost(spec, team, resources, pool_ids, errors)
     wanted_secrets = set(spec.get("secrets") or [])

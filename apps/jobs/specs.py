@@ -5,14 +5,49 @@ normalised resources, or an ApplicationError whose details name each field by
 its path in the spec (`resources.layout.tp`), so a 400 says exactly what to fix.
 """
 
+import math
 from dataclasses import dataclass
 
 from apps.fleet.selectors import PoolCapacity
 from apps.jobs.models.jobs import ANY_GPU
+from apps.tuning import catalogue
 from controlplane.errors import ApplicationError
 from workers.trainer.presets import PRESETS, ModelShape
 
 OWNED_KINDS = {"owned": ("owned",), "cloud": ("cloud",), "owned_then_cloud": ("owned", "cloud")}
+
+# The most one job may ask for: the submit serializer's bounds and the Submit page's. Past
+# them the layout search would spin (it enumerates divisors), so nothing reads larger counts.
+MAX_GPUS = 32_768
+MAX_NODES = 4_096
+MAX_GPUS_PER_NODE = 64
+COUNTS_LIMIT = (
+    f"A job has at most {MAX_GPUS} GPUs, {MAX_NODES} nodes and {MAX_GPUS_PER_NODE} GPUs per node."
+)
+
+# What a job's `env` may not set: NCCL's, PyTorch-NCCL's and the EFA stack's variables go in
+# nccl.overrides, where the linter checks them on top of the pool's profile; the dynamic
+# loader's and Python's start-up variables would change the code a run starts with; the rest
+# the control plane (apps/jobs/dispatch.py, workers/agent/runs.py) and torchrun set per run.
+NCCL_ENV_PREFIXES = (*catalogue.COVERED_PREFIXES, *catalogue.PARTLY_COVERED_PREFIXES)
+LOADER_ENV_PREFIXES = ("LD_",)
+PYTHON_ENV = frozenset({"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE"})
+RUN_ENV_PREFIXES = ("CONTROLPLANE_", "TORCHELASTIC_")
+RUN_ENV = frozenset(
+    {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -104,6 +139,9 @@ def resources_from_spec(spec: dict, *, pools: list[PoolCapacity], errors: SpecEr
         missing = "nodes" if nodes is None else "gpus_per_node"
         errors.add(f"resources.{missing}", "Give nodes and gpus_per_node together.")
         return None
+    if nodes * per_node > MAX_GPUS:
+        errors.add("resources", COUNTS_LIMIT)
+        return None
     if gpus is not None and gpus != nodes * per_node:
         errors.add(
             "resources.gpus",
@@ -188,6 +226,29 @@ def check_trainer(trainer: dict, resources: Resources, errors: SpecErrors) -> No
         errors.add("trainer.seq_len", f"The model takes at most {shape.max_seq_len} tokens.")
 
 
+def reserved_env_reason(name: str) -> str | None:
+    """Why a job's `env` may not set `name` (compared as upper case), or None."""
+    upper = name.upper()
+    if upper.startswith(NCCL_ENV_PREFIXES):
+        return "An NCCL or EFA setting: give it in nccl.overrides, which are linted."
+    if upper.startswith(LOADER_ENV_PREFIXES):
+        return "The dynamic loader's: a job does not change how its programs are loaded."
+    if upper in PYTHON_ENV:
+        return "Python's start-up: a job does not change where Python loads code from."
+    if upper.startswith(RUN_ENV_PREFIXES) or upper in RUN_ENV:
+        return "Set for each run by the control plane or torchrun."
+    return None
+
+
+def check_env(spec: dict, errors: SpecErrors) -> None:
+    """The variables a run gets from its spec: `env`, and `secrets` (injected by name)."""
+    for field in ("env", "secrets"):
+        for name in sorted(spec.get(field) or ()):
+            reason = reserved_env_reason(name)
+            if reason is not None:
+                errors.add(f"{field}.{name}", reason)
+
+
 def check_command(command: dict, errors: SpecErrors) -> None:
     sources = [key for key in ("git", "path") if command.get(key)]
     if len(sources) != 1:
@@ -250,14 +311,26 @@ class Layout:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def counts_within_limits(*, nodes: int, gpus_per_node: int) -> bool:
+    return (
+        1 <= nodes <= MAX_NODES
+        and 1 <= gpus_per_node <= MAX_GPUS_PER_NODE
+        and nodes * gpus_per_node <= MAX_GPUS
+    )
 
 
 def valid_layouts(shape: ModelShape, *, nodes: int, gpus_per_node: int) -> list[Layout]:
     """Every dp_replicate × dp_shard × tp × pp the submit rules accept, simplest first.
 
     dp_replicate is the node count or 1 (HSDP replicates across nodes, shards within).
+    ValueError past a job's limits (COUNTS_LIMIT).
     """
+    if not counts_within_limits(nodes=nodes, gpus_per_node=gpus_per_node):
+        raise ValueError(COUNTS_LIMIT)
     total = nodes * gpus_per_node
     out = []
     for tp in _divisors(gpus_per_node):

@@ -176,26 +176,39 @@ def submit(request):
         else:
             messages.success(request, f"Job {job.pk} submitted.")
             return redirect("jobs:detail", job_id=job.pk)
+    layouts, problem = _layouts_for(request.POST or request.GET)
     return render(
         request,
         "jobs/submit.html",
-        {
-            "form": form,
-            "layouts": _layouts_for(request.POST or request.GET),
-        },
+        {"form": form, "layouts": layouts, "layouts_problem": problem},
+        status=400 if problem else 200,
     )
 
 
-def _layouts_for(params) -> list[specs.Layout]:
-    preset = params.get("preset") or "tiny"
+def _gpu_counts(params) -> tuple[int, int]:
+    """The form's GPUs and GPUs per node, as its htmx parts send them; ValueError, saying
+    why, when they are not whole numbers within a job's limits."""
     try:
         gpus = int(params.get("gpus") or 8)
         per_node = min(int(params.get("gpus_per_node") or 8), gpus)
     except ValueError:
-        return []
-    if preset not in PRESETS or gpus < 1 or per_node < 1 or gpus % per_node:
-        return []
-    return specs.valid_layouts(PRESETS[preset], nodes=gpus // per_node, gpus_per_node=per_node)
+        raise ValueError("Give whole numbers of GPUs.") from None
+    if not 1 <= gpus <= specs.MAX_GPUS or not 1 <= per_node <= specs.MAX_GPUS_PER_NODE:
+        raise ValueError(specs.COUNTS_LIMIT)
+    return gpus, per_node
+
+
+def _layouts_for(params) -> tuple[list[specs.Layout], str]:
+    """(the layouts that fit, "") or ([], why the counts are refused)."""
+    preset = params.get("preset") or "tiny"
+    try:
+        gpus, per_node = _gpu_counts(params)
+        if preset not in PRESETS or gpus % per_node:
+            return [], ""
+        shape = PRESETS[preset]
+        return specs.valid_layouts(shape, nodes=gpus // per_node, gpus_per_node=per_node), ""
+    except ValueError as refused:
+        return [], str(refused)
 
 
 @login_required
@@ -206,20 +219,19 @@ def outlook(request):
     params = request.GET
     context = {"problem": "", "outlook": None}
     try:
-        gpus = int(params.get("gpus") or 8)
-        per_node = min(int(params.get("gpus_per_node") or 8), gpus)
+        gpus, per_node = _gpu_counts(params)
         hours = Decimal(params.get("time_limit_hours") or "4")
         if not hours.is_finite():
             raise ValueError(hours)
     except (ValueError, ArithmeticError):
-        context["problem"] = "Give whole numbers of GPUs and a time limit in hours."
+        context["problem"] = (
+            f"Give whole numbers of GPUs and a time limit in hours. {specs.COUNTS_LIMIT}"
+        )
         return render(request, "jobs/_outlook.html", context)
     gpu_type = params.get("gpu_type") or "H100"
     where = params.get("placement") or Placement.OWNED_THEN_CLOUD
     if (
-        gpus < 1
-        or per_node < 1
-        or gpus % per_node
+        gpus % per_node
         or not 0 < hours <= 720
         or gpu_type not in dict(GPU_TYPES)
         or where not in Placement.values
@@ -250,13 +262,12 @@ def outlook(request):
 @login_required
 def layouts(request):
     """The layout <select> for the chosen preset and GPU count (the form asks with htmx)."""
+    layouts, problem = _layouts_for(request.GET)
     return render(
         request,
         "jobs/_layouts.html",
-        {
-            "layouts": _layouts_for(request.GET),
-            "selected": request.GET.get("layout", ""),
-        },
+        {"layouts": layouts, "layouts_problem": problem, "selected": request.GET.get("layout", "")},
+        status=400 if problem else 200,
     )
 
 

@@ -19,13 +19,14 @@ from apps.tuning import catalogue as c
 OK, WARNING, ERROR = "ok", "warning", "error"
 _RANK = {OK: 0, WARNING: 1, ERROR: 2}
 
-NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# \Z, not $: "$" also matches before a final newline.
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _SHELL_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 _PYTHON_LINE = re.compile(
     r"""^\s*os\.environ\[\s*(['"])([A-Za-z_][A-Za-z0-9_]*)\1\s*\]\s*=\s*"""
     r"""(?:(['"])(.*?)\3)\s*(?:\#.*)?$"""
 )
-_INTEGER = re.compile(r"^[+-]?(?:\d+|0[xX][0-9a-fA-F]+)$")
+_INTEGER = re.compile(r"^[+-]?(?:\d+|0[xX][0-9a-fA-F]+)\Z")
 
 
 @dataclass(frozen=True)
@@ -300,10 +301,10 @@ def _check_value(var: c.Variable, value: str, context: Context, findings: list) 
         tokens = [t.strip() for t in body.split(",")]
         if not body or any(not t or " " in t for t in tokens):
             findings.append((ERROR, f"{value!r}: a comma-separated list of names"))
-        elif kind == c.HCAS and any(not re.match(r"^[\w.-]+(:\d+)?$", t) for t in tokens):
+        elif kind == c.HCAS and any(not re.match(r"^[\w.-]+(:\d+)?\Z", t) for t in tokens):
             findings.append((ERROR, f"{value!r}: device names, each with an optional :port"))
     elif kind == c.NETDEVS:
-        if not re.match(r"^(AUTO|ALL|MAX:[1-9]\d*)$", text):
+        if not re.match(r"^(AUTO|ALL|MAX:[1-9]\d*)\Z", text):
             findings.append((ERROR, f"{value!r}: AUTO, ALL or MAX:n"))
     elif kind == c.CIDR:
         try:

@@ -64,7 +64,7 @@ def test_production_defaults_are_safe(tmp_path):
     assert values["debug"] is False
     assert values["secure"] is True and values["csrf_secure"] is True
     assert values["hosts"] == []
-    assert values["parsers"] == ["rest_framework.parsers.JSONParser"]
+    assert values["parsers"] == ["controlplane.parsers.JSONParser"]  # JSON only
     assert values["acks_late"] is True and values["reject_on_lost"] is True
     assert values["hsts"] == 31536000  # a year of HTTPS only, unless told otherwise
     told = json.loads(load_settings(tmp_path, SECRET_KEY="x" * 50, SECURE_HSTS_SECONDS="0").stdout)

@@ -62,7 +62,7 @@ def agent_endpoint(*methods: str, bootstrap: bool = False):
                     return _error(413, "too_large", "The body is over 4 MiB.")
                 try:
                     body = json.loads(request.body or b"{}")
-                except (ValueError, UnicodeDecodeError):
+                except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
                     return _error(400, "parse_error", "The body is not JSON.")
                 if not isinstance(body, dict):
                     return _error(400, "invalid", "The body must be a JSON object.")
@@ -114,7 +114,7 @@ def _land_plain_heartbeat(request) -> Answer | None:
         return None  # the view answers 401
     try:
         report = json.loads(request.body or b"{}")
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         return None  # the view answers 400
     if not isinstance(report, dict):
         return None  # the view answers 400

@@ -13,6 +13,7 @@ from rest_framework import serializers
 from apps.accounts.models import GPU_TYPES
 from apps.accounts.selectors import teams_visible_to
 from apps.fleet.models import Node
+from apps.jobs import specs
 from apps.jobs.extensions import job_detail_part
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
 from apps.jobs.models.jobs import ACTIVE_STATES, ANY_GPU
@@ -28,6 +29,7 @@ from controlplane.api import (
     StrictModelSerializer,
     StrictSerializer,
     Text,
+    TextKeyedDictField,
 )
 from controlplane.compiled_serializers import NotPlain, compile_check, compile_representation
 from workers.trainer.presets import PRESETS
@@ -37,7 +39,8 @@ from workers.trainer.presets import PRESETS
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b")
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# \A and \Z, not ^ and $: "$" also matches before a final newline ("FOO\n").
+ENV_NAME = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
 
 
 class SpecSerializer(SharedFieldsMixin, StrictSerializer):
@@ -52,15 +55,15 @@ def _count(maximum: int, **kwargs):
 class LayoutSerializer(SpecSerializer):
     dp_replicate = _count(4096, required=False)
     dp_shard = _count(4096, required=False)
-    tp = _count(64, required=False)
+    tp = _count(specs.MAX_GPUS_PER_NODE, required=False)
     pp = _count(512, required=False)
 
 
 class ResourcesSerializer(SpecSerializer):
     gpu_type = serializers.ChoiceField(choices=[*GPU_TYPES, (ANY_GPU, "Any")], default=ANY_GPU)
-    gpus = _count(32768, required=False)
-    nodes = _count(4096, required=False)
-    gpus_per_node = _count(64, required=False)
+    gpus = _count(specs.MAX_GPUS, required=False)
+    nodes = _count(specs.MAX_NODES, required=False)
+    gpus_per_node = _count(specs.MAX_GPUS_PER_NODE, required=False)
     layout = LayoutSerializer(required=False)
 
 
@@ -127,13 +130,13 @@ class GitSourceSerializer(SpecSerializer):
     ref = Text(max_length=255)
 
     def validate_repo(self, value):
-        if not re.match(r"^(https://|ssh://|git@)[^\s]+$", value):
+        if not re.fullmatch(r"(https://|ssh://|git@)[^\s]+", value):
             raise serializers.ValidationError("Use an https://, ssh:// or git@ repository URL.")
         return value
 
     def validate_ref(self, value):
         # A ref starting with "-" would be read by git as an option.
-        if value.startswith("-") or not re.match(r"^[\w./-]+$", value):
+        if value.startswith("-") or not re.fullmatch(r"[\w./-]+", value):
             raise serializers.ValidationError("A branch, tag or commit: letters, digits, ./_-.")
         return value
 
@@ -160,19 +163,19 @@ class CommandSerializer(SpecSerializer):
 
 class NcclSerializer(SpecSerializer):
     profile = Text(max_length=100, required=False, help_text="An NCCL profile's name.")
-    overrides = serializers.DictField(
+    overrides = TextKeyedDictField(
         child=Text(max_length=1024),
         required=False,
         help_text="NCCL variables set on top of the profile; linted at submission.",
     )
-    reasons = serializers.DictField(
+    reasons = TextKeyedDictField(
         child=Text(max_length=500),
         required=False,
         help_text="Why an override the linter warns about (a debugging knob...) is kept.",
     )
 
 
-class EnvField(serializers.DictField):
+class EnvField(TextKeyedDictField):
     child = Text(max_length=32768, allow_blank=True)
 
     def to_internal_value(self, data):

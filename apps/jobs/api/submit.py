@@ -72,7 +72,7 @@ def _submit_plain(request) -> Answer | None:
         return None
     try:
         data = json.loads(request.body.decode("utf-8"), parse_constant=_refuse_constant)
-    except ValueError:  # UnicodeDecodeError included
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None  # the view answers 400
     # The cache entries a submission looks up, in one round trip rather than three.
     team_id = data.get("team") if isinstance(data, dict) else None

@@ -1,5 +1,7 @@
 """The NCCL API: profiles (everyone reads, ops write), the linter and the catalogue."""
 
+import json
+
 import pytest
 
 from apps.tuning.models import NcclProfile
@@ -135,3 +137,14 @@ def test_the_catalogue(viewer, api_for, anon_api):
     assert by_name["NCCL_ASYNC_ERROR_HANDLING"]["renamed_to"] == "TORCH_NCCL_ASYNC_ERROR_HANDLING"
     assert by_name["FI_PROVIDER"]["family"] == "efa"
     assert "NCCL_IB_DISABLE_CUDA_VGRAPH" not in by_name
+
+
+@pytest.mark.parametrize("name", ["NCCL_IB_TIMEOUT\n", "NCCL_\ud800"])
+def test_a_profiles_variable_names_are_whole_names_and_text(ops_user, api_for, name):
+    """ "$" would let a name end in a newline, which the profile's env file would write out."""
+    body = json.dumps({"name": "x", "title": "X", "env": {name: "22"}})  # "\ud800" escaped
+    response = api_for(ops_user).generic(
+        "POST", "/api/v1/nccl-profiles/", body.encode(), "application/json"
+    )
+    assert response.status_code == 400 and "env" in response.json()["error"]["details"]
+    assert not NcclProfile.objects.filter(name="x").exists()
