@@ -34,6 +34,7 @@ MASK = "********"
 # Variables the run inherits from the agent; everything else comes from the plan.
 INHERITED = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")
 STATUS_LIMIT = 64 * 1024  # bytes of status file read back
+MAX_LINE = 16 * 1024  # characters of one output line kept (the control plane keeps as many)
 _REF = re.compile(r"[\w./-]+\Z")
 
 
@@ -132,13 +133,18 @@ class LogBuffer:
                 old = self._lines.popleft()
                 self.dropped[old.run_id] = self.dropped.get(old.run_id, 0) + 1
 
-    def take(self, limit: int = 2000) -> dict[int, list[LogLine]]:
-        """Up to `limit` lines, by run; they leave the buffer (put_back returns them)."""
+    def take(self, limit: int = 2000, max_bytes: int = 1 << 20) -> dict[int, list[LogLine]]:
+        """Up to `limit` lines and about `max_bytes` of text, by run; they leave the buffer
+        (put_back returns them). The byte budget keeps a batch well under the control
+        plane's request size limit, which refuses a larger one outright."""
         out: dict[int, list[LogLine]] = {}
+        size = 0
         with self._lock:
-            for _ in range(min(limit, len(self._lines))):
+            while self._lines and limit > 0 and (size < max_bytes or not out):
                 line = self._lines.popleft()
                 out.setdefault(line.run_id, []).append(line)
+                size += len(line.text) * 4 + 64  # the most it can take as JSON-escaped UTF-8
+                limit -= 1
         return out
 
     def put_back(self, lines: list[LogLine]) -> None:
@@ -193,7 +199,8 @@ class Run:
         with self._seq_lock:
             self._seq += 1
             seq = self._seq
-        self._logs.add(LogLine(self.plan.id, seq, stream, time.time(), self._mask(text)))
+        masked = self._mask(text)[:MAX_LINE]  # masked whole first: a cut never halves a secret
+        self._logs.add(LogLine(self.plan.id, seq, stream, time.time(), masked))
 
     def _read(self, pipe, stream: str) -> None:
         for raw in iter(pipe.readline, b""):

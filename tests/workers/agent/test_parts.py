@@ -351,3 +351,20 @@ def test_a_token_handed_back_at_registration_replaces_the_bootstrap_one(tmp_path
     assert "CONTROLPLANE_NODE_TOKEN=cpn_own_token" in env_file.read_text().splitlines()
     assert oct(env_file.stat().st_mode & 0o777) == "0o600"
     assert "cpn_own_token" not in caplog.text
+
+
+def test_a_batch_of_output_stays_under_the_control_planes_request_limit():
+    """Django refuses a body past 2.5 MB: a batch of long lines is cut into several."""
+    logs = LogBuffer(100_000)
+    for seq in range(2000):
+        logs.add(LogLine(1, seq, "stdout", 0.0, "x" * 16_000))
+    batches = []
+    while len(logs):
+        batch = logs.take()
+        batches.append(batch)
+        body = json.dumps({"lines": [vars(x) for x in batch[1]]})
+        assert len(body.encode()) < 2_500_000
+    assert sum(len(b[1]) for b in batches) == 2000
+    one = LogBuffer(10)
+    one.add(LogLine(1, 1, "stdout", 0.0, "y" * 3_000_000))
+    assert len(one.take()[1]) == 1  # a line longer than the budget still goes, alone
