@@ -37,13 +37,21 @@ def _run_to_the_end(job: Job, timeout_s: float = 90) -> Job:
     job.refresh_from_db()
     assert job.state == "admitted", job.pending_reason
     job_dispatch(job_id=job.pk)
-    return wait_for(
-        f"job {job.pk} to finish",
-        lambda: (
-            (j := Job.objects.get(pk=job.pk)).state in ("succeeded", "failed", "cancelled") and j
-        ),
-        timeout_s=timeout_s,
-    )
+    try:
+        return wait_for(
+            f"job {job.pk} to finish",
+            lambda: (
+                (j := Job.objects.get(pk=job.pk)).state in ("succeeded", "failed", "cancelled")
+                and j
+            ),
+            timeout_s=timeout_s,
+        )
+    except AssertionError:
+        # Where it stood, so that a slow machine's timeout says what was slow.
+        job.refresh_from_db()
+        runs = list(Run.objects.filter(job=job).values("node_id", "state", "pid", "reason"))
+        events = list(JobEvent.objects.filter(job=job).values_list("to_state", "reason"))
+        raise AssertionError(f"job {job.pk}: {job.state} {events} {runs}") from None
 
 
 def _log_texts(api, job) -> list[str]:
