@@ -43,7 +43,7 @@ def agent(node_token):
 
 @pytest.fixture
 def api(researcher, api_for):
-    client = api_for(researcher, scopes=("submit",))
+    client = api_for(researcher, scopes=("admin",))
     client.raise_request_exception = False
     return client
 
