@@ -8,7 +8,6 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from apps.accounts.models import TokenScope
 from apps.checkpoints import selectors, services
 from apps.checkpoints.api import serializers as s
 from apps.checkpoints.filtersets import (
@@ -33,7 +32,6 @@ class CheckpointViewSet(
     filterset_class = CheckpointFilterSet
     ordering_fields = ["committed_at", "step", "size_bytes"]
     lookup_value_regex = ServiceViewSet.lookup_value_regex
-    required_scope = TokenScope.SUBMIT
 
     def get_queryset(self):
         rows = selectors.checkpoints_visible_to(user=self.request.user)
@@ -77,7 +75,6 @@ class CheckpointCopyViewSet(
     filterset_class = CheckpointCopyFilterSet
     ordering_fields = ["created_at", "id"]
     lookup_value_regex = ServiceViewSet.lookup_value_regex
-    required_scope = TokenScope.SUBMIT
 
     def get_queryset(self):
         return selectors.copies_visible_to(user=self.request.user).order_by("-id")

@@ -73,7 +73,7 @@ def test_another_teams_checkpoints_do_not_exist(checkpointed, outsider, api_for)
 def test_deleting_is_storage_first_and_never_the_point_it_resumes_from(
     checkpointed, researcher, api_for
 ):
-    api = api_for(researcher, scopes=("submit",))
+    api = api_for(researcher, scopes=("admin",))
     newest, older = Checkpoint.objects.order_by("-step")
     refused = api.delete(f"/api/v1/checkpoints/{newest.pk}/")
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "in_use"
@@ -100,7 +100,7 @@ def test_a_viewer_may_read_but_not_delete(checkpointed, viewer, api_for):
 
 
 def test_verify_asks_again_and_the_answer_comes_back(checkpointed, researcher, api_for):
-    api = api_for(researcher, scopes=("submit",))
+    api = api_for(researcher, scopes=("admin",))
     checkpoint = Checkpoint.objects.order_by("-step").first()
     answer = api.post(f"/api/v1/checkpoints/{checkpoint.pk}/verify/")
     assert answer.status_code == 202
