@@ -1,15 +1,21 @@
 """Answers checked against the OpenAPI schema the way schemathesis checks them: the nulls
-its fuzzing found outside the schema (a job not yet placed, a checkpoint on shared storage)."""
+and URLs its fuzzing found outside the schema (a job not yet placed, a checkpoint on
+shared storage, an instance type's source)."""
 
 import json
+import string
 
+import jsonschema_rs
 import pytest
 import requests
 import schemathesis
 from django.test import Client
 from django.utils import timezone
+from hypothesis import given
+from hypothesis import strategies as st
 
 from apps.checkpoints.models import Checkpoint, CheckpointCopy
+from apps.fleet.models import InstanceType
 from tests.apps.jobs import conftest as jobs_fixtures
 
 fleet_pool = jobs_fixtures.fleet_pool
@@ -92,3 +98,71 @@ def test_a_checkpoint_on_shared_storage_matches_the_schema(
     conforms(schema, "/api/v1/checkpoints/", api.get("/api/v1/checkpoints/"))
     answer = api.get(f"/api/v1/checkpoint-copies/{copy.pk}/")
     assert conforms(schema, "/api/v1/checkpoint-copies/{id}/", answer)["node"] is None
+
+
+# --- an instance type's source: an http(s) URL, as the schema's `format: uri` says --------
+
+INSTANCE_TYPE = {
+    "name": "x1.test",
+    "gpu_type": "H100",
+    "gpu_count": 8,
+    "gpu_memory_gib": 80,
+    "vcpus": 96,
+    "memory_gib": 1024,
+    "network_gbps": 400,
+}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "source",
+    [
+        "not a url",
+        "ftp://example.com/p5",
+        "https://example.com/p5/ü",
+        "http://例子.com/",
+        "https://example.com/a<b",
+        "https://example.com/%zz",
+        "https://example.com/p5#a#b",
+        "https://user:pa{ss@example.com/",
+    ],
+)
+def test_an_instance_type_source_that_is_no_http_url_is_refused(source, ops_user, api_for):
+    answer = api_for(ops_user).post(
+        "/api/v1/instance-types/", {**INSTANCE_TYPE, "source": source}, format="json"
+    )
+    assert answer.status_code == 400, answer.content
+    assert list(answer.json()["error"]["details"]) == ["source"]
+    assert not InstanceType.objects.filter(name="x1.test").exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "source", ["", "https://aws.amazon.com/ec2/instance-types/p5/", "http://10.0.0.1:8080/a?b=1#c"]
+)
+def test_an_instance_type_source_matches_the_schema(source, schema, ops_user, api_for):
+    api = api_for(ops_user)
+    answer = api.post("/api/v1/instance-types/", {**INSTANCE_TYPE, "source": source}, format="json")
+    assert conforms(schema, "/api/v1/instance-types/", answer)["source"] == source
+    patched = api.patch(f"/api/v1/instance-types/{answer.json()['id']}/", {"source": source})
+    conforms(schema, "/api/v1/instance-types/{id}/", patched)
+
+
+URI = jsonschema_rs.Draft4Validator({"type": "string", "format": "uri"}, validate_formats=True)
+
+
+URLISH = st.one_of(st.sampled_from(string.printable), st.characters(exclude_categories=["Cs"]))
+
+
+@given(st.text(alphabet=URLISH, max_size=30))
+def test_every_source_accepted_is_a_uri(tail):
+    from django.core.exceptions import ValidationError
+
+    from apps.fleet.models.catalogue import validate_http_url
+
+    for source in (f"https://example.com/{tail}", f"http://{tail}", tail):
+        try:
+            validate_http_url(source)
+        except ValidationError:
+            continue
+        assert URI.is_valid(source), source
