@@ -11,7 +11,7 @@ from controlplane.api import ScopedPrimaryKeyField, StrictModelSerializer, Stric
 
 
 class CheckpointCopySerializer(StrictModelSerializer):
-    node = serializers.CharField(source="node.name", read_only=True, default=None)
+    node = serializers.CharField(source="node.name", read_only=True, default=None, allow_null=True)
     job = serializers.IntegerField(source="checkpoint.job_id", read_only=True)
     step = serializers.IntegerField(source="checkpoint.step", read_only=True)
 
@@ -38,7 +38,7 @@ class CheckpointCopySerializer(StrictModelSerializer):
 
 
 class CopyBriefSerializer(StrictModelSerializer):
-    node = serializers.CharField(source="node.name", read_only=True, default=None)
+    node = serializers.CharField(source="node.name", read_only=True, default=None, allow_null=True)
 
     class Meta:
         model = CheckpointCopy
@@ -56,7 +56,7 @@ class CheckpointEventSerializer(StrictModelSerializer):
 class CheckpointSerializer(StrictModelSerializer):
     job_name = serializers.CharField(source="job.name", read_only=True)
     team_slug = serializers.CharField(source="team.slug", read_only=True)
-    node = serializers.CharField(source="node.name", read_only=True, default=None)
+    node = serializers.CharField(source="node.name", read_only=True, default=None, allow_null=True)
     copies = CopyBriefSerializer(many=True, read_only=True)
 
     class Meta:

@@ -242,10 +242,10 @@ class JobEventSerializer(StrictModelSerializer):
 class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
     team_slug = serializers.CharField(source="team.slug", read_only=True)
     submitted_by = serializers.CharField(
-        source="submitted_by.username", read_only=True, default=None
+        source="submitted_by.username", read_only=True, default=None, allow_null=True
     )
     gpus = serializers.IntegerField(read_only=True)
-    pool = serializers.CharField(source="pool.slug", read_only=True, default=None)
+    pool = serializers.CharField(source="pool.slug", read_only=True, default=None, allow_null=True)
     spec = serializers.SerializerMethodField()
     pending_reason = serializers.CharField(
         read_only=True, help_text="Why a pending job waits, from the last scheduling pass."

@@ -105,7 +105,7 @@ def test_a_viewer_may_read_but_not_delete(checkpointed, viewer, api_for):
 
 
 def test_verify_asks_again_and_the_answer_comes_back(checkpointed, researcher, api_for):
-    api = api_for(researcher, scopes=("submit",))
+    api = api_for(researcher, scopes=("admin",))
     checkpoint = Checkpoint.objects.order_by("-step").first()
     answer = api.post(f"/api/v1/checkpoints/{checkpoint.pk}/verify/")
     assert answer.status_code == 202
