@@ -72,6 +72,7 @@ TEAMED = frozenset(
         "budget",
         "budget-alert",
         "usage",
+        "checkpoint-s3-destination",
     }
 )
 
@@ -198,11 +199,14 @@ def _fleet(world: World) -> None:
             ("nccl-profile", "own"): tuning.nccl_profile_create(
                 by=None, name="sec-custom", title="Custom", fabric="infiniband", env={}
             ).pk,
-            ("checkpoint-s3-destination", "own"): checkpoints.s3_destination_create(
-                by=None, pool=pool, bucket="sec-checkpoints"
-            ).pk,
         }
     )
+    # A team's destination names where its checkpoints can be read: the team's and another's.
+    for key, team in (("own", world.alpha), ("other", world.beta)):
+        world.objects["checkpoint-s3-destination", key] = checkpoints.s3_destination_create(
+            by=None, team=team, bucket=f"sec-{key}-checkpoints"
+        ).pk
+    checkpoints.s3_destination_create(by=None, pool=pool, bucket="sec-pool-checkpoints")
 
 
 def _jobs(world: World) -> None:

@@ -43,6 +43,7 @@ pytestmark = pytest.mark.django_db  # each test in a savepoint of the module's w
 READ, SUBMIT, ADMIN = SCOPES
 PUBLIC = "public"  # no credentials needed
 NODE = "node"  # node agents' endpoints: node tokens only
+METRICS = "metrics"  # Prometheus: ops by session, or METRICS_TOKEN (no API token)
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 
 
@@ -196,7 +197,8 @@ POLICY: dict[tuple[str, str], Rule] = {
     **read_only("checkpoint-copy"),
     ("checkpoint-copy-detail", "DELETE"): write(ADMIN, *JOB_MANAGERS),
     **read_only("checkpoint-job"),
-    **crud("checkpoint-s3-destination", *OPS_),
+    # Where a team's checkpoints can be read: its members, ops and finance (pools': org roles).
+    **crud("checkpoint-s3-destination", *OPS_, see=TEAM_ROLES | ORG_ROLES),
     # --- node agents: node tokens only --------------------------------------------------
     ("agent-register", "POST"): Rule(NODE),
     ("agent-heartbeat", "POST"): Rule(NODE),
@@ -214,20 +216,9 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("api-docs", "GET"): Rule(PUBLIC),
     ("agent-bundle", "GET"): Rule(PUBLIC),  # code only, no secrets (controlplane/urls.py)
     ("healthz", "GET"): Rule(PUBLIC),
-    ("metrics", "GET"): Rule(PUBLIC),  # unless METRICS_TOKEN is set: test_metrics_token
+    # Ops only, by session; with METRICS_TOKEN set, that token only (test_metrics_*).
+    ("metrics", "GET"): Rule(METRICS),
 }
-
-# Where the code disagrees today and another branch fixes it: these must fail until then.
-ON_SEC_ACCOUNTS = pytest.mark.xfail(strict=True, reason="fixed on branch sec-accounts")
-KNOWN = {
-    # A submit-scoped token adds and removes team webhooks.
-    ("webhook-list", "POST", None, TEAM_ADMIN, SUBMIT),
-    ("webhook-list", "POST", None, SUPER, SUBMIT),
-    ("webhook-detail", "DELETE", "own", TEAM_ADMIN, SUBMIT),
-    ("webhook-detail", "DELETE", "own", SUPER, SUBMIT),
-    ("webhook-detail", "DELETE", "own", FINANCE, SUBMIT),  # 404: it passed the scope check
-}
-
 
 # --- the URL conf ---------------------------------------------------------------------------
 
@@ -476,7 +467,8 @@ def _expected(rule: Rule, case: Case) -> str:
 STATUS = {"unauthenticated": 401, "denied": 403, "hidden": 404}
 
 
-CHECKED = [key for key, rule in POLICY.items() if rule.scope not in (PUBLIC, NODE)]
+APART = (PUBLIC, NODE, METRICS)  # each asked by tests of their own below
+CHECKED = [key for key, rule in POLICY.items() if rule.scope not in APART]
 
 
 @pytest.mark.parametrize(("route", "method"), CHECKED)
@@ -489,22 +481,10 @@ def test_access(route, method, world):
     wrong = [
         f"{case}: {problem}"
         for case in _cases(route, method)
-        if (route, method, case.target, case.role, case.credential) not in KNOWN
         for problem in [_ask(world, case, model, before)]
         if problem
     ]
     assert not wrong, "\n".join(wrong)
-
-
-KNOWN_CASES = [Case(*known) for known in sorted(KNOWN, key=str)]
-
-
-@ON_SEC_ACCOUNTS
-@pytest.mark.parametrize("case", KNOWN_CASES, ids=str)
-def test_known_disagreements(case, world):
-    model = _model_of(case.route, case.method)
-    problem = _ask(world, case, model, _snapshot(model))
-    assert not problem, problem
 
 
 def _ask(world, case: Case, model, before) -> str | None:
@@ -582,9 +562,7 @@ def test_every_scope_reads(world):
 # --- what a scope or a session cannot do -------------------------------------------------
 
 
-WRITES = [
-    key for key, rule in POLICY.items() if key[1] != "GET" and rule.scope not in (PUBLIC, NODE)
-]
+WRITES = [key for key, rule in POLICY.items() if key[1] != "GET" and rule.scope not in APART]
 
 
 @pytest.mark.parametrize(("route", "method"), WRITES)
@@ -600,7 +578,7 @@ def test_a_session_write_without_the_csrf_token_is_refused(route, method, world)
     assert _snapshot(model) == before
 
 
-API = [key for key, rule in POLICY.items() if rule.scope not in (PUBLIC, NODE)]
+API = [key for key, rule in POLICY.items() if rule.scope not in APART]
 
 
 @pytest.mark.parametrize(("route", "method"), API)
@@ -640,6 +618,17 @@ PUBLIC_ROUTES = [key for key, rule in POLICY.items() if rule.scope == PUBLIC]
 @pytest.mark.parametrize(("route", "method"), PUBLIC_ROUTES)
 def test_public_endpoints_answer_anyone(route, method, world):
     assert _send(APIClient(), method, url(route)).status_code == 200
+
+
+def test_metrics_answer_ops_sessions_only(world):
+    path = url("metrics")
+    assert _send(APIClient(), "GET", path).status_code == 401
+    for role in SIGNED_IN:
+        assert _send(_client(world, role, ADMIN), "GET", path).status_code == 401, role
+        if role == SERVICE:
+            continue  # tokens only
+        answer = _send(_client(world, role, "session"), "GET", path)
+        assert answer.status_code == (200 if role in OPS_ else 403), role
 
 
 def test_metrics_token(world, settings):
@@ -689,10 +678,9 @@ def test_every_role_sees_and_revokes_its_own_token(world):
         assert ApiToken.objects.get(pk=token.pk).revoked_at is not None
 
 
-# --- known disagreements, fixed elsewhere -------------------------------------------------
+# --- roles a token or a service account must never gain -----------------------------------
 
 
-@ON_SEC_ACCOUNTS
 def test_a_service_account_cannot_be_made_team_admin(world):
     membership = Membership.objects.get(user=world.users[SERVICE])
     client = _client(world, TEAM_ADMIN, ADMIN)
@@ -702,7 +690,6 @@ def test_a_service_account_cannot_be_made_team_admin(world):
     assert membership.role == "researcher"
 
 
-@ON_SEC_ACCOUNTS
 def test_a_token_made_by_a_token_does_not_outlive_it(world):
     """A token minted with a token is contained by its parent: never an expiry after it."""
     expires = timezone.now() + dt.timedelta(hours=1)

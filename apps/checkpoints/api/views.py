@@ -139,7 +139,8 @@ class StorageView(APIView):
 
 
 class S3DestinationViewSet(ServiceViewSet):
-    """Where a team's (or a pool's) checkpoints are copied in S3: everyone reads; ops write."""
+    """Where a team's (or a pool's) checkpoints are copied in S3: a team's members read its
+    own; ops and finance read every one; ops write."""
 
     serializer_class = s.S3DestinationSerializer
     filterset_class = S3DestinationFilterSet
@@ -150,4 +151,4 @@ class S3DestinationViewSet(ServiceViewSet):
     instance_kwarg = "destination"
 
     def get_queryset(self):
-        return selectors.s3_destinations()
+        return selectors.s3_destinations_visible_to(user=self.request.user)
