@@ -309,6 +309,9 @@ SCHEDULE_COALESCE_S = env_int("SCHEDULE_COALESCE_S", 2)
 FAIR_SHARE_HALF_LIFE_S = env_int("FAIR_SHARE_HALF_LIFE_S", 7 * 86400)
 BACKFILL_DEPTH = env_int("BACKFILL_DEPTH", 100)
 PREEMPTION_GRACE_S = env_int("PREEMPTION_GRACE_S", 300)
+# Development only: local nodes, whose agent (not root) cannot run jobs as users of their
+# own, may hold several teams' jobs at once, though those jobs can read each other.
+LOCAL_JOBS_CAN_READ_EACH_OTHER = env_bool("LOCAL_JOBS_CAN_READ_EACH_OTHER", False)
 # How long submission may trust a cached answer to "could any pool ever hold this job?"
 CAPACITY_CACHE_S = env_int("CAPACITY_CACHE_S", 10)
 # How long an API token's user and roles are answered from the cache (0: never);

@@ -62,9 +62,10 @@ class NodePoolAdmin(AuditedAdmin):
         "fabric",
         "nccl_version",
         "enabled",
+        "tenancy",
         "max_nodes",
     ]
-    list_filter = ["kind", "gpu_type", "fabric", "enabled"]
+    list_filter = ["kind", "gpu_type", "fabric", "enabled", "tenancy"]
     filter_horizontal = ["instance_types"]
     fieldsets = [
         (
@@ -82,6 +83,7 @@ class NodePoolAdmin(AuditedAdmin):
                     "min_nodes",
                     "max_nodes",
                     "enabled",
+                    "tenancy",
                     "fabric",
                     "nccl_version",
                 ]
@@ -128,9 +130,10 @@ class NodeAdmin(AuditedAdmin):
         "provider",
         "capacity_type",
         "state",
+        "job_isolation",
         "last_heartbeat_at",
     ]
-    list_filter = ["state", "provider", "capacity_type", "pool"]
+    list_filter = ["state", "provider", "capacity_type", "pool", "job_isolation"]
     search_fields = ["name", "address", "instance_id"]
     readonly_fields = [
         "uuid",
@@ -139,6 +142,7 @@ class NodeAdmin(AuditedAdmin):
         "state_changed_at",
         "suspect_from",
         "last_heartbeat_at",
+        "job_isolation",
         "host_key_fingerprint",
         "offered_host_key",
         "burst_job",

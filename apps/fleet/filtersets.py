@@ -51,6 +51,7 @@ class NodePoolFilterSet(filters.FilterSet):
             "capacity_preference",
             "fabric",
             "orphans",
+            "tenancy",
         ]
 
 

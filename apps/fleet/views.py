@@ -21,6 +21,7 @@ NODE_CSV_COLUMNS = [
     ("healthy_gpus", lambda n: n.healthy_gpus),
     ("state", lambda n: n.state),
     ("state_reason", lambda n: n.state_reason),
+    ("job_isolation", lambda n: n.job_isolation),
     ("last_heartbeat_at", lambda n: n.last_heartbeat_at.isoformat() if n.last_heartbeat_at else ""),
 ]
 

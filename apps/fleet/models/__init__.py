@@ -7,11 +7,19 @@ from apps.fleet.models.nodes import (
     SCHEDULABLE_STATES,
     Gpu,
     GpuHealth,
+    JobIsolation,
     Node,
     NodeEvent,
     NodeState,
 )
-from apps.fleet.models.pools import CapacityPreference, Fabric, NodePool, OrphanPolicy, PoolKind
+from apps.fleet.models.pools import (
+    CapacityPreference,
+    Fabric,
+    NodePool,
+    OrphanPolicy,
+    PoolKind,
+    Tenancy,
+)
 from apps.fleet.models.sites import Rack, Site
 
 __all__ = [
@@ -22,6 +30,7 @@ __all__ = [
     "Gpu",
     "GpuHealth",
     "InstanceType",
+    "JobIsolation",
     "Node",
     "NodeEvent",
     "NodePool",
@@ -32,4 +41,5 @@ __all__ = [
     "PoolKind",
     "Rack",
     "Site",
+    "Tenancy",
 ]

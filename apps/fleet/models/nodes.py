@@ -46,6 +46,14 @@ class CapacityType(models.TextChoices):
     SPOT = "spot", "Spot"
 
 
+class JobIsolation(models.TextChoices):
+    """How the node's agent keeps one job from another, as the agent reports it."""
+
+    UNKNOWN = "", "Not reported yet"
+    USER = "user", "Each job runs as its own unprivileged user"
+    NONE = "none", "None: jobs run as the agent's user"
+
+
 class Node(models.Model):
     uuid = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     name = models.CharField(max_length=100, unique=True)
@@ -119,6 +127,15 @@ class Node(models.Model):
         max_length=20, blank=True, editable=False, help_text="As the node's agent reports it."
     )
     disk_free_bytes = models.BigIntegerField(null=True, blank=True, editable=False)
+    job_isolation = models.CharField(
+        max_length=10,
+        choices=JobIsolation.choices,
+        blank=True,
+        default=JobIsolation.UNKNOWN,
+        editable=False,
+        help_text="As the node's agent reports it; a shared pool's node holds several teams' "
+        "jobs only under user isolation.",
+    )
     power_w = models.PositiveIntegerField(
         null=True, blank=True, editable=False, help_text="Measured GPU power draw, summed."
     )

@@ -66,6 +66,13 @@ class CapacityPreference(models.TextChoices):
     ON_DEMAND_ONLY = "on_demand_only", "On-demand only"
 
 
+class Tenancy(models.TextChoices):
+    """Whether jobs of different teams may share a node (jobs are untrusted code)."""
+
+    TEAM = "team", "One team per node at a time"
+    SHARED = "shared", "Teams may share a node; their jobs run as separate users"
+
+
 class NodePool(models.Model):
     name = models.CharField(max_length=100, unique=True)
     slug = models.CharField(max_length=50, unique=True, validators=[slug_validator])
@@ -100,6 +107,13 @@ class NodePool(models.Model):
     )
     enabled = models.BooleanField(
         default=True, help_text="Cloud pools stay off until credentials are configured."
+    )
+    tenancy = models.CharField(
+        max_length=10,
+        choices=Tenancy.choices,
+        default=Tenancy.TEAM,
+        help_text="Shared: a node holds several teams' jobs only while its agent runs each "
+        "job as its own user.",
     )
     # Until nodes report theirs (a later issue), the pool says which NCCL settings fit.
     fabric = models.CharField(

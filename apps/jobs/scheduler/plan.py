@@ -18,6 +18,16 @@ reserved nodes only if they end by the reservation's start. After the first bloc
 job each pool tries at most `backfill_depth` more jobs (Slurm's bf_max_job_test); the
 jobs after that are told they wait behind higher ones. Every blocked job tried gets a
 reservation of its own, on nodes that no earlier reservation holds at that time.
+
+Jobs are untrusted code, so a node that is not `shared` (NodeSlot) holds one team's jobs at
+a time. Such a node with jobs on it is owned by their team (by nobody, and usable by nobody
+until they all end, if it holds several teams' jobs from before this rule): its free GPUs
+leave the index above, which stays team-agnostic, for the owner's own side index
+(`spare[team][node]`), and what it gives back to the index is the whole node when its last
+job ends. A one-node job takes the tightest of its team's own nodes that fits before it
+looks at the index; a gang takes only what the index has (nodes no team owns, and shared
+ones), which keeps its rack search as it is. Preemption frees such a node for another
+team only by stopping every job on it. Shared nodes are planned as before.
 """
 
 import heapq
@@ -111,6 +121,8 @@ class PoolCapacity:
         "gpu_type",
         "gpus_max",
         "heaps",
+        "held_cnt",
+        "holding",
         "id",
         "info",
         "is_cloud",
@@ -120,6 +132,8 @@ class PoolCapacity:
         "node_windows",
         "nodes_with",
         "now",
+        "owner",
+        "placed_on",
         "pool_cnt",
         "rack_cnt",
         "rack_nodes",
@@ -129,14 +143,25 @@ class PoolCapacity:
         "reserved",
         "reserved_free",
         "reserved_until",
+        "shared",
+        "spare",
         "victim_order",
         "window_nodes",
         "windows",
     )
 
-    def __init__(self, info: PoolInfo, nodes: list[NodeSlot], now: float, sizes: set[int]):
+    def __init__(
+        self,
+        info: PoolInfo,
+        nodes: list[NodeSlot],
+        now: float,
+        sizes: set[int],
+        holding: dict[int, list[int]],
+        last_end: dict[int, float],
+    ):
         """`sizes`: the GPUs per node that jobs ask for; only those levels are kept up to
-        date as GPUs are taken (the counts for other levels go stale)."""
+        date as GPUs are taken (the counts for other levels go stale). `holding`: node ->
+        the team of each running job on it; `last_end`: node -> when the last one ends."""
         self.info = info
         self.now = now
         self.id = info.id
@@ -165,15 +190,50 @@ class PoolCapacity:
         rack_nodes: list[list[int]] = []
         free: dict[int, int] = {}
         rack_of: dict[int, int] = {}
+        # node -> (time, GPUs) coming back as running jobs and this pass's reach their limits.
+        self.releases: dict[int, list[tuple[float, int]]] = {}
+        releases = self.releases
+        self.shared: set[int] = set()
+        shared = self.shared
+        # Nodes that are not shared and hold jobs, and their team (None: several teams).
+        # Their free GPUs are in spare[team] (node -> free GPUs), not in the index, and
+        # they come back to it whole when their last job ends. `holding` and `placed_on`
+        # (nodes given a job by this pass) say how many jobs each holds.
+        self.owner: dict[int, int | None] = {}
+        owner = self.owner
+        self.spare: dict[int, dict[int, int]] = {}
+        spare = self.spare
+        self.holding = holding
+        self.placed_on: set[int] = set()
+        held_free = [0] * (g_max + 2)
         for n in schedulable:
+            x = n.id
             pos = rack_pos.get(n.rack_id)
             if pos is None:
                 pos = rack_pos[n.rack_id] = len(rack_nodes)
                 rack_nodes.append([])
-            rack_nodes[pos].append(n.id)
+            rack_nodes[pos].append(x)
             f = n.gpus_free
-            free[n.id] = 0 if f < 0 else (n.gpus_total if f > n.gpus_total else f)
-            rack_of[n.id] = pos
+            f = 0 if f < 0 else (n.gpus_total if f > n.gpus_total else f)
+            if n.shared:
+                shared.add(x)
+            elif teams := holding.get(x):
+                team = teams[0]
+                if len(teams) > 1 and teams.count(team) < len(teams):
+                    team = None  # from before this rule: nobody may add to it
+                owner[x] = team
+                releases[x] = [(last_end[x], n.gpus_total)]
+                if f:
+                    if team is not None:
+                        mine = spare.get(team)
+                        if mine is None:
+                            spare[team] = {x: f}
+                        else:
+                            mine[x] = f
+                    held_free[f] += 1
+                    f = 0
+            free[x] = f
+            rack_of[x] = pos
         self.free = free
         self.rack_of = rack_of
         self.rack_nodes = rack_nodes
@@ -208,9 +268,13 @@ class PoolCapacity:
         self.pool_cnt = pool_cnt
         self.bucket = bucket
         self.heaps = heaps
+        # held_cnt[k] (k in levels): owned nodes with at least k free GPUs, for the reasons.
+        self.held_cnt = held_cnt = [0] * (g_max + 1)
+        c = 0
+        for k in range(g_max, 0, -1):
+            c += held_free[k]
+            held_cnt[k] = c
 
-        # node -> (time, GPUs) coming back as running jobs and this pass's reach their limits.
-        self.releases: dict[int, list[tuple[float, int]]] = {}
         # g -> (sorted (time, node), node -> time): when each node outside any window has g
         # free GPUs and no reservation holding it; built on first use, then kept up to date.
         self.ready_cache: dict[int, tuple[list[tuple[float, int]], dict[int, float]]] = {}
@@ -224,6 +288,15 @@ class PoolCapacity:
         self.blocked_seen = False  # a job that could use this pool could not start
         self.attempts = 0  # jobs tried here since then
         self.exhausted = False  # attempts reached the backfill depth
+
+    def _held_moved(self, old: int, new: int) -> None:
+        """An owned node's free GPUs went from old to new: keep held_cnt's levels right."""
+        held_cnt = self.held_cnt
+        for k in self.levels:
+            if old < k <= new:
+                held_cnt[k] += 1
+            elif new < k <= old:
+                held_cnt[k] -= 1
 
     # -- looking ---------------------------------------------------------------------------
 
@@ -340,10 +413,31 @@ class PoolCapacity:
 
     # -- booking ---------------------------------------------------------------------------
 
-    def book(self, x: int, gpus: int, until: float) -> None:
-        """Give a placement `gpus` GPUs of node x, which come back at `until`."""
-        self.take(x, gpus)
-        insort(self.releases.setdefault(x, []), (until, gpus))
+    def book(self, x: int, gpus: int, until: float, team: int) -> None:
+        """Give a placement of `team` `gpus` GPUs of node x, which come back at `until`."""
+        if x in self.shared:
+            self.take(x, gpus)
+            insort(self.releases.setdefault(x, []), (until, gpus))
+        elif x in self.owner:  # one of the team's own nodes (_Pass.spare_fit)
+            mine = self.spare[team]
+            f = mine[x]
+            if f > gpus:
+                mine[x] = f - gpus
+            else:
+                del mine[x]
+            self._held_moved(f, f - gpus)
+            last, whole = self.releases[x][0]
+            if until > last:
+                self.releases[x] = [(until, whole)]
+        else:  # nobody holds it: from now on the team owns it
+            f = self.free[x]
+            self.take(x, f)
+            if f > gpus:
+                self.spare.setdefault(team, {})[x] = f - gpus
+                self._held_moved(0, f - gpus)
+            self.owner[x] = team
+            self.releases[x] = [(until, f)]
+        self.placed_on.add(x)
         self.refresh(x)
 
     def take(self, x: int, gpus: int) -> None:
@@ -487,20 +581,36 @@ class _Pass:
             if n.pool_id in by_pool:
                 by_pool[n.pool_id].append(n)
         sizes = {j.gpus_per_node for j in snapshot.pending}
-        self.pools = {
-            pid: PoolCapacity(info, by_pool[pid], now, sizes)
-            for pid, info in sorted(snapshot.pools.items())
-        }
-        pool_of = {x: pool for pool in self.pools.values() for x in pool.free}
         self.held: dict[tuple[int, str], int] = {}
+        holding: dict[int, list[int]] = {}  # node -> the team of each running job on it
+        last_end: dict[int, float] = {}  # node -> when the last of them ends
         for r in snapshot.running:
-            key = (r.team_id, r.gpu_type)
+            team = r.team_id
+            key = (team, r.gpu_type)
             self.held[key] = self.held.get(key, 0) + sum(g for _, g in r.node_gpus)
             end = r.expected_end if r.expected_end > now else now
-            for x, gpus in r.node_gpus:
-                pool = pool_of.get(x)
-                if pool is not None:
-                    pool.releases.setdefault(x, []).append((end, gpus))
+            for x, _ in r.node_gpus:
+                teams = holding.get(x)
+                if teams is None:
+                    holding[x] = [team]
+                    last_end[x] = end
+                else:
+                    teams.append(team)
+                    if end > last_end[x]:
+                        last_end[x] = end
+        self.pools = {
+            pid: PoolCapacity(info, by_pool[pid], now, sizes, holding, last_end)
+            for pid, info in sorted(snapshot.pools.items())
+        }
+        # Each job's GPUs come back at its end on shared nodes (the others' come back whole).
+        pool_of = {x: pool for pool in self.pools.values() for x in pool.shared}
+        for r in snapshot.running:
+            if pool_of:
+                end = r.expected_end if r.expected_end > now else now
+                for x, gpus in r.node_gpus:
+                    pool = pool_of.get(x)
+                    if pool is not None:
+                        pool.releases.setdefault(x, []).append((end, gpus))
             pool = self.pools.get(r.pool_id)
             if pool is not None:
                 pool.victim_order.append(r)
@@ -679,12 +789,21 @@ class _Pass:
         return out
 
     def try_place(self, job: Pending, pools: tuple[PoolCapacity, ...]) -> bool:
-        """Place the job in the tightest pool of the first kind (owned, cloud) with room."""
+        """Place the job in the tightest pool of the first kind (owned, cloud) with room:
+        a one-node job on one of its team's own nodes first (a score below any other)."""
         n, g = job.nodes, job.gpus_per_node
         best = best_pool = None
         for p in pools:
             if best is not None and p.is_cloud != best_pool.is_cloud:
                 break  # an owned pool had room: cloud pools come only after
+            # Only a one-node job looks at its team's own nodes: a gang takes what the index
+            # has, so its rack search stays as it is (the team's gangs wait for empty nodes).
+            if n == 1 and (mine := p.spare.get(job.team_id)):
+                fit = self.spare_fit(job, p, mine)
+                if fit is not None:
+                    if best is None or fit[0] < best[0]:
+                        best, best_pool = fit, p
+                    continue
             if g > p.gpus_max or p.pool_cnt[g] < n:
                 continue
             fit = p.best_fit(n, g, self.blocked_nodes(job, p))
@@ -696,7 +815,7 @@ class _Pass:
         nodes = best[1]
         end = self.now + job.time_limit_s
         for x in nodes:
-            p.book(x, g, end)
+            p.book(x, g, end, job.team_id)
         node_gpus = tuple((x, g) for x in nodes)
         self.decisions.placements.append(
             Placement(
@@ -705,6 +824,31 @@ class _Pass:
         )
         self._hold(job.team_id, p.gpu_type, n * g)
         return True
+
+    def spare_fit(self, job: Pending, pool: PoolCapacity, mine: dict[int, int]):
+        """The tightest of the team's own nodes in the pool (`mine`: node -> free GPUs) that
+        the job may take now, as try_place scores it: ((-1, spare), [node]), or None.
+
+        The same rules as blocked_nodes: a reserved node only if the job ends by the
+        reservation's start, a node under a window only if the window allows the job."""
+        g = job.gpus_per_node
+        now = self.now
+        end = now + job.time_limit_s
+        reserved = pool.reserved
+        node_windows = pool.node_windows
+        best = None
+        for x, f in mine.items():
+            if f < g or (best is not None and (f, x) >= best):
+                continue
+            start = reserved.get(x)
+            if start is not None and start < end:
+                continue
+            if x in node_windows and not pool.window_usable(x, job.team_id, now, end):
+                continue
+            best = (f, x)
+        if best is None:
+            return None
+        return (-1, best[0] - g), [best[1]]
 
     def _hold(self, team_id: int, gpu_type: str, gpus: int) -> None:
         """The team holds (or is promised) `gpus` more GPUs of the type from now on."""
@@ -756,18 +900,24 @@ class _Pass:
         self.wait(job, reason, start[0])
 
     def capacity_reason(self, job: Pending, pools) -> str:
-        """Name what stands in the way: capacity, a window, or reservations for higher jobs."""
+        """Name what stands in the way: capacity, a window, reservations for higher jobs,
+        or nodes with room that hold other teams' jobs."""
         g, n = job.gpus_per_node, job.nodes
         raw = usable = outside_windows = 0
         in_way: list[Window] = []
+        end = self.now + job.time_limit_s
         for p in pools:
-            raw = max(raw, p.count_fitting(g))
             windowed: set[int] = set()
             for w, nodes in self.windows_in_way(job, p, self.now):
                 windowed |= nodes
                 in_way.append(w)
-            outside_windows = max(outside_windows, p.count_fitting(g, windowed))
-            usable = max(usable, p.count_fitting(g, self.blocked_nodes(job, p)))
+            # A one-node job may also take its team's own nodes (spare_fit's rules).
+            mine = [x for x, f in p.spare.get(job.team_id, {}).items() if f >= g] if n == 1 else []
+            own_outside = [x for x in mine if x not in windowed]
+            own_usable = sum(1 for x in own_outside if p.reserved.get(x, INFINITY) >= end)
+            raw = max(raw, p.count_fitting(g) + len(mine))
+            outside_windows = max(outside_windows, p.count_fitting(g, windowed) + len(own_outside))
+            usable = max(usable, p.count_fitting(g, self.blocked_nodes(job, p)) + own_usable)
         if raw >= n and outside_windows < n and in_way:
             w = min(in_way, key=lambda w: (w.start, w.id))
             what = "a maintenance window" if w.team_id is None else f"team {w.team_id}'s window"
@@ -775,9 +925,27 @@ class _Pass:
             return f"held back by {what} on {_nodes_word(len(w.node_ids))} ({span})"
         if outside_windows >= n and usable < n:
             return f"{_nodes_word(outside_windows)} free now, held for higher-priority jobs"
+        note = self.tenancy_note(job, pools)
         if n == 1:
-            return f"no node has {g} free GPUs now"
-        return f"{_nodes_word(usable) if usable else 'no node'} free now"
+            return f"no node has {g} free GPUs now{note}"
+        return f"{_nodes_word(usable) if usable else 'no node'} free now{note}"
+
+    def tenancy_note(self, job: Pending, pools) -> str:
+        """' (3 nodes with room hold other teams' jobs: one team per node)', or ''."""
+        g = job.gpus_per_node
+        if job.nodes == 1:
+            count = 0
+            for p in pools:
+                if g <= p.gpus_max:
+                    mine = p.spare.get(job.team_id, {})
+                    count += p.held_cnt[g] - sum(1 for f in mine.values() if f >= g)
+            whose = "other teams' jobs: one team per node"
+        else:
+            count = max((p.held_cnt[g] for p in pools if g <= p.gpus_max), default=0)
+            whose = "a team's jobs: one team per node, and a gang waits for empty ones"
+        if not count:
+            return ""
+        return f" ({_nodes_word(count)} with room hold{'s' if count == 1 else ''} {whose})"
 
     def burst_target(self, job: Pending, pools) -> tuple[PoolCapacity | None, bool, float | None]:
         """The cloud pool to ask nodes of now; whether only the budget stopped that; and
@@ -883,12 +1051,22 @@ class _Pass:
 
     def victims_in(self, pool: PoolCapacity, job: Pending, candidates):
         """The fewest victims (taken in the candidates' order, then pruned) that make room
-        for the job in this pool, and the nodes it would get; None if they cannot."""
+        for the job in this pool, and the nodes it would get; None if they cannot.
+
+        A node that is not shared offers another team's job nothing until every job on it
+        is a victim, and then all its GPUs; one of the job's own team's nodes offers a
+        one-node job its spare GPUs plus what its victims free (a gang: as another team's).
+        The choosing, the pruning and the final pick all count with `offer`.
+        """
         g, n = job.gpus_per_node, job.nodes
         if g > pool.gpus_max or pool.nodes_with[g] < n or len(pool.free) < n:
             return None
         free = pool.free
         reserved = pool.reserved
+        owner, holding, placed_on = pool.owner, pool.holding, pool.placed_on
+        releases = pool.releases
+        own_team = job.team_id if n == 1 else None  # a gang takes no team's nodes
+        mine = pool.spare.get(own_team, {})
         windowed: set[int] = set()
         for _, nodes in self.windows_in_way(job, pool, self.now):
             windowed |= nodes
@@ -897,17 +1075,30 @@ class _Pass:
         def usable(x):
             return x in free and x not in reserved and x not in windowed
 
+        def offer(x, freed: int, stopped: int) -> int:
+            """What node x has for the job once victims holding `freed` of its GPUs, and
+            `stopped` of its jobs, have stopped."""
+            if x not in owner:
+                return free[x] + freed  # shared, or holding nothing
+            if own_team is not None and owner[x] == own_team:
+                return mine.get(x, 0) + freed
+            if x in placed_on or stopped < len(holding[x]):
+                return 0  # this pass's jobs on it are no victims
+            return releases[x][0][1]  # the whole node
+
         cnt = pool.count_fitting(g, blocked_free)
+        cnt += sum(1 for x, f in mine.items() if f >= g and usable(x))
         extra: dict[int, int] = {}
+        gone: dict[int, int] = {}  # node -> how many of its jobs are victims
         chosen: list[Running] = []
         for r in candidates:
             touched = False
             for x, gp in r.node_gpus:
                 if usable(x):
-                    e = extra.get(x, 0)
-                    old = free[x] + e
-                    extra[x] = e + gp
-                    if old < g <= old + gp:
+                    e, k = extra.get(x, 0), gone.get(x, 0)
+                    old = offer(x, e, k)
+                    extra[x], gone[x] = e + gp, k + 1
+                    if old < g <= offer(x, e + gp, k + 1):
                         cnt += 1
                     touched = True
             if touched:
@@ -923,8 +1114,8 @@ class _Pass:
             loss = 0
             for x, gp in r.node_gpus:
                 if usable(x):
-                    have = free[x] + extra[x]
-                    if have >= g > have - gp:
+                    e, k = extra[x], gone[x]
+                    if offer(x, e, k) >= g > offer(x, e - gp, k - 1):
                         loss += 1
             if cnt - loss >= n:
                 cnt -= loss
@@ -932,6 +1123,7 @@ class _Pass:
                 for x, gp in r.node_gpus:
                     if usable(x):
                         extra[x] -= gp
+                        gone[x] -= 1
         rack_of = pool.rack_of
         rack_nodes = pool.rack_nodes
         free_now = {
@@ -941,10 +1133,11 @@ class _Pass:
             for x in rack_nodes[r]
             if free[x] >= g and usable(x)
         }
+        free_now.update(x for x, f in mine.items() if f >= g and usable(x))
         fits = [
             (0 if extra.get(x) else 1, rack_of[x], x)
             for x in set(extra) | free_now
-            if free[x] + extra.get(x, 0) >= g
+            if offer(x, extra.get(x, 0), gone.get(x, 0)) >= g
         ]
         fits.sort()
         chosen.sort(key=lambda r: r.job_id)

@@ -10,7 +10,15 @@ from django.db import connection
 from django.db.models import CharField, FloatField, Func
 
 from apps.accounts.models import TeamQuota
-from apps.fleet.models import GONE_STATES, SCHEDULABLE_STATES, Node, NodePool
+from apps.fleet.models import (
+    GONE_STATES,
+    SCHEDULABLE_STATES,
+    JobIsolation,
+    Node,
+    NodePool,
+    Tenancy,
+)
+from apps.fleet.models.nodes import Provider
 from apps.jobs.models import Allocation, Job, JobState, JobWait, Reservation, TeamUsage
 from apps.jobs.models.jobs import HOLDING_STATES, PRIORITY_RANK, STOPPING_STATES
 from apps.jobs.models.usage import USAGE_EPOCH
@@ -222,6 +230,51 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
     ):
         node_gpus[job_id].append((node_id, gpus))
         held_per_node[node_id] += gpus
+
+    burst_gpus: dict[int, int] = defaultdict(int)
+    for pool_id, gpus in NodePool.instance_types.through.objects.values_list(
+        "nodepool_id", "instancetype__gpu_count"
+    ):
+        burst_gpus[pool_id] = max(burst_gpus[pool_id], gpus)
+    pools: dict[int, plain.PoolInfo] = {}
+    shared_pools: set[int] = set()  # pools whose tenancy is shared
+    for (
+        pool_id,
+        kind,
+        gpu_type,
+        preference,
+        enabled,
+        burst_delay,
+        max_nodes,
+        tenancy,
+    ) in NodePool.objects.values_list(
+        "id",
+        "kind",
+        "gpu_type",
+        "capacity_preference",
+        "enabled",
+        "burst_delay_s",
+        "max_nodes",
+        "tenancy",
+    ):
+        pools[pool_id] = plain.PoolInfo(
+            id=pool_id,
+            kind=kind,
+            gpu_type=gpu_type,
+            spot=preference == "spot_then_on_demand",
+            enabled=enabled,
+            burst_delay_s=burst_delay,
+            max_nodes=max_nodes,
+            gpus_per_node=burst_gpus.get(pool_id, 8),
+        )
+        if tenancy == Tenancy.SHARED:
+            shared_pools.add(pool_id)
+
+    # Jobs are untrusted code: a node holds several teams' jobs at once only where its pool
+    # allows it and its agent runs each job as a user of its own, or (development only) on
+    # local nodes whose jobs the settings let read each other.
+    local_shared = settings.LOCAL_JOBS_CAN_READ_EACH_OTHER
+    user, local = JobIsolation.USER.value, Provider.LOCAL.value
     new, slot = tuple.__new__, plain.NodeSlot  # as Pending in KeptPending._keep
     nodes = tuple(
         new(
@@ -233,43 +286,18 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
                 gpus,
                 max(gpus - held_per_node.get(node_id, 0), 0),
                 state in SCHEDULABLE_STATES,
+                (isolation == user and pool_id in shared_pools)
+                or (local_shared and provider == local),
             ),
         )
-        for node_id, pool_id, rack_id, gpus, state in fetch_rows(
+        for node_id, pool_id, rack_id, gpus, state, isolation, provider in fetch_rows(
             Node.objects.exclude(state__in=GONE_STATES)
-            .values_list("id", "pool_id", "rack_id", "gpu_count", "state")
+            .values_list(
+                "id", "pool_id", "rack_id", "gpu_count", "state", "job_isolation", "provider"
+            )
             .order_by("id")
         )
     )
-
-    burst_gpus: dict[int, int] = defaultdict(int)
-    for pool_id, gpus in NodePool.instance_types.through.objects.values_list(
-        "nodepool_id", "instancetype__gpu_count"
-    ):
-        burst_gpus[pool_id] = max(burst_gpus[pool_id], gpus)
-    pools = {
-        pool_id: plain.PoolInfo(
-            id=pool_id,
-            kind=kind,
-            gpu_type=gpu_type,
-            spot=preference == "spot_then_on_demand",
-            enabled=enabled,
-            burst_delay_s=burst_delay,
-            max_nodes=max_nodes,
-            gpus_per_node=burst_gpus.get(pool_id, 8),
-        )
-        for pool_id, kind, gpu_type, preference, enabled, burst_delay, max_nodes in (
-            NodePool.objects.values_list(
-                "id",
-                "kind",
-                "gpu_type",
-                "capacity_preference",
-                "enabled",
-                "burst_delay_s",
-                "max_nodes",
-            )
-        )
-    }
 
     running = []
     held_by_team: dict[int, int] = defaultdict(int)

@@ -26,6 +26,9 @@ class NodeSlot(NamedTuple):
     gpus_total: int
     gpus_free: int  # total minus what current allocations hold
     schedulable: bool  # READY or BUSY; draining, suspect, down... are not
+    # Whether it may hold several teams' jobs at once (its pool's tenancy is shared and its
+    # agent runs each job as its own user); if not, it holds one team's jobs at a time.
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,3 +75,11 @@ def test_audit_rows_cannot_be_changed_in_the_admin(admin_client):
     assert admin_client.get(f"/admin/accounts/auditevent/{event.pk}/delete/").status_code == 403
     page = admin_client.get(f"/admin/accounts/auditevent/{event.pk}/change/")
     assert page.status_code == 200 and 'name="_save"' not in page.content.decode()
+
+
+def test_a_nodes_job_isolation_is_read_only_and_a_pools_tenancy_editable(admin_client):
+    node = ready_node()
+    page = admin_client.get(f"/admin/fleet/node/{node.pk}/change/").content.decode()
+    assert "Job isolation" in page and 'name="job_isolation"' not in page
+    page = admin_client.get(f"/admin/fleet/nodepool/{node.pool_id}/change/").content.decode()
+    assert 'name="tenancy"' in page

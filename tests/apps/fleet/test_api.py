@@ -204,3 +204,28 @@ def test_filters_are_validated(viewer, api_for):
     assert "state" in response.json()["error"]["details"]
     huge = client.get("/api/v1/nodes/?pool_id=99999999999999999999999")
     assert huge.status_code == 400 and "pool_id" in huge.json()["error"]["details"]
+
+
+def test_a_pools_tenancy_is_one_team_per_node_unless_ops_say_shared(ops_user, api_for):
+    client = api_for(ops_user)
+    pool = factories.make_owned_pool()
+    url = f"/api/v1/pools/{pool.pk}/"
+    assert client.get(url).json()["tenancy"] == "team"
+    bad = client.patch(url, {"tenancy": "anyone"}, format="json")
+    assert bad.status_code == 400 and "tenancy" in bad.json()["error"]["details"]
+    assert NodePool.objects.get(pk=pool.pk).tenancy == "team"
+    shared = client.patch(url, {"tenancy": "shared"}, format="json")
+    assert shared.status_code == 200 and shared.json()["tenancy"] == "shared"
+    assert AuditEvent.objects.filter(action="pool.update", actor=ops_user).exists()
+
+
+def test_a_nodes_job_isolation_is_what_its_agent_reports_and_not_writable(ops_user, api_for):
+    node = ready_node()
+    client = api_for(ops_user)
+    assert client.get(f"/api/v1/nodes/{node.pk}/").json()["job_isolation"] == ""
+    Node.objects.filter(pk=node.pk).update(job_isolation="none")
+    assert client.get(f"/api/v1/nodes/{node.pk}/").json()["job_isolation"] == "none"
+    response = client.patch(f"/api/v1/nodes/{node.pk}/", {"job_isolation": "user"}, format="json")
+    assert response.status_code == 400
+    assert "job_isolation" in response.json()["error"]["details"]
+    assert Node.objects.get(pk=node.pk).job_isolation == "none"

@@ -5,6 +5,7 @@ import io
 
 import pytest
 
+from apps.fleet.models import Node
 from tests import factories
 from tests.apps.fleet.test_services import ready_node
 
@@ -62,3 +63,20 @@ def test_csv_export_follows_the_filters_and_defuses_formulas(logged_in):
     assert [row["name"] for row in rows] == ["keep-me"]
     everything = logged_in.get("/fleet/nodes.csv").content.decode()
     assert "'=cmd" in everything
+
+
+def test_the_fleet_page_shows_tenancy_and_job_isolation(logged_in):
+    shared = factories.make_owned_pool(slug="shared-pool", tenancy="shared")
+    node = ready_node(pool=shared, name="isolated")
+    Node.objects.filter(pk=node.pk).update(job_isolation="user")
+    ready_node(name="unreported")
+    html = logged_in.get("/fleet/").content.decode()
+    pools = html[html.index('id="pools"') : html.index('id="nodes"')]
+    assert 'title="Teams may share a node; their jobs run as separate users"' in pools
+    assert 'title="One team per node at a time"' in pools
+    assert "a user per job" in html and "not reported" in html
+    rows = list(csv.DictReader(io.StringIO(logged_in.get("/fleet/nodes.csv").content.decode())))
+    assert {row["name"]: row["job_isolation"] for row in rows} == {
+        "isolated": "user",
+        "unreported": "",
+    }

@@ -51,8 +51,9 @@ def cloud(pool_id=9, gpu_type="H100", *, spot=True, max_nodes=4, burst_delay_s=6
     )
 
 
-def node(node_id, *, pool=1, rack=1, total=8, schedulable=True) -> NodeSlot:
-    """A node spec; its free GPUs are worked out from the running jobs by `snap`."""
+def node(node_id, *, pool=1, rack=1, total=8, schedulable=True, shared=True) -> NodeSlot:
+    """A node spec; its free GPUs are worked out from the running jobs by `snap`. Shared by
+    default: the examples of the rules that tenancy leaves alone mix teams on nodes."""
     return NodeSlot(
         id=node_id,
         pool_id=pool,
@@ -60,6 +61,7 @@ def node(node_id, *, pool=1, rack=1, total=8, schedulable=True) -> NodeSlot:
         gpus_total=total,
         gpus_free=total,
         schedulable=schedulable,
+        shared=shared,
     )
 
 
@@ -660,6 +662,156 @@ def test_every_waiting_job_has_a_reason_and_placed_ones_have_none():
     assert all(w.reason for w in d.waits.values())
 
 
+# --- 10. one team per node ------------------------------------------------------------------------
+
+
+def own(node_id, **kw) -> NodeSlot:
+    """A node that holds one team's jobs at a time (not shared: the default in NodeSlot)."""
+    return node(node_id, shared=False, **kw)
+
+
+def test_teams_share_a_shared_node_and_not_one_that_is_not():
+    pending = [job(1, team=1, gpus=2), job(2, team=2, gpus=2)]
+    running = [run(10, [(1, 4)], team=1)]
+    d = plan(snap([node(1), node(2)], pending, running=running))
+    assert nodes_of(d, 1) == [1] and nodes_of(d, 2) == [1]  # packed, as before
+    d = plan(snap([own(1), own(2)], pending, running=running))
+    assert nodes_of(d, 1) == [1]  # its team's own node
+    assert nodes_of(d, 2) == [2]
+
+
+def test_a_one_node_job_takes_the_tightest_of_its_teams_own_nodes_first():
+    nodes = [own(1), own(2), own(3), own(4)]
+    running = [run(10, [(1, 2)], team=1), run(11, [(2, 5)], team=1), run(12, [(3, 7)], team=2)]
+    # Free: node 1 6 (team 1's), node 2 3 (team 1's), node 3 1 (team 2's), node 4 8 (nobody's).
+    d = plan(
+        snap(
+            nodes,
+            [job(1, team=1, gpus=2), job(2, team=1, gpus=4), job(3, team=3, gpus=1)],
+            running=running,
+        )
+    )
+    assert nodes_of(d, 1) == [2]
+    assert nodes_of(d, 2) == [1]
+    assert nodes_of(d, 3) == [4]  # not team 2's node 3, though it is the tightest
+    # Team 3 owns node 4 now: a later job of team 4 finds nowhere to go.
+    d = plan(
+        snap(nodes, [job(3, team=3, gpus=1), job(4, team=4, gpus=1, priority=0)], running=running)
+    )
+    assert nodes_of(d, 3) == [4] and 4 not in placed(d)
+
+
+def test_a_teams_own_node_keeps_reservations_and_windows():
+    running = [run(10, [(1, 4)], team=1, ends_in=HOUR)]
+    window = maintenance([1], NOW + HOUR, NOW + 2 * HOUR)
+    s = snap([own(1)], [job(1, team=1, gpus=4, limit=2 * HOUR)], running=running, windows=(window,))
+    d = plan(s)
+    assert not d.placements
+    assert "held back by a maintenance window on 1 node" in d.waits[1].reason
+    s = snap([own(1)], [job(1, team=1, gpus=4, limit=HOUR)], running=running, windows=(window,))
+    assert nodes_of(plan(s), 1) == [1]  # it ends as the window starts
+    # A higher job of another team reserved the node for when team 1's job ends: a job of
+    # team 1 may still use its node now only if it ends by then.
+    pending = [job(1, team=2, priority=2, gpus=8), job(2, team=1, gpus=4, limit=2 * HOUR)]
+    d = plan(snap([own(1)], pending, running=running, settings=PlanSettings(preemption=False)))
+    assert d.waits[1].estimated_start == NOW + HOUR
+    assert not d.placements
+    pending[1] = job(2, team=1, gpus=4, limit=HOUR / 2)
+    d = plan(snap([own(1)], pending, running=running, settings=PlanSettings(preemption=False)))
+    assert [(p.job_id, p.backfilled) for p in d.placements] == [(2, True)]
+    assert d.waits[1].estimated_start == NOW + HOUR
+
+
+def test_a_gang_takes_only_nodes_no_team_holds():
+    nodes = [own(1), own(2), own(3), own(4)]
+    running = [run(10, [(1, 4)], team=1), run(11, [(2, 4)], team=1)]
+    pending = [job(1, team=1, nodes=2, gpus=4)]
+    d = plan(snap(nodes, pending, running=running))
+    assert nodes_of(d, 1) == [3, 4]  # not its own team's nodes 1 and 2, though they fit
+    d = plan(snap(nodes[:2], pending, running=running, settings=PlanSettings(preemption=False)))
+    assert d.waits[1].reason == (
+        "waiting for 2 × 4 H100 in one pool: no node free now (2 nodes with room hold a "
+        "team's jobs: one team per node, and a gang waits for empty ones); earliest start "
+        "13:00 UTC (reserved)"
+    )
+
+
+def test_a_node_that_holds_two_teams_jobs_takes_nothing_until_they_end():
+    running = [run(10, [(1, 2)], team=1, ends_in=HOUR), run(11, [(1, 2)], team=2, ends_in=2 * HOUR)]
+    pending = [job(1, team=1, gpus=2), job(2, team=2, gpus=2), job(3, team=3, gpus=2)]
+    d = plan(snap([own(1)], pending, running=running, settings=PlanSettings(preemption=False)))
+    assert not d.placements
+    assert d.waits[1].reason == (
+        "waiting for 2 H100: no node has 2 free GPUs now (1 node with room holds other "
+        "teams' jobs: one team per node); earliest start 14:00 UTC (reserved)"
+    )
+    assert d.waits[1].estimated_start == NOW + 2 * HOUR  # when both have ended
+
+
+def test_the_reason_names_the_nodes_other_teams_hold():
+    nodes = [own(i) for i in (1, 2, 3, 4)]
+    running = [run(10 + i, [(i, 4)], team=1, ends_in=i * HOUR) for i in (1, 2, 3)]
+    running.append(run(14, [(4, 8)], team=2, ends_in=HOUR))
+    d = plan(
+        snap(
+            nodes,
+            [job(1, team=2, gpus=4)],
+            running=running,
+            settings=PlanSettings(preemption=False),
+        )
+    )
+    assert d.waits[1].reason == (
+        "waiting for 4 H100: no node has 4 free GPUs now (3 nodes with room hold other teams' "
+        "jobs: one team per node); earliest start 13:00 UTC (reserved)"
+    )
+    # Team 1's own nodes with room are not "other teams'" for its own job.
+    d = plan(
+        snap(
+            nodes,
+            [job(1, team=1, gpus=6)],
+            running=running,
+            settings=PlanSettings(preemption=False),
+        )
+    )
+    assert d.waits[1].reason.startswith("waiting for 6 H100: no node has 6 free GPUs now;")
+
+
+def test_preemption_frees_a_node_only_when_every_job_on_it_stops():
+    """Job 10 (team 2) shares node 1 with job 11 (team 3, urgent: no victim); job 12 (team
+    4) holds node 2 alone. Job 10 is the youngest, so tried first."""
+    running = [
+        run(10, [(1, 4)], team=2, priority=0, ends_in=5 * HOUR),
+        run(11, [(1, 4)], team=3, priority=3, ends_in=4 * HOUR),
+        run(12, [(2, 8)], team=4, priority=0, ends_in=3 * HOUR),
+    ]
+    pending = [job(1, team=1, priority=3, gpus=4)]
+    d = plan(snap([node(1), node(2)], pending, running=running))
+    assert [p.job_id for p in d.preemptions] == [10]  # shared: job 10's GPUs are enough
+    d = plan(snap([own(1), own(2)], pending, running=running))
+    assert [p.job_id for p in d.preemptions] == [12]  # node 1 would still hold team 3's job
+    assert d.waits[1].reason == "waiting for 1 preempted job to checkpoint and stop"
+    # Reserved for it: nothing else goes on node 2 in this pass.
+    d = plan(snap([own(1), own(2)], [*pending, job(2, team=4, gpus=4)], running=running))
+    assert 2 not in placed(d)
+
+
+def test_preemption_on_a_teams_own_node_counts_its_spare_gpus():
+    # Node 1 is team 1's, with 4 GPUs free; job 11 is urgent, so no victim.
+    running = [run(10, [(1, 2)], team=1, priority=0), run(11, [(1, 2)], team=1, priority=3)]
+    d = plan(snap([own(1)], [job(1, team=1, priority=3, gpus=6)], running=running))
+    assert [p.job_id for p in d.preemptions] == [10]  # its 2 GPUs and the node's 4 spare
+    d = plan(snap([own(1)], [job(1, team=3, priority=3, gpus=6)], running=running))
+    assert not d.preemptions  # another team's job would need every job on it to stop
+    d = plan(snap([node(1)], [job(1, team=3, priority=3, gpus=6)], running=running))
+    assert [p.job_id for p in d.preemptions] == [10]  # shared
+
+
+def test_a_gang_preempts_only_for_whole_nodes():
+    running = [run(10, [(1, 4)], team=1, priority=0), run(11, [(2, 4)], team=1, priority=0)]
+    d = plan(snap([own(1), own(2)], [job(1, team=1, priority=3, nodes=2, gpus=4)], running=running))
+    assert sorted(p.job_id for p in d.preemptions) == [10, 11]
+
+
 # --- invariants, on random small fleets ------------------------------------------------------
 
 GPU_TYPES = ("H100", "H200")
@@ -692,6 +844,7 @@ def snapshots(draw) -> Snapshot:
                     gpus_total=draw(st.sampled_from((4, 8, 8))),
                     gpus_free=0,
                     schedulable=draw(st.integers(0, 6)) > 0,
+                    shared=draw(st.booleans()),
                 )
             )
     free = {n.id: n.gpus_total for n in nodes}
@@ -794,6 +947,29 @@ def blocks(w: Window, j: Pending, start: float) -> bool:
     return (w.team_id is None or w.team_id != j.team_id) and start < w.end and end > w.start
 
 
+def teams_on(s: Snapshot, d=None, moment: float | None = None) -> dict[int, set[int]]:
+    """node -> the teams of the jobs on it: the running ones (and the pass's placements,
+    given its decisions), those still running at `moment` if given."""
+    out: dict[int, set[int]] = {}
+    for r in s.running:
+        if moment is None or max(r.expected_end, s.now) > moment:
+            for node_id, _ in r.node_gpus:
+                out.setdefault(node_id, set()).add(r.team_id)
+    jobs = {j.job_id: j for j in s.pending}
+    for p in d.placements if d is not None else ():
+        j = jobs[p.job_id]
+        if moment is None or s.now + j.time_limit_s > moment:
+            for node_id, _ in p.node_gpus:
+                out.setdefault(node_id, set()).add(j.team_id)
+    return out
+
+
+def tenancy_allows(n: NodeSlot, j: Pending, teams: set[int]) -> bool:
+    """Whether job j may go on node n, which holds jobs of `teams`: a shared node, a node
+    that holds nothing, or (one-node jobs) a node that holds only j's team's jobs."""
+    return n.shared or not teams or (j.nodes == 1 and teams == {j.team_id})
+
+
 @given(snapshots())
 def test_no_gpu_is_booked_twice_and_only_schedulable_nodes_are_booked(s):
     d = plan(s)
@@ -810,6 +986,54 @@ def test_no_gpu_is_booked_twice_and_only_schedulable_nodes_are_booked(s):
     for node_id, gpus in booked.items():
         assert gpus + held.get(node_id, 0) <= nodes[node_id].gpus_total
         assert gpus <= nodes[node_id].gpus_free
+
+
+@given(snapshots())
+def test_a_node_that_is_not_shared_never_gets_a_second_team(s):
+    """After a pass, no node that is not shared holds jobs of two teams (running and placed),
+    unless it held them before the pass; then it is given nothing. Most nodes not shared."""
+    s = replace(s, nodes=tuple(n._replace(shared=n.shared and n.id % 3 == 0) for n in s.nodes))
+    d = plan(s)
+    nodes = {n.id: n for n in s.nodes}
+    before = teams_on(s)
+    after = teams_on(s, d)
+    for node_id, teams in after.items():
+        if nodes[node_id].shared:
+            continue
+        if len(before.get(node_id, ())) > 1:
+            assert teams == before[node_id]
+            assert all(x != node_id for p in d.placements for x, _ in p.node_gpus)
+        else:
+            assert len(teams) == 1, (node_id, teams)
+
+
+@given(snapshots())
+def test_a_one_node_job_on_a_shared_node_takes_the_tightest_that_fits(s):
+    """Shared nodes pack as before: replaying the placements, a one-node job placed on a
+    shared node before any job blocked its pool (so no reservation) takes a node with the
+    fewest free GPUs among those of the pool that any team may use (shared, or holding
+    nothing) and where no window is in the way."""
+    d = plan(s)
+    jobs = {j.job_id: j for j in s.pending}
+    nodes = {n.id: n for n in s.nodes}
+    free = {n.id: n.gpus_free for n in s.nodes if n.schedulable}
+    teams = teams_on(s)
+    for p in d.placements:
+        j = jobs[p.job_id]
+        ((x, g),) = p.node_gpus if len(p.node_gpus) == 1 else ((None, 0),)
+        if x is not None and nodes[x].shared and not p.backfilled:
+            fits = [
+                y
+                for y, f in free.items()
+                if nodes[y].pool_id == p.pool_id
+                and f >= g
+                and (nodes[y].shared or not teams.get(y))
+                and not any(y in w.node_ids and blocks(w, j, s.now) for w in s.windows)
+            ]
+            assert free[x] == min(free[y] for y in fits)
+        for y, gpus in p.node_gpus:
+            free[y] -= gpus
+            teams.setdefault(y, set()).add(j.team_id)
 
 
 @given(snapshots())
@@ -882,12 +1106,14 @@ def test_backfilled_jobs_never_delay_a_reserved_start(s):
             continue
         j = jobs[job_id]
         free = free_at(s, d, w.estimated_start)
+        teams = teams_on(s, d, w.estimated_start)
         assert any(
             sum(
                 1
                 for node_id, f in free.items()
                 if nodes[node_id].pool_id == pool.id
                 and f >= j.gpus_per_node
+                and tenancy_allows(nodes[node_id], j, teams.get(node_id, set()))
                 and not any(
                     node_id in win.node_ids and blocks(win, j, w.estimated_start)
                     for win in s.windows
@@ -923,6 +1149,7 @@ def test_the_first_job_is_placed_whenever_it_fits_now(s):
     if not d.order:
         return
     j = next(p for p in s.pending if p.job_id == d.order[0])
+    teams = teams_on(s)
     for pool in eligible_pools(s, j):
         quota = s.quotas.get((j.team_id, pool.gpu_type))
         held = sum(
@@ -936,6 +1163,7 @@ def test_the_first_job_is_placed_whenever_it_fits_now(s):
             if n.pool_id == pool.id
             and n.schedulable
             and n.gpus_free >= j.gpus_per_node
+            and tenancy_allows(n, j, teams.get(n.id, set()))
             and not any(n.id in w.node_ids and blocks(w, j, s.now) for w in s.windows)
         ]
         if len(usable) >= j.nodes:

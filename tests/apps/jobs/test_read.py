@@ -1,17 +1,20 @@
-"""The snapshot's pending jobs, kept between passes on PostgreSQL (scheduler/read.py,
-KeptPending): what a pass reads from what it kept must be what reading every row gives."""
+"""Reading the scheduler's snapshot (scheduler/read.py): which nodes may hold several
+teams' jobs, and the pending jobs kept between passes on PostgreSQL (KeptPending), where
+what a pass reads from what it kept must be what reading every row gives."""
 
 import pytest
 from django.db import transaction
 from django.utils import timezone
 
+from apps.fleet.models import JobIsolation, Node, Tenancy
 from apps.jobs import services
 from apps.jobs.models import Job
 from apps.jobs.scheduler import read
 from apps.jobs.scheduler.read import read_snapshot
+from tests import factories
 from tests.apps.jobs.conftest import command_spec
 
-pytestmark = [pytest.mark.django_db, pytest.mark.postgres]
+pytestmark = pytest.mark.django_db
 
 
 def always(**_):
@@ -35,11 +38,32 @@ def pending_read_whole(budget_allows=always) -> set:
     return pending(budget_allows)
 
 
+@pytest.mark.parametrize("local_jobs_can_read_each_other", [False, True])
+def test_a_node_is_shared_only_where_its_pool_and_its_agent_allow_it(
+    settings, local_jobs_can_read_each_other
+):
+    settings.LOCAL_JOBS_CAN_READ_EACH_OTHER = local_jobs_can_read_each_other
+    expected = {}
+    for tenancy in Tenancy.values:
+        pool = factories.make_owned_pool(tenancy=tenancy)
+        for isolation in JobIsolation.values:
+            for provider in ("local", "ssh"):
+                node = factories.make_node(pool=pool)
+                Node.objects.filter(pk=node.pk).update(job_isolation=isolation, provider=provider)
+                expected[node.pk] = (
+                    tenancy == Tenancy.SHARED and isolation == JobIsolation.USER
+                ) or (local_jobs_can_read_each_other and provider == "local")
+    snapshot, _ = read_snapshot(now=timezone.now(), budget_allows=always)
+    assert {n.id: n.shared for n in snapshot.nodes} == expected
+    assert sum(expected.values()) == (7 if local_jobs_can_read_each_other else 2)
+
+
 def submit(team, user, name):
     job, _ = services.job_submit(team=team, spec=command_spec(team, name=name), submitted_by=user)
     return job
 
 
+@pytest.mark.postgres
 def test_a_pass_reads_only_new_and_changed_rows(kept, fleet_pool, quota, team, researcher):
     jobs = [submit(team, researcher, f"j{i}") for i in range(6)]
     # Written twice by one transaction (the test's), before and after the first read: the
@@ -68,6 +92,7 @@ def test_a_pass_reads_only_new_and_changed_rows(kept, fleet_pool, quota, team, r
     assert kept.rows_read == 1
 
 
+@pytest.mark.postgres
 def test_a_change_rolled_back_is_not_kept(kept, fleet_pool, quota, team, researcher):
     job = submit(team, researcher, "steady")
     pending()
@@ -79,6 +104,7 @@ def test_a_change_rolled_back_is_not_kept(kept, fleet_pool, quota, team, researc
     assert pending() == pending_read_whole()
 
 
+@pytest.mark.postgres
 def test_each_pass_asks_the_budget_question_again(kept, fleet_pool, quota, team, researcher):
     submit(team, researcher, "a")
     submit(team, researcher, "b")
@@ -88,6 +114,7 @@ def test_each_pass_asks_the_budget_question_again(kept, fleet_pool, quota, team,
     assert {j.budget_ok for j in pending()} == {True}
 
 
+@pytest.mark.postgres
 def test_what_is_kept_is_read_whole_again_after_a_while(kept, fleet_pool, quota, team, researcher):
     submit(team, researcher, "a")
     submit(team, researcher, "b")

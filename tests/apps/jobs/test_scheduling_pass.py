@@ -3,12 +3,15 @@
 import pytest
 
 from apps.accounts import services as accounts
-from apps.fleet.models import Node, NodeState
+from apps.accounts.models import TeamRole
+from apps.fleet import services as fleet
+from apps.fleet.models import JobIsolation, Node, NodeState, Tenancy
 from apps.fleet.services import node_drain
 from apps.jobs import services
 from apps.jobs.models import Allocation, Job, JobEvent, JobState, TeamUsage
 from apps.jobs.scheduler.apply import _dispatch_soon, dispatch_batches_send
 from apps.jobs.scheduler.run import scheduling_pass
+from tests import factories
 from tests.apps.jobs.conftest import command_spec
 
 pytestmark = pytest.mark.django_db
@@ -468,3 +471,39 @@ def test_jobs_past_the_backfill_depth_keep_no_wait_row_and_read_as_such(
     assert {reasons["high"], reasons["w0"]}.isdisjoint({BEYOND_DEPTH, NOT_YET_PLANNED})
     queued = {row["name"]: row["reason"] for row in queue_for(user=researcher)}
     assert queued["w2"] == BEYOND_DEPTH and queued["w0"] == reasons["w0"]
+
+
+def _one_gpu_jobs_of_two_teams(team, other_team, researcher) -> list[Job]:
+    other = factories.make_member(team=other_team, role=TeamRole.RESEARCHER)
+    jobs = []
+    for who, by in ((team, researcher), (other_team, other)):
+        accounts.team_quota_set(team=who, gpu_type="H100", max_gpus=8, by=None)
+        jobs.append(
+            submit(who, by, name=f"{who.slug}-one", resources={"gpu_type": "H100", "gpus": 1})
+        )
+    return jobs
+
+
+def _nodes_of(jobs) -> list[int]:
+    return [Allocation.objects.get(job=job, ended_at__isnull=True).node_id for job in jobs]
+
+
+def test_two_teams_get_two_nodes_of_a_pool_of_one_team_per_node(
+    fleet_pool, team, other_team, researcher
+):
+    jobs = _one_gpu_jobs_of_two_teams(team, other_team, researcher)
+    assert scheduling_pass().placed == 2
+    first, second = _nodes_of(jobs)
+    assert first != second
+
+
+def test_two_teams_share_a_node_of_a_shared_pool_whose_agents_run_jobs_as_users(
+    fleet_pool, team, other_team, researcher, ops_user
+):
+    fleet.pool_update(pool=fleet_pool, tenancy=Tenancy.SHARED, by=ops_user)
+    # What each node's agent reports when it registers (apps/fleet/agents.py).
+    Node.objects.filter(pool=fleet_pool).update(job_isolation=JobIsolation.USER)
+    jobs = _one_gpu_jobs_of_two_teams(team, other_team, researcher)
+    assert scheduling_pass().placed == 2
+    first, second = _nodes_of(jobs)
+    assert first == second
