@@ -7,7 +7,7 @@ import apps.fleet.models.catalogue
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("fleet", "0009_node_job_isolation_and_bootstrap_token"),
+        ("fleet", "0009_node_bootstrap_token"),
     ]
 
     operations = [

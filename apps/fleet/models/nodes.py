@@ -117,12 +117,6 @@ class Node(models.Model):
     agent_version = models.CharField(max_length=20, blank=True, editable=False)
     agent_hostname = models.CharField(max_length=255, blank=True, editable=False)
     agent_registered_at = models.DateTimeField(null=True, blank=True, editable=False)
-    job_isolation = models.CharField(
-        max_length=8,
-        blank=True,
-        editable=False,
-        choices=[("", "not reported"), ("user", "user"), ("none", "none")],
-    )
     nccl_version = models.CharField(
         max_length=20, blank=True, editable=False, help_text="As the node's agent reports it."
     )

@@ -20,16 +20,6 @@ class Migration(migrations.Migration):
             name="bootstrap_token_digest",
             field=models.CharField(blank=True, editable=False, max_length=64),
         ),
-        migrations.AddField(
-            model_name="node",
-            name="job_isolation",
-            field=models.CharField(
-                blank=True,
-                choices=[("", "not reported"), ("user", "user"), ("none", "none")],
-                editable=False,
-                max_length=8,
-            ),
-        ),
         migrations.AddConstraint(
             model_name="node",
             constraint=models.UniqueConstraint(

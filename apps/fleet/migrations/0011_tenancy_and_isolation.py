@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("fleet", "0008_references_checked_by_their_writers"),
+        ("fleet", "0010_instance_type_source_http_url"),
     ]
 
     operations = [
