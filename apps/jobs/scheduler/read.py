@@ -270,9 +270,11 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
         if tenancy == Tenancy.SHARED:
             shared_pools.add(pool_id)
 
-    # Jobs are untrusted code: a node holds several teams' jobs at once only where its pool
-    # allows it and its agent runs each job as a user of its own, or (development only) on
-    # local nodes whose jobs the settings let read each other.
+    # Jobs are untrusted code: an owned or cloud node takes work only while its agent runs
+    # each job as a user of its own (local nodes are for development: they say how they
+    # run jobs, and do). A node holds several teams' jobs at once only where its pool
+    # allows it and its agent isolates them, or on local nodes whose jobs the settings let
+    # read each other.
     local_shared = settings.LOCAL_JOBS_CAN_READ_EACH_OTHER
     user, local = JobIsolation.USER.value, Provider.LOCAL.value
     new, slot = tuple.__new__, plain.NodeSlot  # as Pending in KeptPending._keep
@@ -285,7 +287,7 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
                 rack_id,
                 gpus,
                 max(gpus - held_per_node.get(node_id, 0), 0),
-                state in SCHEDULABLE_STATES,
+                state in SCHEDULABLE_STATES and (isolation == user or provider == local),
                 (isolation == user and pool_id in shared_pools)
                 or (local_shared and provider == local),
             ),

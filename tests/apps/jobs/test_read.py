@@ -58,6 +58,22 @@ def test_a_node_is_shared_only_where_its_pool_and_its_agent_allow_it(
     assert sum(expected.values()) == (7 if local_jobs_can_read_each_other else 2)
 
 
+def test_an_owned_node_takes_work_only_while_its_agent_isolates_jobs():
+    """A local node says how it runs jobs and takes work either way (development); an owned
+    or cloud node whose agent has not said it runs each job as its own user takes none."""
+    pool = factories.make_owned_pool()
+    expected = {}
+    for isolation in JobIsolation.values:
+        for provider in ("local", "ssh"):
+            node = factories.make_node(pool=pool)
+            Node.objects.filter(pk=node.pk).update(
+                job_isolation=isolation, provider=provider, state="ready"
+            )
+            expected[node.pk] = provider == "local" or isolation == JobIsolation.USER
+    snapshot, _ = read_snapshot(now=timezone.now(), budget_allows=always)
+    assert {n.id: n.schedulable for n in snapshot.nodes} == expected
+
+
 def submit(team, user, name):
     job, _ = services.job_submit(team=team, spec=command_spec(team, name=name), submitted_by=user)
     return job
