@@ -67,12 +67,18 @@ def _hostile_report(job: Job) -> dict:
     return wait_for("the hostile job's report", report, timeout_s=120)
 
 
-def _victim_and_attacker(api, team, var_dir: Path, live_url: str) -> tuple[Job, Job, dict]:
-    """A victim holding a secret sleeps; then the attacker runs on the same node."""
-    admin = factories.make_member(team=team, role="admin")
-    accounts.team_secret_set(team=team, name="VICTIM_KEY", value=VICTIM_SECRET, by=admin)
+def _victim_and_attacker(
+    api, team, var_dir: Path, live_url: str, *, victims=None
+) -> tuple[Job, Job, dict]:
+    """A victim holding a secret sleeps; then the attacker runs on the same node. `victims`:
+    (team, API client) of the victim's team when it is not the attacker's."""
+    victim_team, victim_api = victims or (team, api)
+    admin = factories.make_member(team=victim_team, role="admin")
+    accounts.team_secret_set(team=victim_team, name="VICTIM_KEY", value=VICTIM_SECRET, by=admin)
     sleeper = f"import time, sys; print('{MARKER}', flush=True); time.sleep(600)"
-    victim = _submit(api, team, ["python3", "-c", sleeper, MARKER], secrets=["VICTIM_KEY"])
+    victim = _submit(
+        victim_api, victim_team, ["python3", "-c", sleeper, MARKER], secrets=["VICTIM_KEY"]
+    )
     _start(victim)
     wait_for("the victim to run", lambda: Job.objects.get(pk=victim.pk).state == "running")
     # What `make run` keeps next to the nodes: the control plane's own secrets.
@@ -125,6 +131,25 @@ def test_a_hostile_job_on_a_local_node_reaches_nothing_of_its_neighbour(
     _assert_contained(results, attacker, victim)
     # Each ran as its own user: the runs say which (the agent's uid base + job id).
     assert Job.objects.get(pk=attacker.pk).state == "succeeded"
+
+
+def test_a_hostile_job_of_another_team_on_a_shared_node_reaches_nothing(
+    local_nodes, e2e_team, api_for, live_server, settings
+):
+    """A pool whose tenancy is shared lets two teams' jobs onto one node, since each runs
+    as its own user: the attacker's team is not the victim's."""
+    pool = factories.make_owned_pool(slug="contain-shared", tenancy="shared")
+    (node,) = local_nodes(pool, count=1, gpus=4)
+    other = factories.make_team(slug="e2e-victims")
+    accounts.team_quota_set(team=other, gpu_type="H100", max_gpus=64, by=None)
+    victims_api = api_for(factories.make_member(team=other, role="researcher"), scopes=("submit",))
+    api = api_for(factories.make_member(team=e2e_team, role="researcher"), scopes=("submit",))
+    victim, attacker, results = _victim_and_attacker(
+        api, e2e_team, Path(settings.VAR_DIR), live_server.url, victims=(other, victims_api)
+    )
+    assert victim.team_id != attacker.team_id
+    assert victim.allocations.get().node_id == node.pk == attacker.allocations.get().node_id
+    _assert_contained(results, attacker, victim)
 
 
 def test_a_hostile_job_on_an_ssh_node_reaches_nothing_of_its_neighbour(
