@@ -94,3 +94,19 @@ def make_node(*, pool: NodePool | None = None, rack: Rack | None = None, **extra
     }
     fields.update(extra)
     return fleet.node_create(by=None, **fields)
+
+
+def make_checkpoint(*, job, step: int = 10, location: str = "", **extra):
+    """A committed checkpoint row of `job` (as the registry records a trainer's report), with
+    a shared-storage copy at `location` when one is given."""
+    from django.utils import timezone
+
+    from apps.checkpoints.models import Checkpoint, CheckpointCopy
+
+    fields = {"attempt": 1, "manifest_sha256": "0" * 64, "committed_at": timezone.now()}
+    checkpoint = Checkpoint.objects.create(
+        job_id=job.pk, team_id=job.team_id, step=step, **(fields | extra)
+    )
+    if location:
+        CheckpointCopy.objects.create(checkpoint=checkpoint, kind="shared", location=location)
+    return checkpoint

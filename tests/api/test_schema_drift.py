@@ -10,12 +10,12 @@ import pytest
 import requests
 import schemathesis
 from django.test import Client
-from django.utils import timezone
 from hypothesis import given
 from hypothesis import strategies as st
 
-from apps.checkpoints.models import Checkpoint, CheckpointCopy
 from apps.fleet.models import InstanceType
+from apps.jobs.models import Job
+from tests import factories
 from tests.apps.jobs import conftest as jobs_fixtures
 
 fleet_pool = jobs_fixtures.fleet_pool
@@ -82,15 +82,8 @@ def test_a_checkpoint_on_shared_storage_matches_the_schema(
     )
     api = api_for(researcher, scopes=("read",))
     job_id = api_for(researcher).post("/api/v1/jobs/", spec, format="json").json()["id"]
-    checkpoint = Checkpoint.objects.create(
-        job_id=job_id,
-        team=team,
-        attempt=1,
-        step=10,
-        manifest_sha256="0" * 64,
-        committed_at=timezone.now(),
-    )
-    copy = CheckpointCopy.objects.create(checkpoint=checkpoint, kind="shared", location="/c/10")
+    checkpoint = factories.make_checkpoint(job=Job.objects.get(pk=job_id), location="/c/10")
+    copy = checkpoint.copies.get()
     detail = conforms(
         schema, "/api/v1/checkpoints/{id}/", api.get(f"/api/v1/checkpoints/{checkpoint.pk}/")
     )

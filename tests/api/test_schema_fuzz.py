@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 from django.test import Client
-from django.utils import timezone
 
 from apps.accounts import services
 from apps.accounts.models import OrgRoleName, TeamRole
-from apps.checkpoints.models import Checkpoint, CheckpointCopy
 from apps.jobs import services as jobs
 from tests import factories
 from tests.apps.fleet.test_services import ready_node
@@ -60,15 +58,7 @@ def _seed(team) -> None:
         team, preset="tiny", nodes=1, gpus_per_node=8, layout={"dp_shard": 8}, seq_len=256
     )
     job, _ = jobs.job_submit(team=team, spec=spec, submitted_by=submitter)
-    checkpoint = Checkpoint.objects.create(
-        job=job,
-        team=team,
-        attempt=1,
-        step=10,
-        manifest_sha256="0" * 64,
-        committed_at=timezone.now(),
-    )
-    CheckpointCopy.objects.create(checkpoint=checkpoint, kind="shared", location="/ckpt/step-10")
+    factories.make_checkpoint(job=job, location="/ckpt/step-10")
 
 
 # The superuser reaches every write path (and every boundary case of the coverage phase);

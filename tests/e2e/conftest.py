@@ -52,15 +52,22 @@ def wait_for(what, predicate, timeout_s: float = 60.0, every_s: float = 0.2):
 @pytest.fixture
 def local_nodes(agents_reach):
     """`local_nodes(pool, count, gpus)`: local nodes brought up to READY by their real agents."""
+    with _node_maker() as up:
+        yield lambda pool, count=1, gpus=2: up(
+            [factories.make_node(pool=pool, provider="local", gpu_count=gpus) for _ in range(count)]
+        )
+
+
+@contextlib.contextmanager
+def _node_maker():
+    """`up(nodes)`: provision nodes, wait for their agents to register (READY); every node
+    brought up is terminated at the end (a test may have taken one down itself)."""
     made = []
 
-    def make(pool, count: int = 1, gpus: int = 2):
-        nodes = []
-        for _ in range(count):
-            node = factories.make_node(pool=pool, provider="local", gpu_count=gpus)
+    def up(nodes):
+        for node in nodes:
             provision_node(node.pk)
             made.append(node.pk)
-            nodes.append(node)
         for node in nodes:
             wait_for(
                 f"{node.name} to register",
@@ -68,10 +75,12 @@ def local_nodes(agents_reach):
             )
         return nodes
 
-    yield make
-    for node_id in made:
-        with contextlib.suppress(Exception):  # the test may have taken it down itself
-            terminate_node(node_id)
+    try:
+        yield up
+    finally:
+        for node_id in made:
+            with contextlib.suppress(Exception):
+                terminate_node(node_id)
 
 
 @pytest.fixture
@@ -94,32 +103,23 @@ def ssh_nodes(agents_reach, ssh_server, client_key, settings, open_dir):
     fake = ssh_server.fakebin / "nvidia-smi"
     fake.write_text(FAKE_NVIDIA_SMI)
     fake.chmod(0o755)
-    made = []
 
     def make(pool, count: int = 1):
-        nodes = []
-        for _ in range(count):
-            node = factories.make_node(
-                pool=pool,
-                provider="ssh",
-                address="127.0.0.1",
-                ssh_port=ssh_server.port,
-                ssh_user=ssh_server.user,
-                host_key=public_key(ssh_server.host_key),
-                gpu_count=4,
-            )
-            provision_node(node.pk)
-            made.append(node.pk)
-            nodes.append(node)
-        for node in nodes:
-            wait_for(
-                f"{node.name} to register",
-                lambda node=node: Node.objects.get(pk=node.pk).state == "ready",
-            )
-        return nodes
+        return up(
+            [
+                factories.make_node(
+                    pool=pool,
+                    provider="ssh",
+                    address="127.0.0.1",
+                    ssh_port=ssh_server.port,
+                    ssh_user=ssh_server.user,
+                    host_key=public_key(ssh_server.host_key),
+                    gpu_count=4,
+                )
+                for _ in range(count)
+            ]
+        )
 
-    yield make
-    for node_id in made:
-        with contextlib.suppress(Exception):
-            terminate_node(node_id)
+    with _node_maker() as up:
+        yield make
     fake.unlink(missing_ok=True)

@@ -20,7 +20,7 @@ from apps.accounts import services as accounts
 from apps.accounts.models import AuditEvent, Membership, OrgRoleName, TeamRole
 from apps.accounts.secrets import encrypt
 from apps.checkpoints import services as checkpoints
-from apps.checkpoints.models import Checkpoint, CheckpointCopy
+from apps.checkpoints.models import CheckpointCopy
 from apps.costs import services as costs
 from apps.costs.models import (
     BudgetAlert,
@@ -217,15 +217,7 @@ def _jobs(world: World) -> None:
             team, preset="tiny", nodes=1, gpus_per_node=8, layout={"dp_shard": 8}, seq_len=256
         )
         job, _ = jobs.job_submit(team=team, spec=spec, submitted_by=submitters[key])
-        checkpoint = Checkpoint.objects.create(
-            job=job,
-            team=team,
-            attempt=1,
-            step=10,
-            manifest_sha256="0" * 64,
-            state="verified",
-            committed_at=now,
-        )
+        checkpoint = factories.make_checkpoint(job=job, state="verified", committed_at=now)
         copies = [
             CheckpointCopy.objects.create(
                 checkpoint=checkpoint, kind="shared", location=f"/ckpt/{key}/{n}", state="verified"
