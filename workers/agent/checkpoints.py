@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
+from workers.agent.isolation import open_plain
 
 log = logging.getLogger("agent")
 API = "/api/v1/agent/checkpoints"
@@ -75,19 +76,9 @@ def event_of(text: str) -> dict | None:
     return None
 
 
-def _open_regular(path: Path):
-    """A checkpoint file, opened for reading as the agent (root): never through a link,
-    never a FIFO or device a job left there to hang or mislead the agent."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path.name} is not a regular file")
-    return os.fdopen(fd, "rb")
-
-
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with _open_regular(path) as f:
+    with open_plain(path) as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
@@ -117,7 +108,7 @@ def verify(path: Path, manifest_sha256: str) -> Verdict:
     if sha256_of(manifest_path) != manifest_sha256:
         return Verdict(False, problem=f"{MANIFEST} does not match the SHA-256 the trainer reported")
     try:
-        with _open_regular(manifest_path) as f:
+        with open_plain(manifest_path) as f:
             files = json.loads(f.read())["files"]
         items = sorted(files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -151,7 +142,7 @@ def _regular(path: Path) -> bool:
 def _manifest_of(path: Path) -> dict | None:
     """The directory's manifest if it reads as one (a step and files), else None."""
     try:
-        with _open_regular(path / MANIFEST) as f:
+        with open_plain(path / MANIFEST) as f:
             data = json.loads(f.read())
     except (OSError, ValueError):
         return None

@@ -187,23 +187,35 @@ def owned_directory(path: Path, uid: int, gid: int) -> None:
     os.chmod(path, 0o700)
 
 
+class NotAPlainFile(OSError):
+    """A job left a FIFO, a device or a directory where a file was expected."""
+
+
+def open_plain(path: Path):
+    """A file in a directory a job can write to, opened for reading as the agent (root):
+    never through a link (ELOOP), never a FIFO or device that would hang or mislead it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotAPlainFile("not a regular file")
+    return os.fdopen(fd, "rb")
+
+
 def read_job_file(path: Path, *, uid: int | None, limit: int = 64 * 1024) -> bytes | None:
-    """A small file the job wrote, read safely as root: no link, no FIFO, not someone
-    else's file, and no more than `limit` bytes. None when there is none to read."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    """A small file the job wrote, read safely as root (open_plain), not someone else's,
+    and no more than `limit` bytes. None when there is none to read."""
     try:
-        fd = os.open(path, flags)
+        file = open_plain(path)
+    except NotAPlainFile:
+        raise ValueError("not a regular file") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ValueError("a link, not followed") from None
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return None
         raise
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
-        if uid is not None and info.st_uid not in (uid, os.geteuid()):
+    with file:
+        if uid is not None and os.fstat(file.fileno()).st_uid not in (uid, os.geteuid()):
             raise ValueError("not written by the job")
         data = file.read(limit + 1)
     if len(data) > limit:

@@ -73,9 +73,8 @@ class Plan:
 
 
 def _job_id(data: dict) -> int | None:
-    value = data.get("job", (data.get("env") or {}).get("CONTROLPLANE_JOB_ID"))
     try:
-        job_id = int(value)
+        job_id = int(data.get("job"))
     except (TypeError, ValueError):
         return None
     return job_id if job_id >= 0 else None
