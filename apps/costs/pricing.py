@@ -15,13 +15,18 @@ Cloud nodes: on-demand = list price × (1 − the pool's discount); spot = the h
 spot price among the region's availability zones at that instant (the node's zone is
 not recorded, so never under-counted), or the on-demand rate while no spot price is
 known. A spot row also carries the on-demand rate, for the savings.
+
+A cloud burst is projected before it is asked for, to hold it against its team's budget:
+its GPUs × its time limit × the per-GPU share of the rate of the node it would get.
 """
 
 import bisect
 import datetime as dt
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal
+from fractions import Fraction
 
 HOURS_PER_MONTH = Decimal(730)
 RATE_QUANTUM = Decimal("0.000001")
@@ -167,3 +172,26 @@ def spot_timeline(
         return Rate(per_hour=_rate(max(known)), ref=f"spot:{region}", on_demand=reference)
 
     return combine([on_demand, *zone_timelines], make)
+
+
+def burst_cost(
+    *,
+    gpus: int,
+    time_limit_s: int,
+    per_node_hour: Decimal | None,
+    node_gpus: int,
+    max_cost: Decimal | None = None,
+) -> Decimal | None:
+    """The most a burst can cost: its GPUs for the whole of its time limit at the node's
+    rate shared out per GPU, or the job's own cost limit if that is lower (the job is
+    stopped there). None when neither is known.
+
+    Worked out exactly (a rate shared by 3 GPUs, a limit of 7 s, are no finite decimals)
+    and rounded up to 10⁻⁹, so a budget is never shown to hold what it does not."""
+    bounds = []
+    if per_node_hour is not None and node_gpus > 0:
+        exact = Fraction(per_node_hour) * gpus * time_limit_s / (node_gpus * 3600)
+        bounds.append(Decimal(math.ceil(exact * 10**9)).scaleb(-9))
+    if max_cost is not None:
+        bounds.append(max_cost)
+    return min(bounds) if bounds else None

@@ -1,5 +1,6 @@
 """Reads for costs: the price book as rates, spend reports from the roll-ups, job costs and
-projections, budget states (and the budget boundary the scheduler asks), banners.
+projections, budget states (and the budget boundary the scheduler asks, with what each
+burst will cost against it), banners.
 
 Team roles see their own teams' spend only; idle capacity belongs to no team, so only
 those who read every team (ops, finance) see it as such. Reports read the daily
@@ -7,6 +8,7 @@ roll-ups, never the ledger, so a month of any size is a few hundred rows.
 """
 
 import datetime as dt
+import logging
 import time
 import zoneinfo
 from collections import defaultdict
@@ -36,9 +38,21 @@ from apps.costs.models import (
     UsageEntry,
 )
 from apps.costs.money import ZERO, money_text
-from apps.fleet.models import InstanceType, Node, NodeEvent, NodePool, NodeState, PoolKind
+from apps.fleet import cloud
+from apps.fleet.models import (
+    CapacityPreference,
+    InstanceType,
+    Node,
+    NodeEvent,
+    NodePool,
+    NodeState,
+    PoolKind,
+)
 from apps.fleet.models.nodes import CapacityType
 from controlplane import webhooks
+from controlplane.cache import best_effort
+
+log = logging.getLogger(__name__)
 
 CAPACITY_LABELS = dict(CapacityType.choices)
 IDLE_LABEL = "idle"
@@ -847,34 +861,220 @@ def budget_alerts_visible_to(*, user) -> QuerySet[BudgetAlert]:
 
 
 # The budget boundary: read on every scheduling pass for every team with pending jobs,
-# so the teams out of budget are read in one query and kept for COSTS_BUDGET_CACHE_S
-# (and forgotten at once when this process changes a budget, a price or the ledger).
-# A pass asks for each of a thousand teams: a fresh answer costs two clock readings,
-# not a time-zone conversion (the month's end is kept as a timestamp).
-_out_of_budget: dict = {"read_at": float("-inf"), "month_ends": float("-inf"), "teams": frozenset()}
+# so every team's budget and spend this month are read in one go and kept for
+# COSTS_BUDGET_CACHE_S (and forgotten at once when this process changes a budget, a price
+# or the ledger). A pass asks for each of a thousand teams: a fresh answer costs two clock
+# readings, not a time-zone conversion (the month's end is kept as a timestamp).
+_out_of_budget: dict = {
+    "read_at": float("-inf"),
+    "month_ends": float("-inf"),
+    "teams": frozenset(),  # the teams whose spend has reached their budget
+    "budgets": {},  # team id -> BudgetState, for the teams with a budget
+}
 
 
 def forget_budget_state() -> None:
     _out_of_budget["read_at"] = float("-inf")
 
 
-def teams_out_of_budget() -> frozenset[int]:
+def _budget_boundary() -> dict:
     kept = _out_of_budget
     if (
         time.monotonic() - kept["read_at"] < settings.COSTS_BUDGET_CACHE_S
         and time.time() < kept["month_ends"]
     ):
-        return kept["teams"]
+        return kept
     month = month_start()
-    teams = frozenset(s.team_id for s in budget_states(month=month, forecast=False) if s.exhausted)
+    states = budget_states(month=month, forecast=False)
     ends = dt.datetime.combine(month_after(month), dt.time(), tzinfo=time_zone()).timestamp()
-    kept.update(read_at=time.monotonic(), month_ends=ends, teams=teams)
-    return teams
+    kept.update(
+        read_at=time.monotonic(),
+        month_ends=ends,
+        teams=frozenset(s.team_id for s in states if s.exhausted),
+        budgets={s.team_id: s for s in states},
+    )
+    return kept
+
+
+def teams_out_of_budget() -> frozenset[int]:
+    return _budget_boundary()["teams"]
 
 
 def team_within_budget(*, team_id: int) -> bool:
     """False once the team's spend this month reached its budget (100%): no cloud bursts."""
     return team_id not in teams_out_of_budget()
+
+
+# --- what a burst will cost, against its team's budget ---------------------------------------
+
+
+@dataclass(frozen=True)
+class BurstPrice:
+    """What a node of a burst would cost: the pool's instance type for it, spot or not."""
+
+    pool: str
+    instance_type: str
+    capacity_type: str
+    per_node_hour: Decimal | None  # None: the price book has no price for it
+    node_gpus: int
+
+
+def burst_prices(*, wants, at: dt.datetime | None = None) -> dict[tuple, BurstPrice | None]:
+    """{(pool id, GPUs per node, spot): its price now}, None for a pool that is gone or has
+    no instance type that big. Spot is priced as metering will price it (the dearest
+    zone, or on-demand while no spot price is known). A few queries for any number."""
+    at = at or timezone.now()
+    wants = set(wants)
+    pools = NodePool.objects.prefetch_related("instance_types").in_bulk({w[0] for w in wants})
+    nodes: dict[tuple, NodeRow | None] = {}
+    for key in wants:
+        pool_id, gpus_per_node, spot = key
+        pool = pools.get(pool_id)
+        itype = None if pool is None else cloud.burst_instance_type(pool, gpus_per_node)
+        if itype is None:
+            nodes[key] = None
+            continue
+        spot = spot and pool.capacity_preference == CapacityPreference.SPOT_THEN_ON_DEMAND
+        nodes[key] = NodeRow(
+            id=0,
+            pool_id=pool.pk,
+            instance_type_id=itype.pk,
+            capacity_type=CapacityType.SPOT if spot else CapacityType.ON_DEMAND,
+            gpus=itype.gpu_count,
+            billable_from=None,
+            billable_until=None,
+            power_w=None,
+            region=pool.region or "",
+        )
+    known = [n for n in nodes.values() if n is not None]
+    book = PriceBook.read(known, since=at, until=at + dt.timedelta(seconds=1))
+    types = {t.pk: t.name for pool in pools.values() for t in pool.instance_types.all()}
+    prices: dict[tuple, BurstPrice | None] = {}
+    for key, node in nodes.items():
+        if node is None:
+            prices[key] = None
+            continue
+        rate = rate_now(book.timeline(node, None), at)
+        prices[key] = BurstPrice(
+            pool=pools[node.pool_id].slug,
+            instance_type=types[node.instance_type_id],
+            capacity_type=node.capacity_type,
+            per_node_hour=None if rate is pricing.UNPRICED else rate.per_hour,
+            node_gpus=node.gpus,
+        )
+    return prices
+
+
+@dataclass(frozen=True)
+class BurstCost:
+    """A cloud burst the scheduler would ask for: whose, where, and how big and long."""
+
+    job_id: int
+    team_id: int
+    pool_id: int
+    spot: bool
+    nodes: int
+    gpus_per_node: int
+    time_limit_s: int
+    max_cost: Decimal | None = None  # the job's max_cost_usd
+
+
+@dataclass(frozen=True)
+class BurstVerdict:
+    allowed: bool
+    projected: Decimal | None  # None: no budget to hold it against, or no price known
+    reason: str = ""  # why not, in words for the job's waiting reason
+
+
+def bursts_within_budget(*, bursts, at: dt.datetime | None = None) -> dict[int, BurstVerdict]:
+    """{job id: verdict} for a scheduling pass's bursts, in the order given (the queue's).
+
+    A burst goes only if its team's spend this month, plus the projected cost of the
+    bursts allowed before it in this pass, plus its own projected cost
+    (pricing.burst_cost) stays within the team's budget. A team without a budget bursts
+    freely, and its bursts are not even priced. A burst whose price is unknown (no price
+    in the book, or no instance type that fits) and that has no max_cost_usd to bound it
+    is refused: what it would cost cannot be held against the budget, and metering would
+    count it as free."""
+    bursts = list(bursts)
+    budgets = _budget_boundary()["budgets"]
+    held = [b for b in bursts if b.team_id in budgets]
+    verdicts = {b.job_id: BurstVerdict(allowed=True, projected=None) for b in bursts}
+    if not held:
+        return verdicts
+    prices = burst_prices(wants={(b.pool_id, b.gpus_per_node, b.spot) for b in held}, at=at)
+    committed: dict[int, Decimal] = defaultdict(lambda: ZERO)
+    for burst in held:
+        budget = budgets[burst.team_id]
+        price = prices[(burst.pool_id, burst.gpus_per_node, burst.spot)]
+        projected = pricing.burst_cost(
+            gpus=burst.nodes * burst.gpus_per_node,
+            time_limit_s=burst.time_limit_s,
+            per_node_hour=None if price is None else price.per_node_hour,
+            node_gpus=0 if price is None else price.node_gpus,
+            max_cost=burst.max_cost,
+        )
+        left = budget.monthly_limit - budget.spent - committed[burst.team_id]
+        if projected is None:
+            verdicts[burst.job_id] = BurstVerdict(
+                allowed=False, projected=None, reason=_unpriced_reason(burst, price, budget)
+            )
+            _warn_unpriced(burst, price)
+        elif projected > left:
+            verdicts[burst.job_id] = BurstVerdict(
+                allowed=False,
+                projected=projected,
+                reason=_over_budget_reason(burst, price, budget, projected, left),
+            )
+        else:
+            committed[burst.team_id] += projected
+            verdicts[burst.job_id] = BurstVerdict(allowed=True, projected=projected)
+    return verdicts
+
+
+def _burst_words(burst: BurstCost, price: BurstPrice | None) -> str:
+    """'2 × 8 GPUs for 10 h on aws-p5 (p5.48xlarge, spot)'."""
+    if burst.nodes == 1:
+        gpus = f"{burst.gpus_per_node} GPUs"
+    else:
+        gpus = f"{burst.nodes} × {burst.gpus_per_node} GPUs"
+    if price is None:
+        where = f"cloud pool {burst.pool_id}"
+    else:
+        capacity = CAPACITY_LABELS[price.capacity_type].lower()
+        where = f"{price.pool} ({price.instance_type}, {capacity})"
+    return f"{gpus} for {burst.time_limit_s / 3600:g} h on {where}"
+
+
+def _over_budget_reason(burst, price, budget: BudgetState, projected, left) -> str:
+    return (
+        f"no cloud burst: {_burst_words(burst, price)} could cost "
+        f"{money_text(projected)}, and team {budget.team} has "
+        f"{money_text(max(left, ZERO))} of its {money_text(budget.monthly_limit)} "
+        f"budget left this month"
+    )
+
+
+def _unpriced_reason(burst, price, budget: BudgetState) -> str:
+    missing = "no instance type that fits" if price is None else "no price in the price book"
+    return (
+        f"no cloud burst: {_burst_words(burst, price)} has {missing}, so its cost "
+        f"cannot be held against team {budget.team}'s budget"
+    )
+
+
+def _warn_unpriced(burst: BurstCost, price: BurstPrice | None) -> None:
+    """Once per pool and kind every ten minutes, not on every pass."""
+    if price is None:
+        return  # the fleet's burst request says so itself
+    key = f"costs:burst-unpriced:{burst.pool_id}:{price.instance_type}:{price.capacity_type}"
+    if best_effort.add(key, 1, timeout=600):
+        log.warning(
+            "no price for %s %s in pool %s: bursts of teams with a budget are refused",
+            price.instance_type,
+            price.capacity_type,
+            price.pool,
+        )
 
 
 def submissions_refused(*, team_id: int) -> BudgetState | None:

@@ -68,8 +68,9 @@ class BurstOutcome:
     skipped: dict[int, str] = field(default_factory=dict)  # job id -> why none were
 
 
-def _instance_type_for(pool: NodePool, gpus_per_node: int):
-    """The pool's smallest instance type with enough GPUs per node, or None."""
+def burst_instance_type(pool: NodePool, gpus_per_node: int):
+    """What a burst node of the pool is: its smallest instance type with enough GPUs per
+    node, or None (the costs app prices a burst by it before it is asked for)."""
     fitting = [t for t in pool.instance_types.all() if t.gpu_count >= gpus_per_node]
     return min(fitting, key=lambda t: (t.gpu_count, t.name), default=None)
 
@@ -131,7 +132,7 @@ def burst_nodes_request(
     new: list[Node] = []
     for ask in asks:
         pool = pools.get(ask.pool_id)
-        instance_type = None if pool is None else _instance_type_for(pool, ask.gpus_per_node)
+        instance_type = None if pool is None else burst_instance_type(pool, ask.gpus_per_node)
         wanted = ask.nodes - ready[ask.job_id]
         if ask.job_id in on_the_way:
             why = "burst nodes on the way"

@@ -93,11 +93,20 @@ def schedule_soon() -> None:
     transaction.on_commit(send)
 
 
-def budget_allows(*, team, gpus: int, time_limit_s: int, max_cost_usd) -> bool:
-    """Whether the team may still burst to the cloud: not once its spend this month has
-    reached its budget (apps/costs). The scheduler asks before planning and before each
-    burst; the answer is read for all teams at once and kept a few seconds."""
+def budget_left(*, team) -> bool:
+    """Whether the team may still burst to the cloud at all: not once its spend this month
+    has reached its budget (apps/costs). The scheduler asks before planning, for every
+    team with pending jobs; the answer is read for all teams at once and kept a few
+    seconds."""
     return costs.team_within_budget(team_id=getattr(team, "pk", team))
+
+
+def budget_allows(*, bursts: list[costs.BurstCost]) -> dict[int, costs.BurstVerdict]:
+    """Which of a pass's bursts their teams' budgets allow, by job id: each team's spend
+    this month plus what its bursts allowed so far in the pass will cost stays within its
+    budget (apps/costs: the burst's GPUs × time limit × price, or its max_cost_usd if
+    lower). The scheduler's apply step asks once per pass, before it asks the fleet."""
+    return costs.bursts_within_budget(bursts=bursts)
 
 
 # --- submit ---------------------------------------------------------------------------

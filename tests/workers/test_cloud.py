@@ -16,6 +16,7 @@ import datetime as dt
 import logging
 import shlex
 import uuid
+from decimal import Decimal
 
 import pytest
 from botocore.stub import ANY, Stubber
@@ -23,6 +24,7 @@ from django.utils import timezone
 
 from apps.accounts import services as accounts
 from apps.accounts.models import AuditEvent
+from apps.costs import services as costs
 from apps.fleet import agents, cloud
 from apps.fleet import services as fleet
 from apps.fleet.models import Node, NodeState, OrphanInstance
@@ -194,7 +196,7 @@ def test_a_job_asks_again_only_for_what_it_lacks_and_not_right_after_a_failure(p
     assert Node.objects.filter(burst_job=job).exclude(state=S.FAILED).count() == 2
 
 
-def test_no_burst_without_an_image_past_max_nodes_or_over_budget(pool, team, monkeypatch):
+def test_no_burst_without_an_image_past_max_nodes_or_over_budget(pool, team):
     job = waiting_job(team, nodes=2)
     ask = cloud.BurstAsk(job_id=job.pk, pool_id=pool.pk, nodes=2, gpus_per_node=8, spot=True)
     bare = cloud_pool("aws-bare", image_id="")
@@ -212,13 +214,23 @@ def test_no_burst_without_an_image_past_max_nodes_or_over_budget(pool, team, mon
     assert "has no image_id" in outcome.skipped[job.pk]
     assert "max_nodes" in outcome.skipped[job.pk + 1]
 
-    # The scheduler's apply step asks budget_allows before it asks the fleet (the costs
-    # issue fills budget_allows in; until then it says yes, so it is replaced here).
-    monkeypatch.setattr(jobs, "budget_allows", lambda **_: False)
+    # The scheduler's apply step holds the burst against the team's budget before it asks
+    # the fleet: $30 spent of $100, and 2 × 8 GPUs for an hour at $80 a p5 node-hour (no
+    # spot price known: spot is priced as on-demand) would cost $160.
+    from tests.apps.costs.conftest import cloud_price
+    from tests.apps.costs.test_budgets import spend
+
+    cloud_price("80", since=timezone.now() - dt.timedelta(days=1))
+    spend(team, Decimal(30))
+    costs.budget_set(team=team, monthly_limit=Decimal(100), by=None)
     bursts = [BurstRequest(job_id=job.pk, pool_id=pool.pk, nodes=2, spot=True)]
-    applied = apply.Applied()
-    apply._apply_bursts(bursts, now=timezone.now(), applied=applied)
+    applied, waits = apply.Applied(), {}
+    apply._apply_bursts(bursts, now=timezone.now(), applied=applied, waits=waits)
     assert applied.burst_nodes == [] and not Node.objects.filter(burst_job=job).exists()
+    assert waits[job.pk].reason == (
+        "no cloud burst: 2 × 8 GPUs for 1 h on aws-test (p5.48xlarge, spot) could cost "
+        "$160.00, and team alpha has $70.00 of its $100.00 budget left this month"
+    )
     assert cloud.burst_nodes_request(asks=[ask]).node_ids  # the fleet itself would have
 
 

@@ -18,6 +18,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from apps.accounts.services import audit_record_many
+from apps.costs.selectors import BurstCost
 from apps.fleet import cloud
 from apps.fleet import services as fleet
 from apps.fleet.models import SCHEDULABLE_STATES, Node
@@ -187,10 +188,13 @@ def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: App
     applied.preempted.extend(job_id for job_id, _ in victims)
 
 
-def _apply_bursts(bursts: list[plain.BurstRequest], *, now, applied: Applied) -> None:
-    """Ask the fleet for cloud nodes for jobs still waiting whose budget allows it; the
-    fleet asks once per job (apps/fleet/cloud.py). In a savepoint: a failed burst must
-    not undo the pass's placements."""
+def _apply_bursts(
+    bursts: list[plain.BurstRequest], *, now, applied: Applied, waits: dict[int, plain.Wait]
+) -> None:
+    """Ask the fleet for cloud nodes for jobs still waiting whose budget allows what the
+    burst will cost; the fleet asks once per job (apps/fleet/cloud.py). A burst the
+    budget refuses says why in the job's waiting reason (`waits`, written after this).
+    In a savepoint: a failed burst must not undo the pass's placements."""
     if not bursts:
         return
     from apps.jobs.services import budget_allows
@@ -200,25 +204,43 @@ def _apply_bursts(bursts: list[plain.BurstRequest], *, now, applied: Applied) ->
         row[0]: row
         for row in Job.objects.select_for_update()
         .filter(pk__in=[b.job_id for b in bursts], state=JobState.PENDING)
-        .values_list("id", "team_id", "nodes", "gpus_per_node", "time_limit_s", "max_cost_usd")
+        .values_list("id", "team_id", "gpus_per_node", "time_limit_s", "max_cost_usd")
     }
-    asks = []
+    wanted = []
     for burst in bursts:
         row = jobs.get(burst.job_id)
         if row is None or burst.job_id in placed:
             continue
-        _, team_id, nodes, per_node, limit, max_cost = row
-        gpus = nodes * per_node
-        if budget_allows(team=team_id, gpus=gpus, time_limit_s=limit, max_cost_usd=max_cost):
-            asks.append(
-                cloud.BurstAsk(
-                    job_id=burst.job_id,
-                    pool_id=burst.pool_id,
-                    nodes=burst.nodes,
-                    gpus_per_node=per_node,
-                    spot=burst.spot,
-                )
+        _, team_id, per_node, limit, max_cost = row
+        wanted.append(
+            BurstCost(
+                job_id=burst.job_id,
+                team_id=team_id,
+                pool_id=burst.pool_id,
+                spot=burst.spot,
+                nodes=burst.nodes,
+                gpus_per_node=per_node,
+                time_limit_s=limit,
+                max_cost=max_cost,
             )
+        )
+    verdicts = budget_allows(bursts=wanted)
+    asks = []
+    for burst in wanted:
+        verdict = verdicts[burst.job_id]
+        if not verdict.allowed:
+            log.info("job %d: %s", burst.job_id, verdict.reason)
+            waits[burst.job_id] = plain.Wait(reason=verdict.reason)
+            continue
+        asks.append(
+            cloud.BurstAsk(
+                job_id=burst.job_id,
+                pool_id=burst.pool_id,
+                nodes=burst.nodes,
+                gpus_per_node=burst.gpus_per_node,
+                spot=burst.spot,
+            )
+        )
     try:
         with transaction.atomic():
             applied.burst_nodes = cloud.burst_nodes_request(asks=asks, now=now).node_ids
@@ -435,7 +457,7 @@ def decisions_apply(decisions: plain.Decisions, ctx: ReadContext, applied: Appli
     this transaction (`applied`, its account of them)."""
     now = ctx.now or timezone.now()
     _apply_preemptions(decisions.preemptions, now=now, applied=applied)
-    _apply_bursts(decisions.bursts, now=now, applied=applied)
+    _apply_bursts(decisions.bursts, now=now, applied=applied, waits=decisions.waits)
     _apply_reasons(decisions.waits, ctx, applied)
     _advance_usage(ctx)
     if applied.placed:

@@ -77,7 +77,6 @@ PENDING_COLUMNS = (
     "placement",
     "spot_allowed",
     "time_limit_s",
-    "max_cost_usd",
 )
 
 
@@ -103,10 +102,9 @@ class KeptPending:
         self.read_at = 0.0  # when every row was last read
         self.jobs: dict[int, plain.Pending] = {}
         self.versions: dict[int, str] = {}  # job id -> its row's version when read
-        self.max_costs: dict[int, object] = {}  # job id -> max_cost_usd (for the budget)
         self.rows_read = 0  # whole rows the last read fetched
 
-    def read(self, budget_allows) -> list[plain.Pending]:
+    def read(self, budget_left) -> list[plain.Pending]:
         versioned = connection.vendor == "postgresql"
         database = (connection.alias, connection.settings_dict["NAME"])
         started = time.monotonic()
@@ -123,7 +121,7 @@ class KeptPending:
         except BaseException:
             self.clear()
             raise
-        return self._with_budgets(budget_allows)
+        return self._with_budgets(budget_left)
 
     def _refresh(self) -> None:
         now = {}
@@ -143,37 +141,28 @@ class KeptPending:
     def _drop(self, job_id: int) -> None:
         self.jobs.pop(job_id, None)
         self.versions.pop(job_id, None)
-        self.max_costs.pop(job_id, None)
 
     def _keep(self, rows, versioned: bool) -> None:
         # Built as the tuple it is, in its field order: Pending._make costs twice as much
         # (a Python call that checks the length this literal fixes), keywords three times
         # as much. Budgets are filled in per pass.
         new, pending = tuple.__new__, plain.Pending
-        jobs, versions, max_costs = self.jobs, self.versions, self.max_costs
+        jobs, versions = self.jobs, self.versions
         for row in rows:
             job_id = row[0]
             jobs[job_id] = new(pending, (job_id, row[1], PRIORITY_RANK[row[2]], *row[3:10], True))
-            max_costs[job_id] = row[10]
             if versioned:
-                versions[job_id] = row[11]
+                versions[job_id] = row[10]
         self.rows_read += len(rows)
 
-    def _with_budgets(self, budget_allows) -> list[plain.Pending]:
-        """The kept jobs with this pass's answer to the costs app's budget question, asked
-        once per team (the answer is about the team's spend), with one of its jobs.
+    def _with_budgets(self, budget_left) -> list[plain.Pending]:
+        """The kept jobs with this pass's answer to the costs app's budget question (has
+        the team budget left to burst at all?), asked once per team. What each burst will
+        cost is held against the budget when the pass applies it.
         Unordered: the planner orders the queue itself (class, score, age, then id)."""
-        asking: dict[int, plain.Pending] = {}
-        for job in self.jobs.values():
-            asking.setdefault(job.team_id, job)
         answers = {
-            team_id: budget_allows(
-                team=team_id,
-                gpus=job.nodes * job.gpus_per_node,
-                time_limit_s=job.time_limit_s,
-                max_cost_usd=self.max_costs[job.job_id],
-            )
-            for team_id, job in asking.items()
+            team_id: budget_left(team=team_id)
+            for team_id in {j.team_id for j in self.jobs.values()}
         }
         jobs = self.jobs
         for job_id, job in jobs.items():
@@ -210,8 +199,8 @@ def _pending(*columns: str):
 
 
 def _pending_rows(*, versioned: bool):
-    """Pending jobs in Pending's field order (the priority as its class), then
-    max_cost_usd, then the row's version on PostgreSQL."""
+    """Pending jobs in Pending's field order (the priority as its class), then the row's
+    version on PostgreSQL."""
     return _pending(*PENDING_COLUMNS, "version") if versioned else _pending(*PENDING_COLUMNS)
 
 
@@ -219,7 +208,7 @@ def _pending_versions():
     return _pending("id", "version")
 
 
-def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, ReadContext]:
+def read_snapshot(*, now: dt.datetime, budget_left) -> tuple[plain.Snapshot, ReadContext]:
     # Current allocations, once: what each running job holds, and so what each node has left.
     node_gpus: dict[int, list[tuple[int, int]]] = defaultdict(list)
     held_per_node: dict[int, int] = defaultdict(int)
@@ -330,7 +319,7 @@ def read_snapshot(*, now: dt.datetime, budget_allows) -> tuple[plain.Snapshot, R
         )
         held_by_team[team_id] += sum(g for _, g in held)
 
-    pending = _kept.read(budget_allows)
+    pending = _kept.read(budget_left)
     # None: no wait row yet, unless JobWait has one. (The kept jobs' ids are the pending.)
     reasons: dict[int, tuple[str, float | None] | None] = dict.fromkeys(_kept.jobs)
     # Only pending jobs have wait rows (they go when a job leaves PENDING): no join needed.

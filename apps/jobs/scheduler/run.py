@@ -55,10 +55,10 @@ def scheduling_pass() -> PassReport:
 
 
 def _read_plan_apply() -> tuple[PassReport, list[int]]:
-    from apps.jobs.services import budget_allows
+    from apps.jobs.services import budget_left
 
     started = time.perf_counter()
-    snapshot, ctx = read_snapshot(now=timezone.now(), budget_allows=budget_allows)
+    snapshot, ctx = read_snapshot(now=timezone.now(), budget_left=budget_left)
     read_done = time.perf_counter()
     decisions = Decisions()
     with transaction.atomic():

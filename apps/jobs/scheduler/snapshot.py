@@ -74,7 +74,7 @@ class Pending(NamedTuple):
     placement: str  # OWNED, OWNED_THEN_CLOUD or CLOUD
     spot_allowed: bool
     time_limit_s: int
-    budget_ok: bool = True  # the costs app's budget_allows(...), read before planning
+    budget_ok: bool = True  # the team has budget left to burst (budget_left), read before planning
 
     @property
     def gpus(self) -> int:

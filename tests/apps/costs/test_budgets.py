@@ -1,6 +1,7 @@
-"""Budgets: alerts at 50, 80 and 100% once each; at 100% the scheduler's burst path stops
-(through budget_allows), optionally submissions too; a job's max_cost_usd refuses it at
-submission and stops it, with a checkpoint, when its metered cost reaches it."""
+"""Budgets: alerts at 50, 80 and 100% once each; at 100% the scheduler's burst path stops,
+optionally submissions too, and before that a burst goes only if what it will cost fits in
+what is left; a job's max_cost_usd refuses it at submission and stops it, with a
+checkpoint, when its metered cost reaches it."""
 
 import datetime as dt
 import time
@@ -10,6 +11,7 @@ import pytest
 from django.core import mail
 from django.utils import timezone
 
+from apps.accounts import services as accounts
 from apps.accounts.models import TeamRole
 from apps.costs import selectors, services
 from apps.costs.models import BudgetAlert
@@ -26,6 +28,7 @@ from tests.apps.costs.conftest import (
     cloud_price,
     meter,
     owned_price,
+    spot_price,
 )
 from tests.apps.jobs.conftest import command_spec
 from tests.workers import test_cloud
@@ -67,13 +70,14 @@ def test_each_threshold_notifies_once_by_email(team, team_admin):
     assert BudgetAlert.objects.filter(threshold=100).get().emailed_to
 
 
-def test_bursting_to_the_cloud_stops_at_100_percent_through_budget_allows(team):
+def test_bursting_to_the_cloud_stops_at_100_percent(team):
     pool = test_cloud.cloud_pool()
+    cloud_price("8", since=timezone.now() - dt.timedelta(days=1))
     spend(team, Decimal(30))
     services.budget_set(team=team, monthly_limit=Decimal(25), by=None)
     job = test_cloud.waiting_job(team, nodes=1)
 
-    assert jobs.budget_allows(team=team.pk, gpus=8, time_limit_s=3600, max_cost_usd=None) is False
+    assert jobs.budget_left(team=team.pk) is False
     scheduling_pass()
 
     assert not Node.objects.filter(burst_job=job).exists()
@@ -83,6 +87,156 @@ def test_bursting_to_the_cloud_stops_at_100_percent_through_budget_allows(team):
     services.budget_set(team=team, monthly_limit=Decimal(1000), by=None)
     scheduling_pass()
     assert Node.objects.filter(burst_job=job, pool=pool).count() == 1
+
+
+# --- what a burst will cost, held against the budget before it is asked for ---------------------
+
+
+def burst_pool(*, on_demand: str = "80", spot: str | None = None):
+    """A cloud pool of 8-GPU p5.48xlarge nodes in us-east-1 that bursts at once, priced
+    per node-hour from yesterday (over the list price the costs migration loads; a spot
+    price too, if given). Spend is metered in eu-north-1: these prices never reprice it."""
+    pool = test_cloud.cloud_pool()
+    yesterday = timezone.now() - dt.timedelta(days=1)
+    cloud_price(on_demand, since=yesterday)
+    if spot is not None:
+        spot_price(spot, when=yesterday)
+    return pool
+
+
+def cloud_job(team, *, spot: bool = False, time_limit_s: int = 3600, **extra) -> Job:
+    """A one-node job of 8 H100 for the cloud: at $80 a node-hour, $80 an hour."""
+    spec = command_spec(
+        team,
+        time_limit_s=time_limit_s,
+        resources={"gpu_type": "H100", "nodes": 1, "gpus_per_node": 8},
+        placement={"where": "cloud", "spot": spot},
+        **extra,
+    )
+    job, _ = jobs.job_submit(team=team, spec=spec, submitted_by=factories.make_member(team=team))
+    return job
+
+
+def spent_and_budgeted(team, *, spent: int = 30, limit: int = 100) -> None:
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=64, by=None)
+    spend(team, Decimal(spent))
+    services.budget_set(team=team, monthly_limit=Decimal(limit), by=None)
+
+
+def bursts_of(job: Job) -> int:
+    return Node.objects.filter(burst_job=job).count()
+
+
+def reason(job: Job) -> str:
+    job.refresh_from_db()
+    return job.pending_reason
+
+
+def test_a_burst_that_would_overshoot_the_budget_is_not_asked_for_and_says_why(team):
+    """$30 spent of $100: 8 GPUs for an hour at $80 a node-hour would end at $110."""
+    burst_pool(on_demand="80")
+    spent_and_budgeted(team, spent=30, limit=100)
+    job = cloud_job(team)
+
+    scheduling_pass()
+
+    assert bursts_of(job) == 0
+    assert reason(job) == (
+        "no cloud burst: 8 GPUs for 1 h on aws-test (p5.48xlarge, on-demand) could cost "
+        "$80.00, and team alpha has $70.00 of its $100.00 budget left this month"
+    )
+
+    services.budget_set(team=team, monthly_limit=Decimal(120), by=None)
+    scheduling_pass()
+    assert bursts_of(job) == 1
+
+
+def test_a_burst_that_fits_in_what_is_left_is_asked_for(team):
+    burst_pool(on_demand="80")
+    spent_and_budgeted(team, spent=30, limit=100)
+    job = cloud_job(team, time_limit_s=1800)  # $40
+
+    assert selectors.teams_out_of_budget() == frozenset()
+    scheduling_pass()
+
+    (node,) = Node.objects.filter(burst_job=job)
+    assert node.capacity_type == "on_demand"
+
+
+def test_a_max_cost_below_the_projection_lets_the_burst_through(team, other_team):
+    """Both teams: $30 spent of $100, a job of 8 GPUs for an hour at $80 a node-hour. The
+    job with max_cost_usd $60 is stopped there, so it can cost no more: it fits."""
+    pool = test_cloud.cloud_pool()
+    for each in (team, other_team):
+        spent_and_budgeted(each, spent=30, limit=100)
+    capped = cloud_job(team, max_cost_usd="60.00")
+    uncapped = cloud_job(other_team)
+    # Priced after submission (the price changed since): a job projected above its
+    # max_cost_usd when it is submitted is refused then.
+    cloud_price("80", since=timezone.now() - dt.timedelta(days=1))
+
+    scheduling_pass()
+
+    assert Node.objects.filter(burst_job=capped, pool=pool).count() == 1
+    assert bursts_of(uncapped) == 0
+    assert "could cost $80.00, and team beta has $70.00" in reason(uncapped)
+
+
+def test_bursts_of_one_pass_add_up_against_the_budget(team):
+    """Two $40 bursts, $70 left: the first in the queue goes, the second would overshoot."""
+    burst_pool(on_demand="80")
+    spent_and_budgeted(team, spent=30, limit=100)
+    first = cloud_job(team, time_limit_s=1800)
+    second = cloud_job(team, time_limit_s=1800)
+
+    scheduling_pass()
+
+    assert (bursts_of(first), bursts_of(second)) == (1, 0)
+    assert "could cost $40.00, and team alpha has $30.00 of its $100.00" in reason(second)
+
+
+def test_a_spot_burst_is_priced_at_the_spot_price(team, other_team):
+    """On-demand $80 a node-hour, spot $40: the same hour fits on spot, not on-demand."""
+    burst_pool(on_demand="80", spot="40")
+    for each in (team, other_team):
+        spent_and_budgeted(each, spent=30, limit=100)
+    on_spot = cloud_job(team, spot=True)
+    on_demand = cloud_job(other_team, spot=False)
+
+    scheduling_pass()
+
+    (node,) = Node.objects.filter(burst_job=on_spot)
+    assert node.capacity_type == "spot"
+    assert bursts_of(on_demand) == 0
+    assert "(p5.48xlarge, on-demand) could cost $80.00" in reason(on_demand)
+
+
+def test_a_burst_with_no_price_is_refused_to_a_team_with_a_budget_only(team, other_team, caplog):
+    """What an unpriced burst costs cannot be held against a budget (and metering would
+    count it as free): refused, and said once in the log. A team without a budget is not
+    asked; a job with max_cost_usd is bounded by it."""
+    test_cloud.cloud_pool(region="us-west-2")  # the price book has no p5 price there
+    spent_and_budgeted(team, spent=30, limit=100)
+    unpriced = cloud_job(team)
+    bounded = cloud_job(team, max_cost_usd="50.00")
+    accounts.team_quota_set(team=other_team, gpu_type="H100", max_gpus=64, by=None)
+    unbudgeted = cloud_job(other_team)
+
+    with caplog.at_level("WARNING", logger="apps.costs.selectors"):
+        scheduling_pass()
+        scheduling_pass()
+
+    assert bursts_of(unpriced) == 0
+    assert reason(unpriced) == (
+        "no cloud burst: 8 GPUs for 1 h on aws-test (p5.48xlarge, on-demand) has no price "
+        "in the price book, so its cost cannot be held against team alpha's budget"
+    )
+    assert (bursts_of(bounded), bursts_of(unbudgeted)) == (1, 1)
+    warnings = [r.getMessage() for r in caplog.records if "no price" in r.getMessage()]
+    assert warnings == [
+        "no price for p5.48xlarge on_demand in pool aws-test: bursts of teams with a budget "
+        "are refused"
+    ]
 
 
 def test_the_budget_boundary_is_kept_a_few_seconds_and_read_again_when_the_month_ends(team):

@@ -28,14 +28,14 @@ def kept():
     read._kept.clear()
 
 
-def pending(budget_allows=always) -> set:
-    snapshot, _ = read_snapshot(now=timezone.now(), budget_allows=budget_allows)
+def pending(budget_left=always) -> set:
+    snapshot, _ = read_snapshot(now=timezone.now(), budget_left=budget_left)
     return set(snapshot.pending)
 
 
-def pending_read_whole(budget_allows=always) -> set:
+def pending_read_whole(budget_left=always) -> set:
     read._kept.clear()
-    return pending(budget_allows)
+    return pending(budget_left)
 
 
 @pytest.mark.parametrize("local_jobs_can_read_each_other", [False, True])
@@ -53,7 +53,7 @@ def test_a_node_is_shared_only_where_its_pool_and_its_agent_allow_it(
                 expected[node.pk] = (
                     tenancy == Tenancy.SHARED and isolation == JobIsolation.USER
                 ) or (local_jobs_can_read_each_other and provider == "local")
-    snapshot, _ = read_snapshot(now=timezone.now(), budget_allows=always)
+    snapshot, _ = read_snapshot(now=timezone.now(), budget_left=always)
     assert {n.id: n.shared for n in snapshot.nodes} == expected
     assert sum(expected.values()) == (7 if local_jobs_can_read_each_other else 2)
 
@@ -70,7 +70,7 @@ def test_an_owned_node_takes_work_only_while_its_agent_isolates_jobs():
                 job_isolation=isolation, provider=provider, state="ready"
             )
             expected[node.pk] = provider == "local" or isolation == JobIsolation.USER
-    snapshot, _ = read_snapshot(now=timezone.now(), budget_allows=always)
+    snapshot, _ = read_snapshot(now=timezone.now(), budget_left=always)
     assert {n.id: n.schedulable for n in snapshot.nodes} == expected
 
 
