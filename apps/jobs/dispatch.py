@@ -109,20 +109,28 @@ def run_plan(
     head: Node,
     attempt: int,
     nccl_env: dict,
+    gpu_slots: list[int] | None = None,
     resume_from: str | None = None,
     checkpoint_s3: dict | None = None,
 ) -> dict:
-    """What the node of `rank` runs for this attempt: JSON, without secret values."""
+    """What the node of `rank` runs for this attempt: JSON, without secret values.
+
+    `gpu_slots`: the node's GPUs the job holds (its allocation); the processes see only
+    those (CUDA_VISIBLE_DEVICES), and the agent records them with the run."""
     spec = job.spec
+    slots = list(gpu_slots or [])
     env = {
         **nccl_env,
         **(spec.get("env") or {}),
         **_distributed_env(job, rank=rank, head=head, attempt=attempt),
     }
+    if slots:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in slots)
     if job.kind == JobKind.COMMAND:
         command = spec["command"]
         return {
             "job": job.pk,  # the agent runs the job's processes as the job's own user
+            "gpu_slots": slots,
             "argv": list(command["argv"]),
             "env": env,
             "workdir": command.get("workdir") or command.get("path") or "",
@@ -135,6 +143,7 @@ def run_plan(
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return {
         "job": job.pk,
+        "gpu_slots": slots,
         "argv": trainer_argv(job, rank=rank, head=head),
         "env": env,
         "workdir": "",
@@ -166,11 +175,11 @@ def job_dispatch(
         if job is None:
             return None
         job = _transition(job, J.PROVISIONING, "writing run plans")
-        nodes = list(
-            Node.objects.filter(allocations__job=job, allocations__ended_at__isnull=True).order_by(
-                "rack_id", "name"
-            )
-        )
+        held = {
+            a.node_id: a
+            for a in Allocation.objects.filter(job=job, ended_at__isnull=True, release_wanted=False)
+        }
+        nodes = list(Node.objects.filter(pk__in=held).order_by("rack_id", "name"))
         if len(nodes) != job.nodes:
             return _requeue(job, f"{len(nodes)} of {job.nodes} nodes still allocated")
         rendered = nccl_environments_render(
@@ -191,12 +200,14 @@ def job_dispatch(
                 node=node,
                 attempt=attempt,
                 node_rank=rank,
+                allocation=held[node.pk],
                 plan=run_plan(
                     job,
                     rank=rank,
                     head=head,
                     attempt=attempt,
                     nccl_env=nccl_env,
+                    gpu_slots=held[node.pk].slots,
                     resume_from=resume_from,
                     checkpoint_s3=checkpoint_s3,
                 ),
@@ -279,6 +290,11 @@ def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
         return run  # a repeat (the agent retried after a lost answer): nothing new
     run.save()
     _job_follows(run.job_id, changed=run)
+    if run.state not in OPEN_RUN_STATES:
+        from apps.jobs.services import allocations_runs_ended
+
+        # Its process is gone: GPUs its job already let go of are free now.
+        allocations_runs_ended(allocation_ids=[run.allocation_id], now=now)
     return run
 
 
@@ -352,19 +368,29 @@ def _requeue(job: Job, reason: str) -> Job:
 
 
 def _runs_stop(job: Job, *, reason: str) -> int:
-    """Ask the agents to stop the job's open runs; runs never started are dropped."""
+    return runs_stop_for(job_ids=[job.pk], reasons={job.pk: reason})
+
+
+def runs_stop_for(*, job_ids: list[int], reasons: dict[int, str]) -> int:
+    """Ask the agents to stop the jobs' open runs (they see it on their next poll); runs
+    never started are dropped. Returns the runs asked to stop. Called by every job state
+    change that stops or leaves its GPUs (apps/jobs/services.py jobs_move)."""
+    from apps.jobs.services import allocations_runs_ended
+
     now = timezone.now()
-    Run.objects.filter(job=job, state=R.PLANNED).update(
-        state=R.LOST, reason=reason[:300], ended_at=now
-    )
-    return Run.objects.filter(job=job, state=R.RUNNING, stop_requested_at__isnull=True).update(
-        stop_requested_at=now, stop_reason=reason[:300]
-    )
-
-
-def runs_stop_for(*, job: Job, reason: str) -> int:
-    """Called when a job goes to STOPPING or PREEMPTING (apps/jobs/services.py)."""
-    return _runs_stop(job, reason=reason)
+    by_reason: dict[str, list[int]] = {}
+    for job_id in job_ids:
+        by_reason.setdefault(reasons.get(job_id, "")[:300], []).append(job_id)
+    asked, dropped = 0, []
+    for reason, ids in by_reason.items():
+        planned = Run.objects.filter(job_id__in=ids, state=R.PLANNED)
+        dropped += planned.values_list("allocation_id", flat=True)
+        planned.update(state=R.LOST, reason=reason, ended_at=now)
+        asked += Run.objects.filter(
+            job_id__in=ids, state=R.RUNNING, stop_requested_at__isnull=True
+        ).update(stop_requested_at=now, stop_reason=reason)
+    allocations_runs_ended(allocation_ids=dropped, now=now)
+    return asked
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -532,10 +558,14 @@ def jobs_on_lost_nodes(*, node_ids: list[int]) -> list[int]:
     for job_id in sorted(job_ids):
         with transaction.atomic():
             job = Job.objects.select_for_update().get(pk=job_id)
-            Run.objects.filter(job=job, node_id__in=node_ids, state__in=OPEN_RUN_STATES).update(
-                state=R.LOST, reason="node lost", ended_at=timezone.now()
-            )
+            lost = Run.objects.filter(job=job, node_id__in=node_ids, state__in=OPEN_RUN_STATES)
+            allocations = list(lost.values_list("allocation_id", flat=True))
+            lost.update(state=R.LOST, reason="node lost", ended_at=timezone.now())
             if job.state in FINISHED_STATES or job.state in (J.PENDING, J.HELD):
+                from apps.jobs.services import allocations_runs_ended
+
+                # The node is gone, and its processes with it.
+                allocations_runs_ended(allocation_ids=allocations, now=timezone.now())
                 continue
             names = ", ".join(
                 Node.objects.filter(pk__in=node_ids, allocations__job=job)

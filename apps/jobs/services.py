@@ -6,23 +6,25 @@ import json
 import logging
 import secrets
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 from decimal import Decimal
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from apps.accounts.models import TeamSecret
 from apps.accounts.secrets import decrypt, encrypt
 from apps.accounts.selectors import quota_limits, roles_of
-from apps.accounts.services import audit_event, audit_record, snapshot
+from apps.accounts.services import audit_event, audit_record, audit_record_many, snapshot
 from apps.costs import selectors as costs
 from apps.costs.money import money_text
 from apps.fleet import services as fleet
 from apps.fleet.selectors import pools_capacity
 from apps.jobs import specs
 from apps.jobs.models import (
+    OPEN_RUN_STATES,
     Allocation,
     Job,
     JobEvent,
@@ -30,13 +32,14 @@ from apps.jobs.models import (
     JobState,
     JobWait,
     Reservation,
+    Run,
     Webhook,
     WebhookDelivery,
 )
 from apps.jobs.models.jobs import FINISHED_STATES, HOLDING_STATES, NOT_STARTED_STATES
 from apps.tuning import services as tuning
 from controlplane import webhooks
-from controlplane.bulk import insert_with
+from controlplane.bulk import InArray, insert_with, update_logged
 from controlplane.cache import best_effort
 from controlplane.errors import ApplicationError
 
@@ -306,62 +309,118 @@ def _can_manage(by, job: Job) -> bool:
     return job_can_manage(user=by, team_id=job.team_id, submitted_by_id=job.submitted_by_id)
 
 
-@transaction.atomic
-def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
-    locked = Job.objects.select_for_update().get(pk=job.pk)
-    if to not in JOB_TRANSITIONS[locked.state]:
-        raise ApplicationError(
-            f"Job {locked.pk} is {locked.state}; it cannot go to {to}.",
-            code="invalid_transition",
-            details={"state": [f"{locked.state} → {to} is not allowed."]},
-            status=409,
-        )
-    before = snapshot(locked)
-    came_from = locked.state
-    locked.state = to
-    locked.state_reason = reason[:300]
-    now = timezone.now()
-    locked.state_changed_at = now
-    if to in FINISHED_STATES:
-        locked.finished_at = now
-    else:
-        locked.finished_at = None  # a finished job requeued is not finished any more
-    if to == J.PENDING or came_from == J.PENDING:
-        JobWait.objects.filter(job=locked).delete()  # an old wait says nothing now
+@dataclass(frozen=True)
+class Move:
+    """One job's step in a state change: its id, its team, the state it leaves, and why."""
+
+    job_id: int
+    team_id: int
+    came_from: str
+    reason: str
+
+
+def jobs_move(*, moves: list[Move], to: str, by, now: dt.datetime, **fields) -> None:
+    """The one road every job state change takes: for one job (job_transition) and for
+    the scheduler's thousands (placements, preemptions) alike.
+
+    The jobs are locked by the caller and each is allowed to go to `to`. Writes the
+    state, one JobEvent per job, the audit rows, and the change's side effects: runs
+    asked to stop, GPUs released (once each run there has ended), waiting reasons
+    dropped, webhooks owed, a scheduling pass asked for. Admissions (the scheduler's
+    placements) are recorded by their JobEvents alone, without audit rows: a first pass
+    admits thousands; the audit log keeps what takes something from someone.
+    """
+    if not moves:
+        return
+    values = {
+        "state": to,
+        "state_changed_at": now,
+        "finished_at": now if to in FINISHED_STATES else None,
+        **fields,
+    }
     if to == J.PENDING:
-        locked.pool = None
-    for name, value in fields.items():
-        setattr(locked, name, value)
-    locked.save()
-    if came_from in HOLDING_STATES and to not in HOLDING_STATES:
-        allocations_release(job_ids=[locked.pk], now=now)
-    JobEvent.objects.create(
-        job=locked,
-        from_state=came_from,
-        to_state=to,
-        reason=reason[:300],
-        actor=by if by is not None and by.pk else None,
-        actor_label=_label(by),
+        values["pool"] = None
+    actor_id = by.pk if by is not None and by.pk else None
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for move in moves:
+        groups[(move.came_from, move.reason[:300])].append(move.job_id)
+    for (came_from, reason), job_ids in groups.items():
+        # The state and its JobEvents in one statement on PostgreSQL (update_logged).
+        update_logged(
+            Job.objects.filter(InArray("id", job_ids)),
+            {**values, "state_reason": reason},
+            log=JobEvent,
+            log_fields=("job", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
+            log_values=(now, came_from, to, reason, actor_id, _label(by)),
+        )
+    ids = [move.job_id for move in moves]
+    waiting = [m.job_id for m in moves if to == J.PENDING or m.came_from == J.PENDING]
+    if waiting:
+        JobWait.objects.filter(InArray("job_id", waiting)).delete()  # an old wait says nothing now
+    if not (to == J.ADMITTED and by is None):
+        _audit_moves(moves, to=to, by=by, fields=fields)
+    leaving = (
+        [m.job_id for m in moves if m.came_from in HOLDING_STATES]
+        if to not in HOLDING_STATES
+        else []
     )
-    audit_record(
-        actor=by,
-        action=f"job.{to}",
-        obj=locked,
-        before=before,
-        after=snapshot(locked),
-        team=locked.team,
-    )
-    if to in (J.STOPPING, J.PREEMPTING) or (
-        came_from in HOLDING_STATES and to not in HOLDING_STATES
-    ):
+    stopping = ids if to in (J.STOPPING, J.PREEMPTING) else leaving
+    if stopping:
         from apps.jobs.dispatch import runs_stop_for
 
-        runs_stop_for(job=locked, reason=reason)
+        runs_stop_for(job_ids=stopping, reasons={m.job_id: m.reason for m in moves})
+    if leaving:
+        allocations_release(job_ids=leaving, now=now)
     if to in FINISHED_STATES:
-        _owe_webhook_calls(locked, now=now)
+        _owe_webhook_calls(ids, now=now)
     if to in (J.PENDING, J.CANCELLED, J.FAILED, J.SUCCEEDED):
         schedule_soon()
-    return locked
+
+
+def _audit_moves(moves: list[Move], *, to: str, by, fields: dict) -> None:
+    plain = {k: v for k, v in fields.items() if isinstance(v, int | str | bool | type(None))}
+    jobs = Job.objects.only("id", "name").in_bulk([m.job_id for m in moves])
+    by_team: dict[int, list] = defaultdict(list)
+    for move in moves:
+        by_team[move.team_id].append(
+            (
+                jobs[move.job_id],
+                {"state": move.came_from},
+                {"state": to, "state_reason": move.reason[:300], **plain},
+            )
+        )
+    for team_id, changes in by_team.items():
+        audit_record_many(actor=by, action=f"job.{to}", changes=changes, team_id=team_id)
+
+
+def moves_allowed(rows, *, to: str) -> tuple[list[Move], list[tuple[int, str]]]:
+    """Split locked (job id, team id, state, reason) rows into the moves `to` allows and the
+    (job id, state) of those it does not."""
+    allowed, refused = [], []
+    for job_id, team_id, state, reason in rows:
+        if to in JOB_TRANSITIONS[state]:
+            allowed.append(Move(job_id, team_id, state, reason))
+        else:
+            refused.append((job_id, state))
+    return allowed, refused
+
+
+@transaction.atomic
+def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
+    """Move one job to `to` (jobs_move), or answer 409 if its state does not allow it."""
+    state, team_id = (
+        Job.objects.select_for_update().filter(pk=job.pk).values_list("state", "team_id").get()
+    )
+    moves, refused = moves_allowed([(job.pk, team_id, state, reason)], to=to)
+    if refused:
+        raise ApplicationError(
+            f"Job {job.pk} is {state}; it cannot go to {to}.",
+            code="invalid_transition",
+            details={"state": [f"{state} → {to} is not allowed."]},
+            status=409,
+        )
+    jobs_move(moves=moves, to=to, by=by, now=timezone.now(), **fields)
+    return Job.objects.get(pk=job.pk)
 
 
 def job_cancel(*, job: Job, by, reason: str = "") -> Job:
@@ -402,20 +461,62 @@ def job_requeue(*, job: Job, by, reason: str = "") -> Job:
 
 
 def allocations_release(*, job_ids: list[int], now: dt.datetime) -> None:
-    """End the jobs' open allocations; their nodes become READY (or DRAINED) when idle."""
+    """The jobs no longer want their GPUs. An allocation with no run of it still open ends
+    now; one whose run is still there ends when that run does (allocations_runs_ended),
+    so its GPUs are never handed to another job while its processes live. Nodes left
+    without work become READY (or DRAINED)."""
+    open_ids = list(
+        Allocation.objects.filter(InArray("job_id", job_ids), ended_at__isnull=True).values_list(
+            "id", flat=True
+        )
+    )
+    if not open_ids:
+        return
+    busy = set(
+        Run.objects.filter(
+            InArray("allocation_id", open_ids), state__in=OPEN_RUN_STATES
+        ).values_list("allocation_id", flat=True)
+    )
+    if busy:
+        Allocation.objects.filter(InArray("id", sorted(busy))).update(release_wanted=True)
+    _allocations_end([a for a in open_ids if a not in busy], now=now)
+
+
+def allocations_runs_ended(*, allocation_ids, now: dt.datetime) -> None:
+    """Runs on these allocations ended: end the ones their jobs let go of with no run left."""
+    wanted = list(
+        Allocation.objects.filter(
+            InArray("id", sorted(set(allocation_ids) - {None})),
+            ended_at__isnull=True,
+            release_wanted=True,
+        ).values_list("id", flat=True)
+    )
+    if not wanted:
+        return
+    busy = set(
+        Run.objects.filter(InArray("allocation_id", wanted), state__in=OPEN_RUN_STATES).values_list(
+            "allocation_id", flat=True
+        )
+    )
+    _allocations_end([a for a in wanted if a not in busy], now=now)
+
+
+def _allocations_end(allocation_ids: list[int], *, now: dt.datetime) -> None:
+    if not allocation_ids:
+        return
     node_ids = list(
-        Allocation.objects.filter(job_id__in=job_ids, ended_at__isnull=True)
+        Allocation.objects.filter(InArray("id", allocation_ids))
         .values_list("node_id", flat=True)
         .distinct()
     )
-    Allocation.objects.filter(job_id__in=job_ids, ended_at__isnull=True).update(ended_at=now)
-    if node_ids:
-        still_busy = set(
-            Allocation.objects.filter(node_id__in=node_ids, ended_at__isnull=True).values_list(
-                "node_id", flat=True
-            )
+    Allocation.objects.filter(InArray("id", allocation_ids)).update(ended_at=now)
+    still_busy = set(
+        Allocation.objects.filter(InArray("node_id", node_ids), ended_at__isnull=True).values_list(
+            "node_id", flat=True
         )
-        fleet.nodes_work_ended(node_ids=node_ids, still_busy=still_busy)
+    )
+    fleet.nodes_work_ended(node_ids=node_ids, still_busy=still_busy)
+    schedule_soon()  # GPUs came free
 
 
 # --- reservations ---------------------------------------------------------------------
@@ -591,23 +692,25 @@ def webhook_delete(*, webhook: Webhook, by) -> None:
         webhook.delete()
 
 
-def _owe_webhook_calls(job: Job, *, now: dt.datetime) -> None:
-    hooks = Webhook.objects.filter(team_id=job.team_id, active=True).filter(
-        Q(job__isnull=True) | Q(job=job)
-    )
-    payload = {
-        "job": job.pk,
-        "uuid": str(job.uuid),
-        "name": job.name,
-        "team": job.team.slug,
-        "state": job.state,
-        "reason": job.state_reason,
-        "finished_at": now.isoformat(),
-    }
-    rows = [
-        WebhookDelivery(webhook=hook, job=job, payload=payload, next_attempt_at=now)
-        for hook in hooks
-    ]
+def _owe_webhook_calls(job_ids: list[int], *, now: dt.datetime) -> None:
+    jobs = list(Job.objects.select_related("team").filter(InArray("id", job_ids)))
+    hooks = list(Webhook.objects.filter(team_id__in={j.team_id for j in jobs}, active=True))
+    rows = []
+    for job in jobs:
+        payload = {
+            "job": job.pk,
+            "uuid": str(job.uuid),
+            "name": job.name,
+            "team": job.team.slug,
+            "state": job.state,
+            "reason": job.state_reason,
+            "finished_at": now.isoformat(),
+        }
+        rows += [
+            WebhookDelivery(webhook=hook, job=job, payload=payload, next_attempt_at=now)
+            for hook in hooks
+            if hook.team_id == job.team_id and hook.job_id in (None, job.pk)
+        ]
     if rows:
         WebhookDelivery.objects.bulk_create(rows)
         transaction.on_commit(_send_webhooks_soon)

@@ -36,11 +36,12 @@ from workers.agent import config as config_module
 from workers.agent.checkpoints import CheckpointKeeper
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
 from workers.agent.config import AgentConfig
-from workers.agent.runs import LogBuffer, Plan, PlanRefused, Run
+from workers.agent.runs import Ledger, LogBuffer, Plan, PlanRefused, Run
 from workers.agent.spot import SpotWatch
 
 log = logging.getLogger("agent")
 API = "/api/v1/agent"
+LEDGER_FILE = "runs.jsonl"  # the agent's own record of each run's start and end (Ledger)
 
 
 class Agent:
@@ -53,6 +54,7 @@ class Agent:
         self.logs = LogBuffer(config.max_buffered_lines)
         self.checkpoints = CheckpointKeeper(self.control, self.outbox, every_s=config.plans_every_s)
         self.runs: dict[int, Run] = {}
+        self.ledger = Ledger(config.work_dir / LEDGER_FILE)
         self.seen: set[int] = set()  # every run id ever started here: plans are re-sent until acked
         self.stopping = threading.Event()
         self.heartbeats = 0
@@ -216,6 +218,7 @@ class Agent:
             self._report(run_id, {"state": "refused", "reason": str(exc)[:300]})
             return
         self.runs[run_id] = run
+        self.ledger.write("started", run, pid=run.pid)
         self._report(run_id, {"state": "running", "pid": run.pid})
 
     def _reap(self) -> None:
@@ -224,6 +227,7 @@ class Agent:
             if code is None:
                 continue
             report = run.exit_report(code)
+            self.ledger.write("ended", run, exit_code=code)
             if self.spot_notice is not None and not report["reason"]:
                 report["reason"] = "spot interruption"
             del self.runs[run_id]

@@ -53,6 +53,7 @@ class Plan:
     git: dict | None = None
     job_id: int | None = None
     owned_dirs: tuple[str, ...] = ()  # absolute paths the job's user must own (checkpoints)
+    gpu_slots: tuple[int, ...] = ()  # the node's GPUs the job holds (CUDA_VISIBLE_DEVICES)
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
@@ -69,7 +70,50 @@ class Plan:
             git=data.get("git") or None,
             job_id=_job_id(data),
             owned_dirs=_owned_dirs(data.get("owned_dirs")),
+            gpu_slots=_gpu_slots(data.get("gpu_slots")),
         )
+
+
+def _gpu_slots(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 64 for i in value
+    ):
+        raise PlanRefused("gpu_slots must be a list of GPU indices")
+    return tuple(value)
+
+
+class Ledger:
+    """The agent's own record of what ran here: one JSON line when a run's process starts
+    and one when it and everything it left are gone, with the job and its GPU slots. It
+    is evidence kept on the node, apart from what the control plane was told."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, event: str, run: "Run", **extra) -> None:
+        record = {
+            "event": event,
+            "at": time.time(),
+            "run": run.plan.id,
+            "job": run.plan.job_id,
+            "slots": list(run.plan.gpu_slots),
+            **extra,
+        }
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a", encoding="utf-8") as out:
+                out.write(json.dumps(record) + "\n")
+        except OSError as exc:  # the record is for people; the run goes on without it
+            log.warning("could not write to %s: %s", self.path, exc)
+
+    def read(self) -> list[dict]:
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
 
 
 def _job_id(data: dict) -> int | None:

@@ -356,8 +356,16 @@ class Allocation(models.Model):
         db_index=False,
     )
     gpus = models.PositiveSmallIntegerField(validators=[MinValueValidator(1)])
+    # Which of the node's GPUs: bit i is GPU i (slots_of). Chosen by the scheduler's
+    # apply step under the node's lock, never shared by two open allocations; the
+    # runs on the node see them as CUDA_VISIBLE_DEVICES.
+    gpu_slots = models.PositiveBigIntegerField(default=0)
     started_at = models.DateTimeField()
     ended_at = models.DateTimeField(null=True, blank=True)
+    # The job no longer wants these GPUs, but a run of it on the node has not ended yet:
+    # the allocation ends when its last run does (allocations_release), so no other job
+    # is placed on GPUs whose processes are still there.
+    release_wanted = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["started_at", "id"]
@@ -376,3 +384,31 @@ class Allocation(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.job_id} on node {self.node_id}: {self.gpus} GPUs"
+
+    @property
+    def slots(self) -> list[int]:
+        return slots_of(self.gpu_slots)
+
+
+def slots_of(mask: int) -> list[int]:
+    """The GPU indices a slot mask holds, lowest first."""
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+def mask_of(slots) -> int:
+    mask = 0
+    for i in slots:
+        mask |= 1 << i
+    return mask
+
+
+def lowest_free(used: int, *, count: int, size: int) -> int:
+    """A mask of the `count` lowest GPUs of a `size`-GPU node not in `used`; 0 if too few."""
+    mask, free = 0, 0
+    for i in range(size):
+        if not used >> i & 1:
+            mask |= 1 << i
+            free += 1
+            if free == count:
+                return mask
+    return 0

@@ -29,6 +29,16 @@ class Run(models.Model):
     node = models.ForeignKey("fleet.Node", on_delete=models.PROTECT, related_name="runs")
     attempt = models.PositiveSmallIntegerField(help_text="1 for the first run of the job.")
     node_rank = models.PositiveSmallIntegerField()
+    # The GPUs the run holds on its node: it keeps them, even past its job's end, until
+    # its process is gone (Allocation.release_wanted).
+    allocation = models.ForeignKey(
+        "jobs.Allocation",
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        related_name="runs",
+    )
     plan = models.JSONField(help_text="argv, env (no secret values), workdir, files, git.")
     secret_names = models.JSONField(default=list)
     state = models.CharField(max_length=10, choices=RunState.choices, default=RunState.PLANNED)

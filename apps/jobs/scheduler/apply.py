@@ -14,19 +14,17 @@ from dataclasses import dataclass, field
 
 from django.core.cache import cache
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
-from django.db.models import Sum
 from django.utils import timezone
 
-from apps.accounts.services import audit_record_many
 from apps.costs.selectors import BurstCost
 from apps.fleet import cloud
 from apps.fleet import services as fleet
 from apps.fleet.models import SCHEDULABLE_STATES, Node
-from apps.jobs.models import Allocation, Job, JobEvent, JobState, JobWait, TeamUsage
-from apps.jobs.models.jobs import LAST_PASS_KEY, NOT_STARTED_STATES, STARTED_STATES
+from apps.jobs.models import Allocation, Job, JobState, JobWait, TeamUsage
+from apps.jobs.models.jobs import LAST_PASS_KEY, NOT_STARTED_STATES, STARTED_STATES, lowest_free
 from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
-from controlplane.bulk import InArray, fetch_rows, insert_rows, int_array, update_logged
+from controlplane.bulk import InArray, fetch_rows, insert_rows, int_array
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +38,6 @@ class Applied:
     burst_nodes: list[int] = field(default_factory=list)  # cloud nodes requested this pass
 
 
-def _events_and_audit(rows: list[tuple[int, str, str, str]], *, now: dt.datetime) -> None:
-    """rows: (job id, from, to, reason) → JobEvents and audit rows, two bulk inserts.
-
-    Placements write no audit rows: the scheduler admits thousands of jobs a pass, each
-    recorded by its JobEvent (actor "scheduler"); the audit log keeps the decisions that
-    take something from someone (preemptions) and everything people and clients do.
-    """
-    if not rows:
-        return
-    insert_rows(
-        JobEvent,
-        ("job", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
-        ((j, now, f, t, r[:300], None, "scheduler") for j, f, t, r in rows),
-    )
-    jobs = Job.objects.only("id", "name").in_bulk([j for j, _, _, _ in rows])
-    by_action: dict[str, list] = defaultdict(list)
-    for j, f, t, r in rows:
-        by_action[f"job.{t}"].append((jobs[j], {"state": f}, {"state": t, "reason": r[:300]}))
-    for action, changes in by_action.items():
-        audit_record_many(actor=None, action=action, changes=changes)
-
-
 def _apply_placements(
     placements: list[plain.Placement], *, now, reasons: dict, applied: Applied
 ) -> None:
@@ -69,18 +45,19 @@ def _apply_placements(
     placed jobs with one to delete: only the pass (under its lock) adds wait rows."""
     if not placements:
         return
+    from apps.jobs.services import Move, jobs_move
+
     wanted = {p.job_id: p for p in placements}
     # Read in one fetch each (a first pass locks thousands of jobs and nodes).
-    still_pending = {
-        job_id
-        for (job_id,) in fetch_rows(
+    still_pending = dict(
+        fetch_rows(
             Job.objects.select_for_update()
             .filter(InArray("id", wanted), state=JobState.PENDING)
-            .values_list("id")
+            .values_list("id", "team_id")
         )
-    }
+    )
     node_ids = {node_id for p in placements for node_id, _ in p.node_gpus}
-    states = {}
+    states, size = {}, {}
     room = {}  # node id -> GPUs free on it now, for schedulable nodes
     for node_id, state, gpus in fetch_rows(
         Node.objects.select_for_update()
@@ -88,104 +65,89 @@ def _apply_placements(
         .values_list("id", "state", "gpu_count")
     ):
         states[node_id] = state
+        size[node_id] = gpus
         if state in SCHEDULABLE_STATES:
             room[node_id] = gpus
-    for node_id, held in fetch_rows(
-        Allocation.objects.filter(InArray("node_id", room), ended_at__isnull=True)
-        .values_list("node_id")
-        .annotate(held=Sum("gpus"))
-        .order_by()
+    used: dict[int, int] = defaultdict(int)  # node id -> mask of its GPUs held now
+    for node_id, gpus, mask in fetch_rows(
+        Allocation.objects.filter(InArray("node_id", room), ended_at__isnull=True).values_list(
+            "node_id", "gpus", "gpu_slots"
+        )
     ):
-        room[node_id] -= held
-    accepted: list[plain.Placement] = []
+        room[node_id] -= gpus
+        used[node_id] |= mask
+    accepted: list[tuple[plain.Placement, list[tuple[int, int, int]]]] = []
     for placement in placements:
         if placement.job_id not in still_pending or not all(
             room.get(node_id, -1) >= gpus for node_id, gpus in placement.node_gpus
         ):
             applied.skipped.append(placement.job_id)
             continue
-        for node_id, gpus in placement.node_gpus:
+        # Which GPUs: the lowest free ones, so no two open allocations share one.
+        slots = [
+            (node_id, gpus, lowest_free(used[node_id], count=gpus, size=size[node_id]))
+            for node_id, gpus in placement.node_gpus
+        ]
+        if not all(mask for _, _, mask in slots):
+            applied.skipped.append(placement.job_id)
+            continue
+        for node_id, gpus, mask in slots:
             room[node_id] -= gpus
-        accepted.append(placement)
+            used[node_id] |= mask
+        accepted.append((placement, slots))
     if not accepted:
         return
     insert_rows(
         Allocation,
-        ("job", "node", "gpus", "started_at", "ended_at"),
-        ((p.job_id, node_id, gpus, now, None) for p in accepted for node_id, gpus in p.node_gpus),
+        ("job", "node", "gpus", "gpu_slots", "started_at", "ended_at", "release_wanted"),
+        (
+            (p.job_id, node_id, gpus, mask, now, None, False)
+            for p, slots in accepted
+            for node_id, gpus, mask in slots
+        ),
     )
     by_pool: dict[tuple[int, bool], list[int]] = defaultdict(list)
-    for p in accepted:
+    for p, _ in accepted:
         by_pool[(p.pool_id, p.backfilled)].append(p.job_id)
     for (pool_id, backfilled), job_ids in by_pool.items():
         reason = "placed (backfilled)" if backfilled else "placed"
-        # Each job's JobEvent goes in with its update (actor "scheduler"); no audit rows
-        # (_events_and_audit says why).
-        update_logged(
-            Job.objects.filter(InArray("id", job_ids)),
-            {
-                "state": JobState.ADMITTED,
-                "pool_id": pool_id,
-                "admitted_at": now,
-                "state_changed_at": now,
-                "state_reason": reason,
-            },
-            log=JobEvent,
-            log_fields=("job", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
-            log_values=(now, JobState.PENDING, JobState.ADMITTED, reason, None, "scheduler"),
+        jobs_move(
+            moves=[Move(j, still_pending[j], JobState.PENDING, reason) for j in job_ids],
+            to=JobState.ADMITTED,
+            by=None,
+            now=now,
+            pool_id=pool_id,
+            admitted_at=now,
         )
-    waited = [p.job_id for p in accepted if reasons.get(p.job_id) is not None]
-    if waited:  # none in a first pass
-        JobWait.objects.filter(InArray("job_id", waited)).delete()
-    used = sorted({n for p in accepted for n, _ in p.node_gpus})
+    used_nodes = sorted({n for p, _ in accepted for n, _ in p.node_gpus})
     # Locked above: hand over which of them are READY rather than lock them again.
-    fleet.nodes_work_started(ready=[(n, states[n]) for n in used if states[n] == "ready"])
-    applied.placed.extend(p.job_id for p in accepted)
+    fleet.nodes_work_started(ready=[(n, states[n]) for n in used_nodes if states[n] == "ready"])
+    applied.placed.extend(p.job_id for p, _ in accepted)
 
 
 def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: Applied) -> None:
+    """Victims not started yet go straight back to the queue (nothing to checkpoint);
+    running ones are asked to checkpoint and stop (PREEMPTING), through the same road as
+    any other state change, so their agents see the stop on their next poll. Their GPUs
+    are let go only once their processes are gone (allocations_release); the job
+    preempted for starts on them after that."""
     if not preemptions:
         return
-    from apps.jobs.services import allocations_release
+    from apps.jobs.services import Move, jobs_move
 
     reasons = {p.job_id: p.reason for p in preemptions}
     victims = list(
         Job.objects.select_for_update()
         .filter(pk__in=reasons, state__in=NOT_STARTED_STATES | STARTED_STATES)
-        .values_list("id", "state")
+        .values_list("id", "team_id", "state")
     )
-    # Not started yet: nothing to checkpoint, straight back to the queue.
-    back = [job_id for job_id, state in victims if state in NOT_STARTED_STATES]
-    # Running: checkpoint first, then stop (PREEMPTING → PENDING, by the agent or the reconcile).
-    stopping = [job_id for job_id, state in victims if state in STARTED_STATES]
-    if back:
-        Job.objects.filter(pk__in=back).update(
-            state=JobState.PENDING,
-            pool=None,
-            state_reason="preempted before it started",
-            state_changed_at=now,
-        )
-        _write_reasons([(j, "preempted; waiting for the next scheduling pass", None) for j in back])
-        allocations_release(job_ids=back, now=now)
-    if stopping:
-        Job.objects.filter(pk__in=stopping).update(
-            state=JobState.PREEMPTING,
-            state_reason="preempted: checkpoint, then stop",
-            state_changed_at=now,
-        )
-    _events_and_audit(
-        [
-            (
-                job_id,
-                state,
-                JobState.PENDING if state in NOT_STARTED_STATES else JobState.PREEMPTING,
-                reasons[job_id],
-            )
-            for job_id, state in victims
-        ],
-        now=now,
-    )
-    applied.preempted.extend(job_id for job_id, _ in victims)
+    back = [Move(j, t, s, reasons[j]) for j, t, s in victims if s in NOT_STARTED_STATES]
+    stopping = [Move(j, t, s, reasons[j]) for j, t, s in victims if s in STARTED_STATES]
+    jobs_move(moves=back, to=JobState.PENDING, by=None, now=now)
+    waiting = "preempted; waiting for the next scheduling pass"
+    _write_reasons([(m.job_id, waiting, None) for m in back])
+    jobs_move(moves=stopping, to=JobState.PREEMPTING, by=None, now=now)
+    applied.preempted.extend(job_id for job_id, _, _ in victims)
 
 
 def _apply_bursts(
