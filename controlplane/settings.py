@@ -324,8 +324,8 @@ CELERY_BEAT_SCHEDULE["jobs-schedule"] = {
 CELERY_BEAT_SCHEDULE["jobs-reconcile"] = {"task": "jobs.reconcile", "schedule": 60.0}
 CELERY_BEAT_SCHEDULE["jobs-purge-logs"] = {"task": "jobs.purge_logs", "schedule": 3600.0}
 
-# Dispatch: where agents reach the control plane, the rendezvous ports of multi-node
-# jobs (base + job id modulo spread, on the job's first node), how long agents have
+# Dispatch: where agents reach the control plane, the range of rendezvous ports (each
+# attempt holds one on its first node that no other job there holds), how long agents have
 # to start a job's plans before it is requeued, how long job output is kept, and
 # where checkpoints go (shared storage or s3:// in production).
 CONTROLPLANE_URL = env_str("CONTROLPLANE_URL", "http://127.0.0.1:8000")

@@ -4,15 +4,17 @@ means for the job.
 ADMITTED → PROVISIONING (plans being written) → STARTING (plans offered to the
 nodes' agents) → RUNNING (every rank started) → SUCCEEDED when every rank exits
 0. A rank that fails in the job's own code fails the job (FAILED, not retried);
-infrastructure (a node lost, a spot notice, a plan no agent started in time)
-requeues it to PENDING, up to its restart limit. A job that must stop (cancel,
-preemption, time limit) asks its runs to stop, and ends when the last one has.
+infrastructure (a node lost, a spot notice, a plan no agent started in time, a
+rendezvous port found busy) requeues it to PENDING, up to its restart limit. A job
+that must stop (cancel, preemption, time limit) asks its runs to stop, and ends when
+the last one has.
 """
 
 import datetime as dt
 import json
 import logging
 import math
+import secrets
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -29,6 +31,7 @@ from apps.jobs.models import (
     JobKind,
     JobState,
     LogLine,
+    NodeFault,
     Run,
     RunState,
     StepMetric,
@@ -45,6 +48,10 @@ R = RunState
 # infrastructure, not because of its own code (the trainer writes these).
 INFRASTRUCTURE_EXITS = {"preempted", "spot_interruption", "node_lost", "collective_timeout"}
 SPOT_REASON = "spot interruption notice"
+# A dispatch that loses its chosen rendezvous port to a concurrent one chooses again, this
+# many times in all; a port an agent found busy is not chosen on its host for this long.
+RENDEZVOUS_TRIES = 5
+BUSY_PORT_AVOIDED_S = 3600
 MAX_LINE = 16 * 1024
 
 
@@ -61,16 +68,11 @@ def _current_attempt(job: Job) -> int:
 # --- plans -------------------------------------------------------------------------------------
 
 
-def rendezvous_port(job: Job) -> int:
-    """A port for the job's rendezvous on its first node, spread by job id."""
-    return settings.RENDEZVOUS_PORT_BASE + job.pk % settings.RENDEZVOUS_PORT_SPREAD
-
-
 def _node_address(node: Node) -> str:
     return node.address or "127.0.0.1"
 
 
-def _distributed_env(job: Job, *, rank: int, head: Node, attempt: int) -> dict[str, str]:
+def _distributed_env(job: Job, *, rank: int, head: Node, attempt: int, port: int) -> dict[str, str]:
     return {
         "CONTROLPLANE_JOB_ID": str(job.pk),
         "CONTROLPLANE_JOB_UUID": str(job.uuid),
@@ -79,11 +81,11 @@ def _distributed_env(job: Job, *, rank: int, head: Node, attempt: int) -> dict[s
         "CONTROLPLANE_NNODES": str(job.nodes),
         "CONTROLPLANE_GPUS_PER_NODE": str(job.gpus_per_node),
         "MASTER_ADDR": _node_address(head),
-        "MASTER_PORT": str(rendezvous_port(job)),
+        "MASTER_PORT": str(port),
     }
 
 
-def trainer_argv(job: Job, *, rank: int, head: Node) -> list[str]:
+def trainer_argv(job: Job, *, rank: int, head: Node, port: int) -> list[str]:
     """torchrun for the bundled trainer (workers/trainer), one agent per node (c10d rendezvous)."""
     return [
         "python3",
@@ -93,7 +95,7 @@ def trainer_argv(job: Job, *, rank: int, head: Node) -> list[str]:
         f"--nproc-per-node={job.gpus_per_node}",
         f"--node-rank={rank}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={_node_address(head)}:{rendezvous_port(job)}",
+        f"--rdzv-endpoint={_node_address(head)}:{port}",
         f"--rdzv-id={job.uuid}",
         "-m",
         "workers.trainer",
@@ -108,6 +110,7 @@ def run_plan(
     rank: int,
     head: Node,
     attempt: int,
+    port: int,
     nccl_env: dict,
     gpu_slots: list[int] | None = None,
     resume_from: str | None = None,
@@ -116,16 +119,24 @@ def run_plan(
     """What the node of `rank` runs for this attempt: JSON, without secret values.
 
     `gpu_slots`: the node's GPUs the job holds (its allocation); the processes see only
-    those (CUDA_VISIBLE_DEVICES), and the agent records them with the run."""
+    those (CUDA_VISIBLE_DEVICES), and the agent records them with the run.
+
+    Rank 0's plan names the rendezvous port when its processes will listen there (torchrun
+    hosts its store on it; a command job across nodes has MASTER_PORT for its launcher), and
+    the agent checks that nothing holds it before starting: a torchrun that cannot bind its
+    port joins whatever listens there as a client, and waits.
+    """
     spec = job.spec
     slots = list(gpu_slots or [])
     env = {
         **nccl_env,
         **(spec.get("env") or {}),
-        **_distributed_env(job, rank=rank, head=head, attempt=attempt),
+        **_distributed_env(job, rank=rank, head=head, attempt=attempt, port=port),
     }
     if slots:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in slots)
+    listens = rank == 0 and (job.kind == JobKind.TRAINER or job.nodes > 1)
+    checked = {"rendezvous_port": port} if listens else {}
     if job.kind == JobKind.COMMAND:
         command = spec["command"]
         return {
@@ -136,6 +147,7 @@ def run_plan(
             "workdir": command.get("workdir") or command.get("path") or "",
             "git": command.get("git"),
             "files": [],
+            **checked,
         }
     from apps.jobs.runconfig import checkpoint_dir, trainer_run_config
 
@@ -144,10 +156,11 @@ def run_plan(
     return {
         "job": job.pk,
         "gpu_slots": slots,
-        "argv": trainer_argv(job, rank=rank, head=head),
+        "argv": trainer_argv(job, rank=rank, head=head, port=port),
         "env": env,
         "workdir": "",
         "git": None,
+        **checked,
         # Made on the node and handed to the job's user before the trainer starts.
         "owned_dirs": [checkpoint_dir(job)],
         "files": [
@@ -159,6 +172,49 @@ def run_plan(
             }
         ],
     }
+
+
+def _rendezvous_ports_free(host: str) -> list[int]:
+    """The rendezvous range's ports that no open run holds on `host`, less those an agent
+    found busy there lately (unless nothing else is left)."""
+    first = settings.RENDEZVOUS_PORT_BASE
+    held = set(
+        Run.objects.filter(
+            rendezvous_host=host, rendezvous_port__isnull=False, state__in=OPEN_RUN_STATES
+        ).values_list("rendezvous_port", flat=True)
+    )
+    free = [p for p in range(first, first + settings.RENDEZVOUS_PORT_SPREAD) if p not in held]
+    since = timezone.now() - dt.timedelta(seconds=BUSY_PORT_AVOIDED_S)
+    busy = set(
+        Run.objects.filter(
+            node_fault=NodeFault.RENDEZVOUS_PORT_BUSY, rendezvous_host=host, ended_at__gte=since
+        ).values_list("rendezvous_port", flat=True)
+    )
+    return [p for p in free if p not in busy] or free
+
+
+def _runs_create_holding_a_port(host: str, runs_for) -> int | None:
+    """Write an attempt's runs (`runs_for(port)`), rank 0's holding a rendezvous port of
+    `host` that no open run holds; the port, or None when none is free.
+
+    Any free port, not the lowest: one that a stray process holds would otherwise be handed
+    out again at once. Between concurrent dispatches the database's constraint decides: the
+    one that loses reads again and chooses among what is left.
+    """
+    tries = RENDEZVOUS_TRIES
+    while True:
+        free = _rendezvous_ports_free(host)
+        if not free:
+            return None
+        port = secrets.choice(free)
+        try:
+            with transaction.atomic():
+                Run.objects.bulk_create(runs_for(port))
+            return port
+        except IntegrityError:
+            tries -= 1
+            if not tries:
+                raise
 
 
 def job_dispatch(
@@ -194,27 +250,41 @@ def job_dispatch(
         nccl_env = rendered[0].env if rendered else {}
         attempt = _current_attempt(job) + 1
         head = nodes[0]
-        Run.objects.bulk_create(
-            Run(
-                job=job,
-                node=node,
-                attempt=attempt,
-                node_rank=rank,
-                allocation=held[node.pk],
-                plan=run_plan(
-                    job,
-                    rank=rank,
-                    head=head,
+        host = _node_address(head)
+        port = _runs_create_holding_a_port(
+            host,
+            lambda port: [
+                Run(
+                    job=job,
+                    node=node,
                     attempt=attempt,
-                    nccl_env=nccl_env,
-                    gpu_slots=held[node.pk].slots,
-                    resume_from=resume_from,
-                    checkpoint_s3=checkpoint_s3,
-                ),
-                secret_names=sorted(job.spec.get("secrets") or []),
-            )
-            for rank, node in enumerate(nodes)
+                    node_rank=rank,
+                    allocation=held[node.pk],
+                    plan=run_plan(
+                        job,
+                        rank=rank,
+                        head=head,
+                        attempt=attempt,
+                        port=port,
+                        nccl_env=nccl_env,
+                        gpu_slots=held[node.pk].slots,
+                        resume_from=resume_from,
+                        checkpoint_s3=checkpoint_s3,
+                    ),
+                    secret_names=sorted(job.spec.get("secrets") or []),
+                    rendezvous_host=host if rank == 0 else "",
+                    rendezvous_port=port if rank == 0 else None,
+                )
+                for rank, node in enumerate(nodes)
+            ],
         )
+        if port is None:
+            first, spread = settings.RENDEZVOUS_PORT_BASE, settings.RENDEZVOUS_PORT_SPREAD
+            return _requeue(
+                job,
+                f"no free rendezvous port on {head.name} ({host}): "
+                f"all {spread} from {first} to {first + spread - 1} are held by other jobs",
+            )
         resuming = f", resuming from {resume_from.rstrip('/')[-200:]}" if resume_from else ""
         return _transition(
             job, J.STARTING, f"attempt {attempt}: plans for {len(nodes)} node(s) offered{resuming}"
@@ -279,6 +349,10 @@ def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
         run.exit_code = _int_or_none(report.get("exit_code"))
         run.signal = _int_or_none(report.get("signal"))
         run.reason = str(report.get("reason") or "")[:300]
+        # Said outright by the agent (never read from a job's output): the node, not the
+        # job, kept the run from starting.
+        fault = report.get("node_fault")
+        run.node_fault = fault if fault in NodeFault.values else ""
         status = report.get("status")
         run.status = status if isinstance(status, dict) else None
         run.ended_at = now
@@ -307,6 +381,8 @@ def _describe_exit(run: Run) -> str:
 
 
 def _infrastructure(run: Run) -> bool:
+    if run.node_fault:
+        return True
     status_reason = (run.status or {}).get("reason") if isinstance(run.status, dict) else None
     return run.reason == "spot interruption" or status_reason in INFRASTRUCTURE_EXITS
 

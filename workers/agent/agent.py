@@ -13,7 +13,7 @@ The protocol (paths under /api/v1/agent/, JSON, `Authorization: Bearer <node tok
     POST heartbeat           {seq, version, metrics, disk_free_bytes, nccl_version, runs}
     GET  runs/               -> {"start": [plan, ...], "stop": [{"id", "reason"}, ...]}
     POST runs/{id}/status    {state: running | exited | refused, pid, exit_code, signal,
-                              reason, status}
+                              reason, status, node_fault}
     POST runs/{id}/logs      {lines: [{seq, stream, at, text}], dropped}
     POST events              {kind: "spot_interruption", notice, runs}
 
@@ -215,7 +215,10 @@ class Agent:
         except (PlanRefused, KeyError, TypeError, ValueError, OSError) as exc:
             if run is not None:
                 run.note(f"could not start: {exc}")
-            self._report(run_id, {"state": "refused", "reason": str(exc)[:300]})
+            report = {"state": "refused", "reason": str(exc)[:300]}
+            if getattr(exc, "node_fault", ""):
+                report["node_fault"] = exc.node_fault  # the control plane requeues the job
+            self._report(run_id, report)
             return
         self.runs[run_id] = run
         self.ledger.write("started", run, pid=run.pid)

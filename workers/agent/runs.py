@@ -3,19 +3,23 @@
 A run plan (from the control plane) says what to run: an argument list (never a
 shell string), environment variables, secrets (injected as variables, and
 masked in every output line the agent relays), a working directory, files to
-write, the directories the job must own (its checkpoints), and optionally a git
-repository and ref to check out first. The process starts in a new session, so a
-stop or a spot notice signals torchrun and all its workers together. Where the
+write, the directories the job must own (its checkpoints), optionally a git
+repository and ref to check out first, and on node rank 0 the rendezvous port its
+processes will listen on (refused, as the node's fault, if something holds it). The
+process starts in a new session, so a stop or a spot notice signals torchrun and all
+its workers together. Where the
 agent is privileged it runs as the job's own user (workers/agent/isolation.py),
 and whatever that user still runs when the run ends is killed.
 """
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -41,6 +45,38 @@ _REF = re.compile(r"[\w./-]+\Z")
 class PlanRefused(Exception):
     """The plan cannot be run as given (a file outside the run directory, a bad ref...)."""
 
+    node_fault = ""  # set where the node, not the plan, is to blame (the job is requeued)
+
+
+class RendezvousPortBusy(PlanRefused):
+    node_fault = "rendezvous_port_busy"
+
+
+def rendezvous_port_check(port: int) -> None:
+    """Refuse a rank-0 plan whose rendezvous port something on this node holds.
+
+    torchrun hosts its store on every address of the node (IPv6 and IPv4 alike), reusing a
+    port left in TIME_WAIT; where it cannot bind, it joins whatever listens there as a
+    client and waits for a rendezvous that never comes. So bind as it would, and let go.
+    """
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):  # noqa: S104
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                probe.bind((address, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise RendezvousPortBusy(
+                        f"rendezvous port {port} is busy on this node"
+                    ) from None
+                # Another error (IPv6 present but off) says nothing about the port.
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -54,6 +90,7 @@ class Plan:
     job_id: int | None = None
     owned_dirs: tuple[str, ...] = ()  # absolute paths the job's user must own (checkpoints)
     gpu_slots: tuple[int, ...] = ()  # the node's GPUs the job holds (CUDA_VISIBLE_DEVICES)
+    rendezvous_port: int | None = None  # node rank 0's: checked free before the start
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
@@ -71,6 +108,7 @@ class Plan:
             job_id=_job_id(data),
             owned_dirs=_owned_dirs(data.get("owned_dirs")),
             gpu_slots=_gpu_slots(data.get("gpu_slots")),
+            rendezvous_port=_port(data.get("rendezvous_port")),
         )
 
 
@@ -122,6 +160,14 @@ def _job_id(data: dict) -> int | None:
     except (TypeError, ValueError):
         return None
     return job_id if job_id >= 0 else None
+
+
+def _port(value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 65536:
+        raise PlanRefused(f"{value!r} is not a port")
+    return value
 
 
 def _owned_dirs(value) -> tuple[str, ...]:
@@ -313,6 +359,8 @@ class Run:
         return env
 
     def start(self) -> None:
+        if self.plan.rendezvous_port is not None:
+            rendezvous_port_check(self.plan.rendezvous_port)
         isolation.fresh_directory(self.dir)
         self._write_files()
         if self.uid is not None:

@@ -11,7 +11,14 @@ from apps.jobs.models.jobs import (
     PriorityClass,
 )
 from apps.jobs.models.reservations import Reservation
-from apps.jobs.models.runs import OPEN_RUN_STATES, LogLine, Run, RunState, StepMetric
+from apps.jobs.models.runs import (
+    OPEN_RUN_STATES,
+    LogLine,
+    NodeFault,
+    Run,
+    RunState,
+    StepMetric,
+)
 from apps.jobs.models.usage import TeamUsage
 from apps.jobs.models.webhooks import Webhook, WebhookDelivery
 
@@ -24,6 +31,7 @@ __all__ = [
     "JobState",
     "JobWait",
     "LogLine",
+    "NodeFault",
     "Placement",
     "PriorityClass",
     "Reservation",

@@ -17,6 +17,13 @@ class RunState(models.TextChoices):
 OPEN_RUN_STATES = frozenset({RunState.PLANNED, RunState.RUNNING})
 
 
+class NodeFault(models.TextChoices):
+    """Why an agent could not start a run, when the node is to blame and not the job: the
+    agent says so in its report, so the job is requeued rather than failed."""
+
+    RENDEZVOUS_PORT_BUSY = "rendezvous_port_busy", "Rendezvous port busy"
+
+
 class Run(models.Model):
     """One attempt of a job on one node: the plan the node's agent runs, and how it ended.
 
@@ -46,6 +53,12 @@ class Run(models.Model):
     exit_code = models.IntegerField(null=True, blank=True)
     signal = models.IntegerField(null=True, blank=True)
     reason = models.CharField(max_length=300, blank=True)
+    node_fault = models.CharField(max_length=30, choices=NodeFault.choices, blank=True)
+    # The rendezvous endpoint that node rank 0 hosts for this attempt (rank 0's row alone):
+    # the host is the address the other ranks dial, so nodes that share an address (local
+    # nodes, several nodes of one machine) share its ports too.
+    rendezvous_host = models.CharField(max_length=255, blank=True)
+    rendezvous_port = models.PositiveIntegerField(null=True, blank=True)
     status = models.JSONField(
         null=True, blank=True, help_text="What the process wrote to its status file."
     )
@@ -61,12 +74,25 @@ class Run(models.Model):
             models.UniqueConstraint(
                 fields=["job", "attempt", "node_rank"], name="one_run_per_rank_and_attempt"
             ),
+            # Held from the plan until its process is gone (exited, refused or lost), so
+            # two dispatches at once cannot give one port of a host to two jobs.
+            models.UniqueConstraint(
+                fields=["rendezvous_host", "rendezvous_port"],
+                condition=Q(state__in=["planned", "running"], rendezvous_port__isnull=False),
+                name="one_open_run_per_rendezvous_port",
+            ),
         ]
         indexes = [
             models.Index(
                 fields=["node"],
                 condition=Q(state__in=["planned", "running"]),
                 name="open_runs_by_node",
+            ),
+            # Ports an agent found busy lately, which dispatch leaves alone for a while.
+            models.Index(
+                fields=["rendezvous_host", "ended_at"],
+                condition=Q(node_fault="rendezvous_port_busy"),
+                name="busy_rendezvous_ports",
             ),
         ]
 

@@ -6,6 +6,7 @@ control plane's absence, and a small HTTP server standing in for EC2 instance me
 
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -15,7 +16,16 @@ import pytest
 
 from workers.agent import metrics
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
-from workers.agent.runs import MASK, LogBuffer, LogLine, Masker, Plan, PlanRefused, Run
+from workers.agent.runs import (
+    MASK,
+    LogBuffer,
+    LogLine,
+    Masker,
+    Plan,
+    PlanRefused,
+    RendezvousPortBusy,
+    Run,
+)
 from workers.agent.spot import SpotWatch
 
 PY = sys.executable
@@ -99,12 +109,44 @@ def test_files_workdir_status_file_and_exit_code(tmp_path):
         {"argv": ["true"], "files": [{"path": "/etc/passwd", "content": "x"}]},
         {"argv": ["true"], "git": {"repo": "https://example.com/r.git", "ref": "--upload-pack=x"}},
         {"argv": ["/no/such/binary"]},
+        {"argv": ["true"], "rendezvous_port": "29500"},
+        {"argv": ["true"], "rendezvous_port": 70000},
+        {"argv": ["true"], "rendezvous_port": True},
     ],
 )
 def test_plans_that_cannot_run_safely_are_refused(tmp_path, plan):
     with pytest.raises(PlanRefused):
         run, _ = _run(tmp_path, **plan)
         run.start()
+
+
+def _listener(address: str = "127.0.0.1") -> socket.socket:
+    """Something else on the node listening on a port (a stray process, another job)."""
+    held = socket.socket()
+    held.bind((address, 0))
+    held.listen()
+    return held
+
+
+def test_a_rendezvous_port_held_on_the_node_refuses_the_run_before_anything_starts(tmp_path):
+    held = _listener()
+    port = held.getsockname()[1]
+    marker = tmp_path / "started"
+    argv = [PY, "-c", f"open({str(marker)!r}, 'w')"]
+    try:
+        run, _ = _run(tmp_path, argv=argv, rendezvous_port=port)
+        with pytest.raises(RendezvousPortBusy) as refused:
+            run.start()
+    finally:
+        held.close()
+    assert str(refused.value) == f"rendezvous port {port} is busy on this node"
+    assert refused.value.node_fault == "rendezvous_port_busy"
+    assert run.process is None and not marker.exists()
+
+    # Let go: the same plan starts.
+    run, _ = _run(tmp_path, argv=argv, rendezvous_port=port)
+    run.start()
+    assert run.exit_report(_wait(run))["exit_code"] == 0 and marker.exists()
 
 
 def test_a_git_repository_is_checked_out_at_the_ref(tmp_path):
@@ -368,3 +410,39 @@ def test_a_batch_of_output_stays_under_the_control_planes_request_limit():
     one = LogBuffer(10)
     one.add(LogLine(1, 1, "stdout", 0.0, "y" * 3_000_000))
     assert len(one.take()[1]) == 1  # a line longer than the budget still goes, alone
+
+
+def test_the_agent_reports_a_busy_rendezvous_port_as_the_nodes_fault(tmp_path):
+    """The report the control plane requeues on: refused, with the reason and the fault."""
+    received, status = [], {"code": 200}
+    server = _Server(_control_plane_handler(received, status))
+    (tmp_path / "agent.env").write_text(
+        f"CONTROLPLANE_URL={server.url}\nCONTROLPLANE_NODE_TOKEN=cpn_t\n"
+    )
+    held = _listener()
+    port = held.getsockname()[1]
+    stop = threading.Event()
+    try:
+        from workers.agent.agent import Agent
+        from workers.agent.config import load
+
+        agent = Agent(load(tmp_path, environ={"AGENT_JOB_USERS": "off"}))
+        sender = threading.Thread(target=agent.outbox.run, args=(stop,), daemon=True)
+        sender.start()
+        agent._start({"id": 41, "job": 5, "argv": [PY, "-c", "pass"], "rendezvous_port": port})
+        assert agent.outbox.flush(timeout_s=10)
+    finally:
+        stop.set()
+        held.close()
+        server.close()
+    assert agent.runs == {}
+    assert [(path, body) for path, body, _ in received] == [
+        (
+            "/api/v1/agent/runs/41/status",
+            {
+                "state": "refused",
+                "reason": f"rendezvous port {port} is busy on this node",
+                "node_fault": "rendezvous_port_busy",
+            },
+        )
+    ]
