@@ -11,7 +11,14 @@ from apps.jobs.models.jobs import (
     PriorityClass,
 )
 from apps.jobs.models.reservations import Reservation
-from apps.jobs.models.runs import OPEN_RUN_STATES, LogLine, Run, RunState, StepMetric
+from apps.jobs.models.runs import (
+    OPEN_RUN_STATES,
+    LogLine,
+    RankEnvironment,
+    Run,
+    RunState,
+    StepMetric,
+)
 from apps.jobs.models.usage import TeamUsage
 from apps.jobs.models.webhooks import Webhook, WebhookDelivery
 
@@ -26,6 +33,7 @@ __all__ = [
     "LogLine",
     "Placement",
     "PriorityClass",
+    "RankEnvironment",
     "Reservation",
     "Run",
     "RunState",
