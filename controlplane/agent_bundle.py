@@ -24,7 +24,6 @@ from workers.providers.bundle import (
     AGENT_LOG_FILE,
     AGENT_PACKAGE,
     AGENT_PID_FILE,
-    NCCL_ENV_FILE,
     TRAINER_PACKAGE,
     Bundle,
     bundle_files,
@@ -32,7 +31,7 @@ from workers.providers.bundle import (
 
 PACKAGES = (AGENT_PACKAGE, TRAINER_PACKAGE)
 # What a node writes beside the packages; never shipped (agent.env holds a node token).
-NEVER_SHIPPED = frozenset({AGENT_ENV_FILE, NCCL_ENV_FILE, AGENT_PID_FILE, AGENT_LOG_FILE})
+NEVER_SHIPPED = frozenset({AGENT_ENV_FILE, AGENT_PID_FILE, AGENT_LOG_FILE})
 CHUNK_BYTES = 64 * 1024
 
 

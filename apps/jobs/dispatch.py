@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import logging
 import math
+import re
 import secrets
 
 from django.conf import settings
@@ -32,11 +33,13 @@ from apps.jobs.models import (
     JobState,
     LogLine,
     NodeFault,
+    RankEnvironment,
     Run,
     RunState,
     StepMetric,
 )
 from apps.jobs.models.jobs import FINISHED_STATES, STARTED_STATES
+from apps.jobs.specs import NCCL_ENV_PREFIXES
 from apps.tuning.services import nccl_environments_render
 from controlplane.errors import ApplicationError
 
@@ -532,9 +535,14 @@ def run_logs_append(*, node_id: int, run_id: int, lines: list, dropped: int = 0)
         LogLine.objects.bulk_create(rows, ignore_conflicts=True)
     except IntegrityError:  # pragma: no cover (ignore_conflicts covers duplicates)
         log.warning("log lines of run %s not stored", run_id, exc_info=True)
-    metrics = [m for m in (_step_metric(run, r) for r in rows if r.stream == "stdout") if m]
+    printed = [r for r in rows if r.stream == "stdout"]
+    metrics = [m for m in (_step_metric(run, r) for r in printed) if m]
     if metrics:
         StepMetric.objects.bulk_create(metrics, ignore_conflicts=True)
+    environments = [e for e in (_rank_environment(run, r) for r in printed) if e]
+    if environments:
+        # The first report of a rank counts: a second one (a forged or repeated line) is dropped.
+        RankEnvironment.objects.bulk_create(environments, ignore_conflicts=True)
     return len(rows)
 
 
@@ -572,6 +580,62 @@ def _step_metric(run: Run, line: LogLine) -> StepMetric | None:
         step=step,
         at=line.at,
         **{name: number(name) for name in STEP_FIELDS},
+    )
+
+
+MAX_RANK_VARIABLES = 256
+_VARIABLE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,127}\Z")
+
+
+def _storable(value) -> bool:
+    """A string PostgreSQL's JSON keeps: no NUL, no lone surrogate (both parse from escapes)."""
+    if not isinstance(value, str) or "\x00" in value:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _rank_environment(run: Run, line: LogLine) -> RankEnvironment | None:
+    """A rank's `{"event":"env","rank":3,"local_rank":1,"node_rank":1,"env":{...}}`: kept only
+    when the rank, local rank and node rank fit the job's world and `env` is a mapping of
+    names to strings; of it, only NCCL, PyTorch-NCCL and EFA variables."""
+    data = trainer_event(line.text)
+    if data is None or data["event"] != "env":
+        return None
+    job = run.job
+    rank, local_rank, node_rank = (
+        _int_or_none(data.get(key)) for key in ("rank", "local_rank", "node_rank")
+    )
+    env = data.get("env")
+    if not (
+        rank is not None
+        and 0 <= rank < job.nodes * job.gpus_per_node
+        and local_rank is not None
+        and 0 <= local_rank < job.gpus_per_node
+        and node_rank is not None
+        and 0 <= node_rank < job.nodes
+        and isinstance(env, dict)
+        and len(env) <= MAX_RANK_VARIABLES
+        and all(_storable(value) for value in env.values())
+    ):
+        return None
+    kept = {
+        name: value
+        for name, value in sorted(env.items())
+        if _VARIABLE_NAME.match(name) and name.startswith(NCCL_ENV_PREFIXES)
+    }
+    return RankEnvironment(
+        job_id=run.job_id,
+        run=run,
+        attempt=run.attempt,
+        rank=rank,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        env=kept,
+        reported_at=line.at,
     )
 
 

@@ -1,9 +1,10 @@
 """Reads of jobs and the queue, scoped to what the user may see."""
 
+import datetime as dt
 from dataclasses import dataclass
 
 from django.core.paginator import Page, Paginator
-from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models import Count, F, Q, QuerySet, Subquery, Sum
 
 from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
@@ -16,6 +17,7 @@ from apps.jobs.models import (
     Job,
     JobState,
     LogLine,
+    RankEnvironment,
     Reservation,
     Run,
     StepMetric,
@@ -370,6 +372,127 @@ def job_nccl_environments(*, job: Job) -> list[RenderedEnvironment]:
     that could hold it (the profile, then the job's overrides, linted for those nodes)."""
     pool_ids = [job.pool_id] if job.pool_id else _pools_that_could_hold(job)
     return nccl_environments_render(nccl=job.spec.get("nccl"), nodes=job.nodes, pool_ids=pool_ids)
+
+
+@dataclass(frozen=True)
+class NcclDifference:
+    name: str
+    rendered: str | None  # None: the plan did not set it
+    got: str | None  # None: the rank did not have it
+
+    def __str__(self) -> str:
+        if self.rendered is None:
+            return f"{self.name}: not rendered, the rank had {self.got}"
+        if self.got is None:
+            return f"{self.name}: rendered {self.rendered}, the rank did not have it"
+        return f"{self.name}: rendered {self.rendered}, the rank had {self.got}"
+
+
+def nccl_differences(*, rendered: dict[str, str], got: dict[str, str]) -> list[NcclDifference]:
+    """Each variable where what a rank started with is not what its plan rendered."""
+    return [
+        NcclDifference(name, rendered.get(name), got.get(name))
+        for name in sorted(rendered.keys() | got.keys())
+        if rendered.get(name) != got.get(name)
+    ]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank says it started with, against what its node's plan rendered."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    node: str  # the node whose run relayed the report
+    reported_at: dt.datetime
+    env: dict[str, str]
+    differences: list[NcclDifference]
+
+    @property
+    def matches(self) -> bool:
+        return not self.differences
+
+    def as_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "node_rank": self.node_rank,
+            "node": self.node,
+            "reported_at": self.reported_at,
+            "matches": self.matches,
+            "differences": [
+                {"name": d.name, "rendered": d.rendered, "got": d.got} for d in self.differences
+            ],
+            "env": self.env,
+        }
+
+
+@dataclass(frozen=True)
+class RankEnvironments:
+    """The newest attempt's ranks: the environment each reported, and whether it is the one
+    rendered at dispatch (the profile, then the job's overrides)."""
+
+    attempt: int
+    world_size: int
+    rendered: dict[str, str]
+    ranks: list[RankReport]
+
+    @property
+    def differing(self) -> list[RankReport]:
+        return [r for r in self.ranks if not r.matches]
+
+    @property
+    def all_match(self) -> bool:
+        return len(self.ranks) == self.world_size and not self.differing
+
+    def as_dict(self) -> dict:
+        return {
+            "attempt": self.attempt,
+            "world_size": self.world_size,
+            "reported": len(self.ranks),
+            "all_match": self.all_match,
+            "rendered": self.rendered,
+            "ranks": [r.as_dict() for r in self.ranks],
+        }
+
+
+def _nccl_part(env: dict) -> dict[str, str]:
+    return {k: v for k, v in sorted(env.items()) if k.startswith(specs.NCCL_ENV_PREFIXES)}
+
+
+def job_rank_environments(*, job: Job) -> RankEnvironments | None:
+    """Per rank of the newest attempt, the NCCL environment it reported starting with,
+    compared with its run's plan; None before the job has run (two queries)."""
+    newest = Run.objects.filter(job=job).order_by("-attempt").values("attempt")[:1]
+    runs = {
+        run.pk: run
+        for run in Run.objects.filter(job=job, attempt=Subquery(newest))
+        .select_related("node")
+        .order_by("node_rank")
+    }
+    if not runs:
+        return None
+    first = next(iter(runs.values()))
+    rendered = {pk: _nccl_part(run.plan.get("env") or {}) for pk, run in runs.items()}
+    reports = [
+        RankReport(
+            rank=row.rank,
+            local_rank=row.local_rank,
+            node_rank=row.node_rank,
+            node=runs[row.run_id].node.name,
+            reported_at=row.reported_at,
+            env=row.env,
+            differences=nccl_differences(rendered=rendered[row.run_id], got=row.env),
+        )
+        for row in RankEnvironment.objects.filter(job=job, attempt=first.attempt).order_by("rank")
+    ]
+    return RankEnvironments(
+        attempt=first.attempt,
+        world_size=job.nodes * job.gpus_per_node,
+        rendered=rendered[first.pk],
+        ranks=reports,
+    )
 
 
 def _pools_that_could_hold(job: Job) -> list[int]:

@@ -287,6 +287,7 @@ def detail(request, job_id: int):
                 user=request.user, team_id=job.team_id, submitted_by_id=job.submitted_by_id
             ),
             "nccl_environments": selectors.job_nccl_environments(job=job),
+            "rank_environments": selectors.job_rank_environments(job=job),
             "cost": selectors.job_cost(job=job),
             "runs": selectors.job_runs(job=job),
             **_training_context(job),

@@ -93,6 +93,29 @@ def test_a_checkpoint_on_shared_storage_matches_the_schema(
     assert conforms(schema, "/api/v1/checkpoint-copies/{id}/", answer)["node"] is None
 
 
+@pytest.mark.django_db
+def test_a_jobs_rank_environments_match_the_schema(
+    schema, fleet_pool, quota, team, researcher, api_for
+):
+    from tests.apps.jobs.test_rank_environments import RENDERED, dispatched_job, env_line, relay
+
+    job = dispatched_job(team, researcher, nodes=1)
+    api = api_for(researcher, scopes=("read",))
+    reported_none = conforms(schema, "/api/v1/jobs/{id}/", api.get(f"/api/v1/jobs/{job.pk}/"))
+    assert reported_none["rank_environments"]["ranks"] == []
+    run = job.runs.get()
+    odd = {k: v for k, v in RENDERED.items() if k != "NCCL_DEBUG"} | {
+        "NCCL_ALGO": "Ring",
+        "NCCL_X": "",
+    }
+    relay(run, [env_line(0, odd), env_line(1, RENDERED)])
+    detail = conforms(schema, "/api/v1/jobs/{id}/", api.get(f"/api/v1/jobs/{job.pk}/"))
+    ranks = detail["rank_environments"]["ranks"]
+    assert [r["matches"] for r in ranks] == [False, True]
+    assert {None} <= {d["rendered"] for d in ranks[0]["differences"]}
+    assert {None} <= {d["got"] for d in ranks[0]["differences"]}
+
+
 # --- an instance type's source: an http(s) URL, as the schema's `format: uri` says --------
 
 INSTANCE_TYPE = {

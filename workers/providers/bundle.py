@@ -3,13 +3,13 @@
 A node directory holds
 
     workers/__init__.py, workers/agent/..., workers/trainer/...   the packages
-    nccl.env     the node's NCCL environment (KEY=value lines, from its NCCL profile)
     agent.env    the agent's settings (KEY=value lines, mode 600: it holds the node token)
     agent.pid    the agent's process id
     agent.log    the agent's output
 
 and the agent runs with that directory as its working directory, so
-`python3 -m workers.agent` finds its package without any install step.
+`python3 -m workers.agent` finds its package without any install step. No NCCL settings
+are left on a node: each run plan carries the environment rendered when it was dispatched.
 """
 
 import re
@@ -24,7 +24,6 @@ AGENT_PACKAGE = WORKERS_DIR / "agent"
 TRAINER_PACKAGE = WORKERS_DIR / "trainer"
 
 NODE_DIR_PREFIX = "node-"
-NCCL_ENV_FILE = "nccl.env"
 AGENT_ENV_FILE = "agent.env"
 AGENT_PID_FILE = "agent.pid"
 AGENT_LOG_FILE = "agent.log"
@@ -43,11 +42,10 @@ class Bundle:
 
     `agent_argv` runs in the node directory (a list, never a shell string);
     `agent_env` is written to agent.env for the agent to read (control-plane
-    URL, node token); `nccl_env` is the text of nccl.env.
+    URL, node token).
     """
 
     agent_argv: tuple[str, ...]
-    nccl_env: str = ""
     agent_env: Mapping[str, str] = field(default_factory=dict, repr=False)
     packages: tuple[Path, ...] = (AGENT_PACKAGE, TRAINER_PACKAGE)
 

@@ -22,7 +22,6 @@ from workers.providers.bundle import (
     AGENT_ENV_FILE,
     AGENT_LOG_FILE,
     AGENT_PID_FILE,
-    NCCL_ENV_FILE,
     NODE_DIR_PREFIX,
     NODE_UUID_VARIABLE,
     Bundle,
@@ -100,7 +99,6 @@ class LocalProvider:
                 data = source if isinstance(source, bytes) else Path(source).read_bytes()
                 _write_atomically(node_dir / relative, data, 0o644)
                 report(progress, "copy", 10 + 60 * done // len(files), relative)
-            _write_atomically(node_dir / NCCL_ENV_FILE, bundle.nccl_env.encode(), 0o644)
             agent_env = {**bundle.agent_env, **self._own_variables(spec)}
             _write_atomically(node_dir / AGENT_ENV_FILE, env_file_text(agent_env).encode(), 0o600)
 

@@ -32,7 +32,6 @@ from workers.providers.bundle import (
     AGENT_ENV_FILE,
     AGENT_LOG_FILE,
     AGENT_PID_FILE,
-    NCCL_ENV_FILE,
     NODE_DIR_PREFIX,
     NODE_UUID_VARIABLE,
     Bundle,
@@ -341,7 +340,6 @@ class SshProvider:
         node_dir = self.node_dir(spec)
         report(progress, "connect", 5, f"Connecting to {spec.address}.")
         files = [(relative, _contents(source)) for relative, source in bundle_files(bundle)]
-        files.append((NCCL_ENV_FILE, bundle.nccl_env.encode()))
         agent_env = {**bundle.agent_env, NODE_UUID_VARIABLE: spec.uuid}
         files.append((AGENT_ENV_FILE, env_file_text(agent_env).encode()))
 

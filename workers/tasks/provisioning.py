@@ -60,7 +60,7 @@ def provider_for(node):
     raise errors.ConfigurationError(f"provider {node.provider!r} is provisioned elsewhere")
 
 
-def agent_bundle(node, *, token: str, nccl_env: str) -> Bundle:
+def agent_bundle(node, *, token: str) -> Bundle:
     agent_env = {
         "CONTROLPLANE_URL": settings.CONTROLPLANE_URL,
         "CONTROLPLANE_NODE_TOKEN": token,
@@ -75,18 +75,14 @@ def agent_bundle(node, *, token: str, nccl_env: str) -> Bundle:
     if settings.AGENT_IMDS_URL:  # owned nodes have no instance metadata; tests stand one in
         agent_env["AGENT_IMDS_URL"] = settings.AGENT_IMDS_URL
         agent_env["AGENT_SPOT_POLL_S"] = str(settings.AGENT_SPOT_POLL_S)
-    return Bundle(agent_argv=argv, nccl_env=nccl_env, agent_env=agent_env)
+    return Bundle(agent_argv=argv, agent_env=agent_env)
 
 
 def _bootstrap(node, provider, spec, progress=None) -> None:
     from apps.fleet import agents
-    from apps.tuning.services import nccl_environments_render
 
     token = agents.node_agent_token_issue(node=node)
-    # The node's default NCCL environment: its pool's profile for multi-node jobs.
-    rendered = nccl_environments_render(nccl=None, nodes=2, pool_ids=[node.pool_id])
-    nccl_env = rendered[0].file_text if rendered else ""
-    bundle = agent_bundle(node, token=token, nccl_env=nccl_env)
+    bundle = agent_bundle(node, token=token)
     provider.bootstrap(spec, bundle, restart_agent=True, progress=progress)
 
 

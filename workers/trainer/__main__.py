@@ -37,14 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.trainer", description=__doc__)
     parser.add_argument("--config", required=True, help="run.json (see workers/trainer/config.py)")
     args = parser.parse_args(argv)
+    # Taken before anything here changes the environment (the flight recorder's renames).
+    started_with = dict(os.environ)
 
     from workers.trainer.stopping import write_status
 
     rank = int(os.environ.get("RANK", "0"))
     progress = None
     try:
-        from workers.trainer import config, train
+        from workers.trainer import config, metrics, train
 
+        metrics.emit(metrics.environment_event(started_with))
         progress = train.Progress()
         outcome = train.run(config.load(args.config), progress)
     except BaseException as error:  # every failure must leave a reason behind

@@ -9,7 +9,13 @@ the lines that parse as JSON objects with an "event" key:
      "world_size", "layout", "loss", "time", "files"}
 
 and, less often, "start", "resume", "checkpoint_rejected", "checkpoint_copy",
-"checkpoint_copy_failed" and "end" (see train.py and checkpoint.py).
+"checkpoint_copy_failed" and "end" (see train.py and checkpoint.py). One event
+comes from every rank, not only rank 0, as the process starts:
+
+    {"event": "env", "rank", "local_rank", "node_rank", "world_size", "env"}
+
+with "env" every NCCL, PyTorch-NCCL and EFA variable the process started with,
+so that the control plane can compare what each rank got with what it rendered.
 tokens_per_s counts the whole job's tokens; mfu is per GPU, with training
 FLOPs per token = 6N + 12·L·d·S against the GPU's dense bf16 peak (null on
 CPUs and on GPUs not in the table); peak_mem_gib is the most memory the
@@ -22,6 +28,7 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -43,6 +50,32 @@ def emit(event: dict) -> None:
     with _lock:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
+
+
+# The names an NCCL profile or a job's overrides may set (the control plane's catalogue
+# covers the same prefixes; this package cannot import it).
+NCCL_PREFIXES = ("NCCL_", "TORCH_NCCL_", "FI_", "OFI_NCCL_", "RDMAV_")
+
+
+def environment_event(env: Mapping[str, str]) -> dict:
+    """The "env" event for a process that started with `env` (torchrun's variables name the
+    rank; without torchrun the trainer is a world of one)."""
+
+    def number(*names: str) -> int:
+        for name in names:
+            value = env.get(name, "")
+            if value.isdigit():
+                return int(value)
+        return 0
+
+    return {
+        "event": "env",
+        "rank": number("RANK"),
+        "local_rank": number("LOCAL_RANK"),
+        "node_rank": number("GROUP_RANK", "CONTROLPLANE_NODE_RANK"),
+        "world_size": number("WORLD_SIZE") or 1,
+        "env": {name: env[name] for name in sorted(env) if name.startswith(NCCL_PREFIXES)},
+    }
 
 
 def peak_flops(device: torch.device) -> float | None:

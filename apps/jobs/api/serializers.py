@@ -20,6 +20,7 @@ from apps.jobs.models.jobs import ACTIVE_STATES, ANY_GPU
 from apps.jobs.selectors import (
     job_cost,
     job_nccl_environments,
+    job_rank_environments,
     jobs_visible_to,
     webhook_url_seen_by,
 )
@@ -327,6 +328,40 @@ class NcclEnvironmentSerializer(StrictSerializer):
     variables = NcclVariableSerializer(many=True)
 
 
+class NcclDifferenceSerializer(StrictSerializer):
+    name = serializers.CharField()
+    rendered = serializers.CharField(allow_null=True, help_text="Null: the plan did not set it.")
+    got = serializers.CharField(allow_null=True, help_text="Null: the rank did not have it.")
+
+
+class RankEnvironmentSerializer(StrictSerializer):
+    rank = serializers.IntegerField()
+    local_rank = serializers.IntegerField()
+    node_rank = serializers.IntegerField(help_text="As the rendezvous numbered the node.")
+    node = serializers.CharField(help_text="The node whose run relayed the report.")
+    reported_at = serializers.DateTimeField()
+    matches = serializers.BooleanField(help_text="Exactly the environment its plan rendered.")
+    differences = NcclDifferenceSerializer(many=True)
+    env = serializers.DictField(
+        child=serializers.CharField(allow_blank=True),
+        help_text="The NCCL, PyTorch-NCCL and EFA variables the rank started with.",
+    )
+
+
+class RankEnvironmentsSerializer(StrictSerializer):
+    attempt = serializers.IntegerField()
+    world_size = serializers.IntegerField()
+    reported = serializers.IntegerField(help_text="How many ranks have reported.")
+    all_match = serializers.BooleanField(
+        help_text="Every rank reported, each exactly the rendered environment."
+    )
+    rendered = serializers.DictField(
+        child=serializers.CharField(allow_blank=True),
+        help_text="What dispatch rendered: the profile, then the job's overrides.",
+    )
+    ranks = RankEnvironmentSerializer(many=True)
+
+
 class JobCostSerializer(serializers.Serializer):
     so_far = serializers.CharField(help_text="As metered; a decimal string in `currency`.")
     metered_until = serializers.DateTimeField(allow_null=True)
@@ -347,6 +382,11 @@ class JobDetailSerializer(JobSerializer):
     nccl_environments = serializers.SerializerMethodField(
         help_text="The NCCL environment the job gets on each pool it runs in (or may run in)."
     )
+    rank_environments = serializers.SerializerMethodField(
+        help_text="The newest attempt's ranks: the NCCL environment each started with, as it "
+        "reported it, and how it differs from the one rendered at dispatch; null before the "
+        "job has run."
+    )
     cost = serializers.SerializerMethodField(help_text="Cost so far and projected.")
     checkpoints = serializers.SerializerMethodField(
         help_text="Its checkpoints: the newest, the newest verified, storage used, and whether "
@@ -355,12 +395,24 @@ class JobDetailSerializer(JobSerializer):
     )
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "events", "nccl_environments", "cost", "checkpoints"]
+        fields = [
+            *JobSerializer.Meta.fields,
+            "events",
+            "nccl_environments",
+            "rank_environments",
+            "cost",
+            "checkpoints",
+        ]
         read_only_fields = fields
 
     @extend_schema_field(NcclEnvironmentSerializer(many=True))
     def get_nccl_environments(self, job) -> list[dict]:
         return [env.as_dict() for env in job_nccl_environments(job=job)]
+
+    @extend_schema_field(RankEnvironmentsSerializer(allow_null=True))
+    def get_rank_environments(self, job) -> dict | None:
+        environments = job_rank_environments(job=job)
+        return environments.as_dict() if environments else None
 
     @extend_schema_field(JobCostSerializer)
     def get_cost(self, job) -> dict:

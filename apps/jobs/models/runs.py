@@ -1,4 +1,5 @@
-"""What runs on each node for a job (one Run per node per attempt), and its output lines."""
+"""What runs on each node for a job (one Run per node per attempt), its output lines, the
+figures and the NCCL environment its processes report."""
 
 import shlex
 
@@ -160,3 +161,38 @@ class StepMetric(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.job_id} attempt {self.attempt} step {self.step}"
+
+
+class RankEnvironment(models.Model):
+    """The NCCL, PyTorch-NCCL and EFA variables one rank of an attempt says it started with
+    (the trainer's "env" event), kept to compare with what the run's plan rendered.
+
+    One per rank and attempt: the first report counts. Job output is data: the rank is
+    checked against the job's world and only those variables are kept.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="rank_environments")
+    run = models.ForeignKey(
+        Run,
+        on_delete=models.CASCADE,
+        related_name="rank_environments",
+        help_text="The run (node) whose output carried the report.",
+    )
+    attempt = models.PositiveSmallIntegerField()
+    rank = models.PositiveIntegerField()
+    local_rank = models.PositiveIntegerField()
+    node_rank = models.PositiveIntegerField()
+    env = models.JSONField(help_text="Variable name → value, as the process started with them.")
+    reported_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["job", "attempt", "rank"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["job", "attempt", "rank"], name="one_environment_per_job_attempt_rank"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} attempt {self.attempt} rank {self.rank}"

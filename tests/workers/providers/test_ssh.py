@@ -278,7 +278,6 @@ def test_bootstrap_puts_the_files_in_place_and_starts_the_agent_once(
     spec = spec_for(ssh_server)
     bundle = Bundle(
         agent_argv=STAND_IN_AGENT,
-        nccl_env="NCCL_IB_HCA=mlx5\nNCCL_SOCKET_IFNAME=eth0\n",
         agent_env={"CONTROLPLANE_URL": "http://127.0.0.1:8000", "CONTROLPLANE_NODE_TOKEN": "cpn_x"},
     )
     steps = []
@@ -291,7 +290,7 @@ def test_bootstrap_puts_the_files_in_place_and_starts_the_agent_once(
             copied = node_dir / "workers" / package.name / source.name
             assert copied.read_bytes() == source.read_bytes()
     assert (node_dir / "workers" / "__init__.py").is_file()
-    assert (node_dir / "nccl.env").read_text() == bundle.nccl_env
+    assert not (node_dir / "nccl.env").exists()  # run plans carry the NCCL settings
     agent_env = node_dir / "agent.env"
     assert stat.S_IMODE(agent_env.stat().st_mode) == 0o600
     assert "CONTROLPLANE_NODE_TOKEN=cpn_x\n" in agent_env.read_text()

@@ -243,6 +243,52 @@ def test_errors_are_classified_as_the_job_s_or_the_infrastructure_s():
     assert classify(torch.distributed.DistNetworkError("Connection reset")) == "collective_timeout"
 
 
+def test_the_env_event_names_the_rank_and_keeps_only_nccl_torch_nccl_and_efa_variables():
+    from workers.trainer.metrics import environment_event
+
+    started_with = {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "GROUP_RANK": "2",
+        "CONTROLPLANE_NODE_RANK": "0",  # the rendezvous's node rank wins over the plan's
+        "WORLD_SIZE": "8",
+        "NCCL_DEBUG": "WARN",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "FI_EFA_FORK_SAFE": "1",
+        "OFI_NCCL_PROTOCOL": "RDMA",
+        "RDMAV_FORK_SAFE": "1",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "HOME": "/root",
+        "MY_NCCL_DEBUG": "x",
+    }
+    event = environment_event(started_with)
+    assert event == {
+        "event": "env",
+        "rank": 5,
+        "local_rank": 1,
+        "node_rank": 2,
+        "world_size": 8,
+        "env": {
+            "FI_EFA_FORK_SAFE": "1",
+            "NCCL_DEBUG": "WARN",
+            "OFI_NCCL_PROTOCOL": "RDMA",
+            "RDMAV_FORK_SAFE": "1",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        },
+    }
+    # The control plane looks for the event key first on the line.
+    assert json.dumps(event).startswith('{"event": "env"')
+    alone = environment_event({"CONTROLPLANE_NODE_RANK": "3"})  # without torchrun
+    assert (alone["rank"], alone["node_rank"], alone["world_size"], alone["env"]) == (0, 3, 1, {})
+
+
+def test_the_trainer_reports_the_same_nccl_prefixes_the_control_plane_keeps():
+    from apps.jobs.specs import NCCL_ENV_PREFIXES
+    from workers.trainer.metrics import NCCL_PREFIXES
+
+    assert set(NCCL_PREFIXES) == set(NCCL_ENV_PREFIXES)
+
+
 def test_mfu_uses_the_dense_bf16_peak():
     from workers.trainer.metrics import StepMeter
 

@@ -32,6 +32,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from workers.trainer import metrics  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 6
 LOSS_TOLERANCE = 1e-3
@@ -191,6 +193,18 @@ def test_flight_recorder_settings_under_their_old_names_reach_torch_without_warn
     config = run_config(dataset, layout={"dp_shard": 2}, steps=2)
     run = train(config, scratch / "flight-recorder", nproc=2, env=old_names)
     assert "is deprecated" not in run.output
+    # Every rank reports the names it started with, before the trainer passed them on.
+    inherited = {k: v for k, v in os.environ.items() if k.startswith(metrics.NCCL_PREFIXES)}
+    # torchrun sets this one itself when it is not given.
+    handling = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    }
+    reports = sorted(run.of("env"), key=lambda e: e["rank"])
+    assert [(e["rank"], e["local_rank"], e["node_rank"], e["world_size"]) for e in reports] == [
+        (0, 0, 0, 2),
+        (1, 1, 0, 2),
+    ]
+    assert all(e["env"] == {**inherited, **handling, **old_names} for e in reports)
 
 
 def test_every_step_report_counts_its_own_tokens_and_time(reference):
