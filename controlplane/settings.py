@@ -200,6 +200,10 @@ SSH_KEY_FILE = env_str("SSH_KEY_FILE")
 # Node directories on owned hosts: outside any home directory, so the unprivileged users
 # the agent runs jobs as can reach their run directories (workers/agent/isolation.py).
 SSH_NODE_ROOT = env_str("SSH_NODE_ROOT", "/var/lib/controlplane")
+# The Python the agent runs on owned hosts, and so the `python3` of every run it starts (the
+# trainer's torchrun): the first on the login PATH, or a path such as /opt/venv/bin/python3
+# where torch lives in a virtual environment.
+SSH_NODE_PYTHON = env_str("SSH_NODE_PYTHON", "python3")
 AWS_REGION = env_str("AWS_REGION", "us-east-1")
 AWS_ENDPOINT_URL = env_str("AWS_ENDPOINT_URL")
 

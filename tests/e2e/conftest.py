@@ -4,16 +4,23 @@ processes, the scheduler's pass and the dispatch service called as their tasks w
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from apps.accounts import services as accounts
 from apps.fleet.models import Node
+from apps.jobs.dispatch import job_dispatch
+from apps.jobs.models import Job, JobEvent, Run, StepMetric
+from apps.jobs.scheduler.run import scheduling_pass
 from tests import factories
-from workers.tasks.provisioning import provision_node, terminate_node
+from workers.tasks.provisioning import provider_for, provision_node, terminate_node
+
+ENDED = ("succeeded", "failed", "cancelled")
 
 
 @pytest.fixture
@@ -92,16 +99,22 @@ def e2e_team(db):
 
 @pytest.fixture
 def ssh_nodes(agents_reach, ssh_server, client_key, settings, open_dir):
-    """`ssh_nodes(pool, count, gpus)`: owned nodes reached over a real sshd on 127.0.0.1 (its
+    """`ssh_nodes(pool, count)`: owned nodes reached over a real sshd on 127.0.0.1 (its
     host key pinned, as ops would have accepted it), brought up to READY by their agents,
-    which run as the sshd's user (root in CI) with a stand-in nvidia-smi."""
+    which run as the sshd's user (root in CI) with a stand-in nvidia-smi of 4 GPUs."""
     from tests.workers.providers.servers import public_key
     from tests.workers.providers.test_ssh_provisioning import FAKE_NVIDIA_SMI
+    from workers.providers.bundle import NODE_UUID_VARIABLE
 
     settings.SSH_KEY_FILE = str(client_key)
     settings.SSH_NODE_ROOT = str(open_dir / "ssh-nodes")
+    # The nodes' Python with torch in it, as a GPU host's image would have one.
+    settings.SSH_NODE_PYTHON = sys.executable
     fake = ssh_server.fakebin / "nvidia-smi"
-    fake.write_text(FAKE_NVIDIA_SMI)
+    # GPU UUIDs are unique across the fleet: each node's agent (which has its node's UUID in
+    # its environment) reports GPUs of its own, as two machines behind the one sshd would.
+    per_node = "-${" + NODE_UUID_VARIABLE + ":-e2e},"
+    fake.write_text(FAKE_NVIDIA_SMI.replace("-e2e,", per_node))
     fake.chmod(0o755)
 
     def make(pool, count: int = 1):
@@ -123,3 +136,140 @@ def ssh_nodes(agents_reach, ssh_server, client_key, settings, open_dir):
     with _node_maker() as up:
         yield make
     fake.unlink(missing_ok=True)
+
+
+# --- trainer jobs ------------------------------------------------------------------------
+
+
+def tiny_trainer_spec(team, *, nodes: int, gpus_per_node: int, **trainer) -> dict:
+    """A `tiny` trainer job on synthetic data, in fp32 so that CPUs compute it exactly alike
+    on every layout; `trainer` overrides its fields (steps, global_batch, seq_len...)."""
+    return {
+        "name": f"tiny-{nodes}x{gpus_per_node}",
+        "team": team.pk,
+        "time_limit_s": 900,
+        "trainer": {
+            "preset": "tiny",
+            "dataset": "synthetic",
+            "steps": 10,
+            "global_batch": 8,
+            "seq_len": 32,
+            "precision": "fp32",
+            "checkpoint_every_steps": 5,
+            "seed": 7,
+            **trainer,
+        },
+        "resources": {"gpu_type": "H100", "nodes": nodes, "gpus_per_node": gpus_per_node},
+        "placement": {"where": "owned"},
+    }
+
+
+@dataclass
+class Finished:
+    """A job run to its end, with what a test or the closing note reads of it."""
+
+    job: Job
+    wall_s: float  # submitted → finished, as the job's own timestamps say
+    runs: list[Run]
+
+    def losses(self) -> dict[int, float]:
+        """Step → loss as the trainer reported it (rank 0's line, the world's mean)."""
+        return dict(
+            StepMetric.objects.filter(job=self.job, attempt=1)
+            .order_by("step")
+            .values_list("step", "loss")
+        )
+
+
+def trainer_job_run(api, spec: dict, *, while_running=None, timeout_s: float = 300) -> Finished:
+    """Submit through the API, schedule, dispatch, and wait for the job to finish.
+
+    `while_running(job)`, if given, is called once the job is RUNNING (every node's torchrun
+    has started) and may watch its processes; what it returns is ignored."""
+    answer = api.post("/api/v1/jobs/", spec, format="json")
+    assert answer.status_code == 201, answer.content
+    job = Job.objects.get(pk=answer.json()["id"])
+    scheduling_pass()
+    job.refresh_from_db()
+    assert job.state == "admitted", job.pending_reason
+    job_dispatch(job_id=job.pk)
+    try:
+        if while_running is not None:
+            wait_for(
+                f"job {job.pk} to run",
+                lambda: Job.objects.get(pk=job.pk).state in ("running", *ENDED),
+                timeout_s=timeout_s,
+            )
+            while_running(job)
+        job = wait_for(
+            f"job {job.pk} to finish",
+            lambda: (j := Job.objects.get(pk=job.pk)).state in ENDED and j,
+            timeout_s=timeout_s,
+            every_s=0.5,
+        )
+    except AssertionError as error:
+        # Where it stood, so that a slow machine's timeout says what was slow.
+        job.refresh_from_db()
+        runs = list(Run.objects.filter(job=job).values("node_id", "state", "pid", "reason"))
+        events = list(JobEvent.objects.filter(job=job).values_list("to_state", "reason"))
+        time.sleep(3)  # the agents relay output apart from the exit, a moment later
+        output = list(job.log_lines.order_by("-at", "-seq").values_list("text", flat=True)[:20])
+        raise AssertionError(
+            f"{error}: job {job.pk} {job.state} {events} {runs}; its last output, newest "
+            f"first: {output}"
+        ) from None
+    runs = list(Run.objects.filter(job=job).order_by("attempt", "node_rank"))
+    return Finished(job, (job.finished_at - job.submitted_at).total_seconds(), runs)
+
+
+def log_texts(api, job: Job) -> list[str]:
+    answer = api.get(f"/api/v1/jobs/{job.pk}/logs/")
+    assert answer.status_code == 200, answer.content
+    return [line["text"] for line in answer.json()["lines"]]
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One torchrun worker process, as /proc shows it: who it is in the job's world."""
+
+    pid: int
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def workers_of(torchrun_pid: int) -> list[Worker]:
+    """The worker processes a run's torchrun has started (its children that carry a RANK),
+    read from /proc: on local and SSH nodes alike they are processes of this machine."""
+    workers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != torchrun_pid:
+                continue
+            env = dict(
+                item.split(b"=", 1)
+                for item in (entry / "environ").read_bytes().split(b"\0")
+                if b"=" in item
+            )
+        except (OSError, ValueError):
+            continue  # gone, or not ours to read
+        if b"RANK" in env:
+            workers.append(
+                Worker(
+                    int(entry.name),
+                    int(env[b"RANK"]),
+                    int(env[b"LOCAL_RANK"]),
+                    int(env[b"WORLD_SIZE"]),
+                )
+            )
+    return sorted(workers, key=lambda w: w.rank)
+
+
+def run_directory(run: Run) -> Path:
+    """The run's directory on its node (run.json, status.json, tmp/), as the agent made it:
+    local and SSH nodes are both directories of this machine here."""
+    provider, spec = provider_for(run.node)
+    return Path(provider.node_dir(spec)) / "runs" / f"run-{run.pk}"

@@ -67,6 +67,8 @@ def agent_bundle(node, *, token: str) -> Bundle:
         "AGENT_HEARTBEAT_S": str(settings.AGENT_HEARTBEAT_S),
     }
     argv = AGENT_ARGV
+    if node.provider == "ssh":
+        argv = (settings.SSH_NODE_PYTHON, "-m", "workers.agent")
     if node.provider == "local":
         agent_env["AGENT_SLOTS"] = str(node.gpu_count)
         # A local node is this machine: its Python is the worker's own (the venv with torch

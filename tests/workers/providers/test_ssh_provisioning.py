@@ -3,6 +3,8 @@ waits for ops, the agent is copied and started over SSH and registers with the l
 a changed host key refuses the connection and runs nothing."""
 
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,8 +12,8 @@ from apps.fleet import services as fleet
 from apps.fleet.models import Node, NodeEvent
 from tests import factories
 from tests.e2e.conftest import wait_for
-from tests.workers.providers.servers import keygen, ssh_keygen_fingerprint
-from workers.tasks.provisioning import provision_node, terminate_node
+from tests.workers.providers.servers import keygen, public_key, ssh_keygen_fingerprint
+from workers.tasks.provisioning import provider_for, provision_node, terminate_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -103,3 +105,20 @@ def test_a_changed_host_key_is_refused_before_anything_runs(
     assert node.host_key.endswith(pinned_blob)
     with pytest.raises(Exception):  # noqa: B017 (any refusal will do)
         fleet.node_transition(node=node, to="ready", reason="no", by=None)
+
+
+def test_an_owned_nodes_agent_runs_on_the_python_ops_name(owned_host, settings):
+    """Where a host's torch lives in a virtual environment, SSH_NODE_PYTHON names its Python:
+    the agent runs on it, and so does every run's `python3` (the agent puts its own
+    interpreter's directory first on its runs' PATH)."""
+    settings.SSH_NODE_PYTHON = sys.executable
+    node = _ssh_node(owned_host, host_key=public_key(owned_host.host_key))
+    try:
+        provision_node(node.pk)
+        wait_for("the agent to register", lambda: Node.objects.get(pk=node.pk).state == "ready")
+        provider, spec = provider_for(node)
+        pid = provider.describe(spec).agent_pid
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert argv[:3] == [sys.executable.encode(), b"-m", b"workers.agent"]
+    finally:
+        terminate_node(node.pk)
