@@ -169,3 +169,27 @@ def test_a_hostile_job_on_an_ssh_node_reaches_nothing_of_its_neighbour(
     assert victim.allocations.get().node_id == node.pk == attacker.allocations.get().node_id
     _assert_contained(results, attacker, victim)
     _finishes(attacker)
+
+
+def test_a_jobs_user_imports_the_bundled_trainer_from_its_node(
+    local_nodes, e2e_team, api_for, settings
+):
+    """The trainer a job runs is the one its node was given, found through the node's
+    listable import directory; the node directory itself is closed to listing, and Python
+    imports nothing from a directory it cannot list (so without the import directory a
+    job's user would find the trainer only where a development install happens to be)."""
+    pool = factories.make_owned_pool(slug="contain-import")
+    local_nodes(pool, count=1, gpus=2)
+    api = api_for(factories.make_member(team=e2e_team, role="researcher"), scopes=("submit",))
+    where = "import os, workers.trainer as t; print('TRAINER_AT', os.path.realpath(t.__file__))"
+    job = _submit(api, e2e_team, ["python3", "-c", where])
+    _start(job)
+    wait_for("the job to end", lambda: Job.objects.get(pk=job.pk).state == "succeeded")
+    line = wait_for(
+        "the job's answer",
+        lambda: LogLine.objects.filter(job=job, text__startswith="TRAINER_AT").first(),
+    )
+    path = Path(line.text.split(" ", 1)[1])
+    node_dir = path.parents[2]  # <node>/workers/trainer/__init__.py
+    assert (node_dir / "agent.env").is_file(), path
+    assert not path.is_relative_to(settings.BASE_DIR), path

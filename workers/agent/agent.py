@@ -67,6 +67,7 @@ class Agent:
             uid_base=config.job_uid_base,
             uid_count=config.job_uid_count,
         )
+        self.import_dir = isolation.import_dir(config.work_dir)
         if self.isolation.on:
             isolation.open_code(config.work_dir)
             python = isolation.blocked_by(Path(sys.executable).parent)
@@ -209,7 +210,7 @@ class Agent:
                 base_env=run_base_env(),
                 on_stdout=functools.partial(self.checkpoints.relay, run_id),
                 isolation=self.isolation,
-                code_dir=self.config.work_dir,
+                code_dir=self.import_dir,
             )
             run.start()
         except (PlanRefused, KeyError, TypeError, ValueError, OSError) as exc:

@@ -119,6 +119,26 @@ def blocked_by(path: Path) -> str:
     return ""
 
 
+IMPORT_DIR = "code"  # under the node directory: what runs find the bundled packages through
+
+
+def import_dir(code_dir: Path) -> Path:
+    """The directory runs import the bundled packages from (their PYTHONPATH): one that
+    holds nothing but a link to them. Python lists each directory on its path before it
+    imports from it, and the node directory is closed to listing (open_code), so a job's
+    user could never find `workers` there itself."""
+    path = code_dir / IMPORT_DIR
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o755)
+    link = path / "workers"
+    if not link.is_symlink():
+        if link.exists():  # something else sits where the link goes: not ours to keep
+            shutil.rmtree(link) if link.is_dir() else link.unlink()
+        link.symlink_to(Path("..") / "workers")
+    os.chmod(path, 0o755)  # noqa: S103 (lists one public link)
+    return path
+
+
 def open_code(code_dir: Path) -> None:
     """Let job users pass through the node directory and read the bundled packages
     (public code), but list nothing else in it (agent.env, agent.log stay the agent's)."""

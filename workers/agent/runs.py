@@ -265,8 +265,8 @@ class Run:
         self.status_file = self.dir / "status.json"
         self._logs = logs
         self._base_env = base_env
-        # Where the bundled packages are (the node directory): `-m workers.trainer` works
-        # from any working directory.
+        # Where runs import the bundled packages from (isolation.import_dir): `-m
+        # workers.trainer` works from any working directory.
         self._code_dir = code_dir
         self.uid: int | None = None
         if isolation is not None and isolation.on:
