@@ -89,7 +89,12 @@ def _distributed_env(job: Job, *, rank: int, head: Node, attempt: int, port: int
 
 
 def trainer_argv(job: Job, *, rank: int, head: Node, port: int) -> list[str]:
-    """torchrun for the bundled trainer (workers/trainer), one agent per node (c10d rendezvous)."""
+    """torchrun for the bundled trainer (workers/trainer), one agent per node (c10d rendezvous).
+
+    The first node hosts the rendezvous store, said outright (`is_host`) rather than left to
+    torchrun's guess from host names: a host that cannot bind its port then fails at once,
+    instead of joining whatever listens there as a client.
+    """
     return [
         "python3",
         "-m",
@@ -100,6 +105,7 @@ def trainer_argv(job: Job, *, rank: int, head: Node, port: int) -> list[str]:
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={_node_address(head)}:{port}",
         f"--rdzv-id={job.uuid}",
+        f"--rdzv-conf=is_host={int(rank == 0)}",
         "-m",
         "workers.trainer",
         "--config",

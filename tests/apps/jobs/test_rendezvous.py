@@ -96,6 +96,7 @@ def test_a_two_node_trainer_names_one_port_everywhere_and_rank_0_checks_it(
     assert BASE <= port < BASE + 1000
     for run in runs:
         assert f"--rdzv-endpoint=127.0.0.1:{port}" in run.plan["argv"]
+        assert f"--rdzv-conf=is_host={int(run.node_rank == 0)}" in run.plan["argv"]
         assert run.plan["env"]["MASTER_PORT"] == str(port)
     assert runs[0].plan["rendezvous_port"] == port
     assert runs[1].rendezvous_port is None and "rendezvous_port" not in runs[1].plan
