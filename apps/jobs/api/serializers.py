@@ -64,6 +64,12 @@ class ResourcesSerializer(SpecSerializer):
     gpu_type = serializers.ChoiceField(choices=[*GPU_TYPES, (ANY_GPU, "Any")], default=ANY_GPU)
     gpus = _count(specs.MAX_GPUS, required=False)
     nodes = _count(specs.MAX_NODES, required=False)
+    min_nodes = _count(
+        specs.MAX_NODES,
+        required=False,
+        help_text="The fewest nodes an attempt may run on (default: nodes). The whole count "
+        "is placed when it fits; fewer only when it does not, dp_shard taking up the change.",
+    )
     gpus_per_node = _count(specs.MAX_GPUS_PER_NODE, required=False)
     layout = LayoutSerializer(required=False)
 
@@ -246,6 +252,11 @@ class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
         source="submitted_by.username", read_only=True, default=None, allow_null=True
     )
     gpus = serializers.IntegerField(read_only=True)
+    min_nodes = serializers.IntegerField(
+        source="fewest_nodes",
+        read_only=True,
+        help_text="The fewest nodes an attempt may run on: nodes, unless it has a node range.",
+    )
     pool = serializers.CharField(source="pool.slug", read_only=True, default=None, allow_null=True)
     spec = serializers.SerializerMethodField()
     pending_reason = serializers.CharField(
@@ -273,6 +284,7 @@ class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
             "gpu_type",
             "gpus",
             "nodes",
+            "min_nodes",
             "gpus_per_node",
             "dp_replicate",
             "dp_shard",
