@@ -18,6 +18,7 @@ from apps.jobs.extensions import job_detail_part
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
 from apps.jobs.models.jobs import ACTIVE_STATES, ANY_GPU
 from apps.jobs.selectors import (
+    job_attempt_nodes,
     job_cost,
     job_nccl_environments,
     job_rank_environments,
@@ -400,6 +401,10 @@ class JobDetailSerializer(JobSerializer):
         "job has run."
     )
     cost = serializers.SerializerMethodField(help_text="Cost so far and projected.")
+    attempt_nodes = serializers.SerializerMethodField(
+        help_text="The nodes its newest attempt runs (or ran) on: nodes, or fewer within its "
+        "node range (min_nodes); null before its first attempt."
+    )
     checkpoints = serializers.SerializerMethodField(
         help_text="Its checkpoints: the newest, the newest verified, storage used, and whether "
         "a verified one is overdue (`watch`); null for command jobs. More under "
@@ -409,6 +414,7 @@ class JobDetailSerializer(JobSerializer):
     class Meta(JobSerializer.Meta):
         fields = [
             *JobSerializer.Meta.fields,
+            "attempt_nodes",
             "events",
             "nccl_environments",
             "rank_environments",
@@ -416,6 +422,9 @@ class JobDetailSerializer(JobSerializer):
             "checkpoints",
         ]
         read_only_fields = fields
+
+    def get_attempt_nodes(self, job) -> int | None:
+        return job_attempt_nodes(job=job)
 
     @extend_schema_field(NcclEnvironmentSerializer(many=True))
     def get_nccl_environments(self, job) -> list[dict]:
