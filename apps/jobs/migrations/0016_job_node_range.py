@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("jobs", "0012_webhook_url_is_a_uri"),
+        ("jobs", "0015_rank_environments"),
     ]
 
     operations = [

@@ -63,6 +63,10 @@ def test_a_job_that_lost_a_node_resumes_on_the_one_left_with_its_global_batch(
     node_transition(node=lost, to=NodeState.SUSPECT, reason="no heartbeat", by=None)
     node_transition(node=lost, to=NodeState.DOWN, reason="no heartbeat", by=None)
     assert jobs_on_down_nodes() == [job.pk]
+    # The kept node's agent stops its rank; its GPUs come free once the process is gone.
+    survivor = first[0]
+    report = {"state": "exited", "signal": 15, "reason": "stopped"}
+    run_report(node_id=survivor.node_id, run_id=survivor.pk, report=report)
     scheduling_pass()
     job.refresh_from_db()
     assert job.state == JobState.ADMITTED, job.pending_reason
