@@ -75,21 +75,24 @@ def _node_address(node: Node) -> str:
     return node.address or "127.0.0.1"
 
 
-def _distributed_env(job: Job, *, rank: int, head: Node, attempt: int, port: int) -> dict[str, str]:
+def _distributed_env(
+    job: Job, *, rank: int, nnodes: int, head: Node, attempt: int, port: int
+) -> dict[str, str]:
     return {
         "CONTROLPLANE_JOB_ID": str(job.pk),
         "CONTROLPLANE_JOB_UUID": str(job.uuid),
         "CONTROLPLANE_ATTEMPT": str(attempt),
         "CONTROLPLANE_NODE_RANK": str(rank),
-        "CONTROLPLANE_NNODES": str(job.nodes),
+        "CONTROLPLANE_NNODES": str(nnodes),
         "CONTROLPLANE_GPUS_PER_NODE": str(job.gpus_per_node),
         "MASTER_ADDR": _node_address(head),
         "MASTER_PORT": str(port),
     }
 
 
-def trainer_argv(job: Job, *, rank: int, head: Node, port: int) -> list[str]:
-    """torchrun for the bundled trainer (workers/trainer), one agent per node (c10d rendezvous).
+def trainer_argv(job: Job, *, rank: int, nnodes: int, head: Node, port: int) -> list[str]:
+    """torchrun for the bundled trainer (workers/trainer), one agent per node (c10d rendezvous);
+    `nnodes`: the attempt's node count (fewer than job.nodes when placed within its range).
 
     The first node hosts the rendezvous store, said outright (`is_host`) rather than left to
     torchrun's guess from host names: a host that cannot bind its port then fails at once,
@@ -99,7 +102,7 @@ def trainer_argv(job: Job, *, rank: int, head: Node, port: int) -> list[str]:
         "python3",
         "-m",
         "torch.distributed.run",
-        f"--nnodes={job.nodes}",
+        f"--nnodes={nnodes}",
         f"--nproc-per-node={job.gpus_per_node}",
         f"--node-rank={rank}",
         "--rdzv-backend=c10d",
@@ -117,6 +120,7 @@ def run_plan(
     job: Job,
     *,
     rank: int,
+    nnodes: int,
     head: Node,
     attempt: int,
     port: int,
@@ -125,7 +129,7 @@ def run_plan(
     resume_from: str | None = None,
     checkpoint_s3: dict | None = None,
 ) -> dict:
-    """What the node of `rank` runs for this attempt: JSON, without secret values.
+    """What the node of `rank` of the attempt's `nnodes` runs: JSON, without secret values.
 
     `gpu_slots`: the node's GPUs the job holds (its allocation); the processes see only
     those (CUDA_VISIBLE_DEVICES), and the agent records them with the run.
@@ -140,11 +144,11 @@ def run_plan(
     env = {
         **nccl_env,
         **(spec.get("env") or {}),
-        **_distributed_env(job, rank=rank, head=head, attempt=attempt, port=port),
+        **_distributed_env(job, rank=rank, nnodes=nnodes, head=head, attempt=attempt, port=port),
     }
     if slots:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in slots)
-    listens = rank == 0 and (job.kind == JobKind.TRAINER or job.nodes > 1)
+    listens = rank == 0 and (job.kind == JobKind.TRAINER or nnodes > 1)
     checked = {"rendezvous_port": port} if listens else {}
     if job.kind == JobKind.COMMAND:
         command = spec["command"]
@@ -165,7 +169,7 @@ def run_plan(
     return {
         "job": job.pk,
         "gpu_slots": slots,
-        "argv": trainer_argv(job, rank=rank, head=head, port=port),
+        "argv": trainer_argv(job, rank=rank, nnodes=nnodes, head=head, port=port),
         "env": env,
         "workdir": "",
         "git": None,
@@ -176,7 +180,7 @@ def run_plan(
             {
                 "path": "run.json",
                 "content": trainer_run_config(
-                    job, attempt=attempt, resume_from=resume_from, s3=checkpoint_s3
+                    job, attempt=attempt, nodes=nnodes, resume_from=resume_from, s3=checkpoint_s3
                 ),
             }
         ],
@@ -245,10 +249,14 @@ def job_dispatch(
             for a in Allocation.objects.filter(job=job, ended_at__isnull=True, release_wanted=False)
         }
         nodes = list(Node.objects.filter(pk__in=held).order_by("rack_id", "name"))
-        if len(nodes) != job.nodes:
-            return _requeue(job, f"{len(nodes)} of {job.nodes} nodes still allocated")
+        # The attempt runs on the nodes it was given: all of job.nodes, or, for a job with a
+        # node range, as few as min_nodes when the scheduler could place no more.
+        nnodes = len(nodes)
+        if not job.fewest_nodes <= nnodes <= job.nodes:
+            least = f"; it needs at least {job.fewest_nodes}" if job.min_nodes else ""
+            return _requeue(job, f"{nnodes} of {job.nodes} nodes still allocated{least}")
         rendered = nccl_environments_render(
-            nccl=job.spec.get("nccl"), nodes=job.nodes, pool_ids=[job.pool_id]
+            nccl=job.spec.get("nccl"), nodes=nnodes, pool_ids=[job.pool_id]
         )
         if rendered and not rendered[0].ok:
             # The profile or the pool changed since submission: the job cannot run as asked.
@@ -272,6 +280,7 @@ def job_dispatch(
                     plan=run_plan(
                         job,
                         rank=rank,
+                        nnodes=nnodes,
                         head=head,
                         attempt=attempt,
                         port=port,
@@ -294,9 +303,10 @@ def job_dispatch(
                 f"no free rendezvous port on {head.name} ({host}): "
                 f"all {spread} from {first} to {first + spread - 1} are held by other jobs",
             )
+        of = f" ({nnodes} of {job.nodes} nodes)" if nnodes < job.nodes else ""
         resuming = f", resuming from {resume_from.rstrip('/')[-200:]}" if resume_from else ""
         return _transition(
-            job, J.STARTING, f"attempt {attempt}: plans for {len(nodes)} node(s) offered{resuming}"
+            job, J.STARTING, f"attempt {attempt}: plans for {nnodes} node(s) offered{of}{resuming}"
         )
 
 

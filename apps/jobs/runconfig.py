@@ -11,6 +11,7 @@ import posixpath
 from django.conf import settings
 
 from apps.jobs.models import Job
+from apps.jobs.specs import dp_shard_on
 
 
 def checkpoint_dir(job: Job) -> str:
@@ -19,12 +20,34 @@ def checkpoint_dir(job: Job) -> str:
     return posixpath.normpath(f"{settings.CHECKPOINT_ROOT}/{job.team.slug}/job-{job.pk}")
 
 
+def layout_on(job: Job, nodes: int) -> dict[str, int]:
+    """The job's parallel layout on `nodes` nodes: as submitted on job.nodes, and with
+    dp_shard following the node count on fewer (specs.dp_shard_on says why; the submit
+    rules checked it divides on every count of the range)."""
+    dp_shard = job.dp_shard
+    if nodes != job.nodes:
+        dp_shard = dp_shard_on(
+            nodes=nodes,
+            gpus_per_node=job.gpus_per_node,
+            dp_replicate=job.dp_replicate,
+            tp=job.tp,
+            pp=job.pp,
+        )
+    return {"dp_replicate": job.dp_replicate, "dp_shard": dp_shard, "tp": job.tp, "pp": job.pp}
+
+
 def trainer_run_config(
-    job: Job, *, attempt: int, resume_from: str | None = None, s3: dict | None = None
+    job: Job,
+    *,
+    attempt: int,
+    nodes: int | None = None,
+    resume_from: str | None = None,
+    s3: dict | None = None,
 ) -> str:
     """run.json; its fields and defaults are documented in workers/trainer/config.py.
 
-    `resume_from` is the checkpoint the control plane chose (apps/checkpoints: the newest
+    `nodes` is the attempt's node count (job.nodes unless placed within its node range);
+    `resume_from` the checkpoint the control plane chose (apps/checkpoints: the newest
     verified one whose copy the new nodes reach), `s3` where the trainer copies each one.
     """
     trainer = job.spec["trainer"]
@@ -45,12 +68,9 @@ def trainer_run_config(
         "activation_checkpointing": trainer.get("activation_checkpointing", "selective"),
         "compile": trainer.get("compile", False),
         "attention_backend": trainer.get("attention_backend", "auto"),
-        "layout": {
-            "dp_replicate": job.dp_replicate,
-            "dp_shard": job.dp_shard,
-            "tp": job.tp,
-            "pp": job.pp,
-        },
+        # The global batch above stays the same on any node count: each data-parallel rank
+        # takes a larger share of it on fewer nodes, so a resumed run keeps its schedule.
+        "layout": layout_on(job, job.nodes if nodes is None else nodes),
         # Pipeline schedule: "1f1b" or "interleaved_1f1b" (stages_per_rank stages on each rank).
         "pipeline": trainer.get("pipeline") or {"schedule": "1f1b"},
         "checkpoint": {

@@ -536,6 +536,18 @@ def job_runs(*, job: Job) -> list[Run]:
     return list(job.runs.select_related("node").order_by("-attempt", "node_rank"))
 
 
+def attempt_nodes(runs: list[Run]) -> int | None:
+    """How many nodes the newest attempt of `runs` (job_runs' order) has: the job's nodes,
+    or fewer within its node range. None before its first attempt."""
+    return sum(1 for run in runs if run.attempt == runs[0].attempt) if runs else None
+
+
+def job_attempt_nodes(*, job: Job) -> int | None:
+    """attempt_nodes of the job, in one query."""
+    newest = job.runs.values("attempt").annotate(nodes=Count("id")).order_by("-attempt").first()
+    return newest["nodes"] if newest else None
+
+
 CHART_POINTS = 500  # per series: longer runs are thinned to every k-th step
 
 

@@ -196,6 +196,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
         spec=stored,
         gpu_type=resources.gpu_type,
         nodes=resources.nodes,
+        min_nodes=resources.min_nodes if resources.min_nodes < resources.nodes else None,
         gpus_per_node=resources.gpus_per_node,
         dp_replicate=resources.dp_replicate,
         dp_shard=resources.dp_shard,
@@ -244,10 +245,16 @@ def _check_nccl(spec: dict, resources, pool_ids: list[int], errors: specs.SpecEr
     """NCCL overrides, linted alone and on top of the profile of every pool the job may run
     in (so one that would break it after a burst is refused now); no query without them."""
     nodes = resources.nodes if resources is not None else 1
-    problems = tuning.nccl_spec_problems(nccl=spec.get("nccl"), nodes=nodes, pool_ids=pool_ids)
-    for path, messages in problems.items():
-        for message in messages:
-            errors.add(path, message)
+    counts = [nodes]
+    if nodes > 1 and resources.min_nodes == 1:
+        # An attempt on one node gets the single-node profile and lint: check that one too.
+        counts.append(1)
+    for count in counts:
+        problems = tuning.nccl_spec_problems(nccl=spec.get("nccl"), nodes=count, pool_ids=pool_ids)
+        for path, messages in problems.items():
+            for message in messages:
+                if message not in errors.details.get(path, ()):
+                    errors.add(path, message)
 
 
 def _check_cost(spec: dict, team, resources, pool_ids: list[int], errors: specs.SpecErrors):

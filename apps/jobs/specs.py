@@ -50,6 +50,19 @@ RUN_ENV = frozenset(
 )
 
 
+def dp_shard_on(*, nodes: int, gpus_per_node: int, dp_replicate: int, tp: int, pp: int) -> int:
+    """The FSDP degree of a layout on `nodes` nodes; 0 when the GPUs do not divide.
+
+    With a node range (resources.min_nodes) only the shard degree follows the node count:
+    tp and pp split the model and stay as submitted (so they still divide its heads and
+    layers, and tp stays within a node), dp_replicate keeps its replicas, and FSDP's
+    checkpoints reshard on load whatever the degree. The global batch stays the same, so
+    each data-parallel rank takes a larger share of it on fewer nodes.
+    """
+    dp_shard, rest = divmod(nodes * gpus_per_node, dp_replicate * tp * pp)
+    return 0 if rest else dp_shard
+
+
 @dataclass(frozen=True)
 class Resources:
     gpu_type: str
@@ -59,10 +72,25 @@ class Resources:
     dp_shard: int
     tp: int
     pp: int
+    min_nodes: int  # the fewest nodes an attempt may run on: `nodes` without a range
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def fewer_node_counts(self) -> range:
+        """The node counts below `nodes` an attempt may run on (none without a range)."""
+        return range(self.nodes - 1, self.min_nodes - 1, -1)
+
+    def dp_shard_on(self, nodes: int) -> int:
+        return dp_shard_on(
+            nodes=nodes,
+            gpus_per_node=self.gpus_per_node,
+            dp_replicate=self.dp_replicate,
+            tp=self.tp,
+            pp=self.pp,
+        )
 
 
 class SpecErrors:
@@ -182,7 +210,7 @@ def resources_from_spec(spec: dict, *, pools: list[PoolCapacity], errors: SpecEr
             f"tp {tp} must divide gpus_per_node {per_node}: tensor parallelism never crosses "
             "nodes.",
         )
-    return Resources(
+    resources = Resources(
         gpu_type=gpu_type,
         nodes=nodes,
         gpus_per_node=per_node,
@@ -190,7 +218,32 @@ def resources_from_spec(spec: dict, *, pools: list[PoolCapacity], errors: SpecEr
         dp_shard=dp_shard,
         tp=tp,
         pp=pp,
+        min_nodes=wanted.get("min_nodes", nodes),
     )
+    if resources.min_nodes > nodes:
+        errors.add(
+            "resources.min_nodes",
+            f"min_nodes {resources.min_nodes} is more than the job's {nodes} nodes: give "
+            "1 ≤ min_nodes ≤ nodes.",
+        )
+        return None
+    _check_layout_on_fewer_nodes(resources, errors)
+    return resources
+
+
+def _check_layout_on_fewer_nodes(resources: Resources, errors: SpecErrors) -> None:
+    """The layout must hold on every node count of the range, dp_shard taking up the change."""
+    fixed = resources.dp_replicate * resources.tp * resources.pp
+    for nodes in resources.fewer_node_counts:
+        if not resources.dp_shard_on(nodes):
+            errors.add(
+                "resources.min_nodes",
+                f"On {nodes} node(s) the job has {nodes * resources.gpus_per_node} GPUs, which "
+                f"dp_replicate {resources.dp_replicate} × tp {resources.tp} × pp "
+                f"{resources.pp} = {fixed} does not divide: only dp_shard follows the node "
+                "count, so every count from min_nodes to nodes must leave it a whole number.",
+            )
+            return
 
 
 def check_trainer(trainer: dict, resources: Resources, errors: SpecErrors) -> None:
@@ -221,9 +274,36 @@ def check_trainer(trainer: dict, resources: Resources, errors: SpecErrors) -> No
             "trainer.global_batch",
             f"{batch} sequences do not split evenly over {data_parallel} data-parallel ranks.",
         )
+    elif batch is not None:
+        _check_batch_on_fewer_nodes(trainer, resources, errors)
     seq_len = trainer.get("seq_len")
     if seq_len is not None and seq_len > shape.max_seq_len:
         errors.add("trainer.seq_len", f"The model takes at most {shape.max_seq_len} tokens.")
+
+
+def _check_batch_on_fewer_nodes(trainer: dict, resources: Resources, errors: SpecErrors) -> None:
+    """The global batch stays the same on fewer nodes: it must split over their data-parallel
+    ranks, and each rank's larger share into micro-batches, as the trainer checks at start."""
+    batch, micro = trainer["global_batch"], trainer.get("micro_batch")
+    for nodes in resources.fewer_node_counts:
+        ranks = resources.dp_replicate * resources.dp_shard_on(nodes)
+        if not ranks:
+            return  # the layout itself does not hold there: resources.min_nodes says so
+        on = f"on {nodes} node(s) (resources.min_nodes {resources.min_nodes})"
+        if batch % ranks:
+            errors.add(
+                "trainer.global_batch",
+                f"{batch} sequences do not split evenly over the {ranks} data-parallel ranks "
+                f"the job has {on}.",
+            )
+            return
+        if micro and (batch // ranks) % micro:
+            errors.add(
+                "trainer.micro_batch",
+                f"micro_batch {micro} does not divide the {batch // ranks} sequences each "
+                f"data-parallel rank takes {on}.",
+            )
+            return
 
 
 def reserved_env_reason(name: str) -> str | None:

@@ -276,11 +276,13 @@ def detail(request, job_id: int):
     job = get_object_or_404(
         selectors.jobs_visible_to(user=request.user).prefetch_related("events"), pk=job_id
     )
+    runs = selectors.job_runs(job=job)
     return render(
         request,
         "jobs/detail.html",
         {
             "job": job,
+            "attempt_nodes": selectors.attempt_nodes(runs),
             "events": list(job.events.all()),
             "finished": job.state in FINISHED_STATES,
             "can_manage": services.job_can_manage(
@@ -289,7 +291,7 @@ def detail(request, job_id: int):
             "nccl_environments": selectors.job_nccl_environments(job=job),
             "rank_environments": selectors.job_rank_environments(job=job),
             "cost": selectors.job_cost(job=job),
-            "runs": selectors.job_runs(job=job),
+            "runs": runs,
             **_training_context(job),
             "log_lines": selectors.job_log_tail(job=job),
             "spec_json": json.dumps(

@@ -18,6 +18,7 @@ from apps.jobs.extensions import job_detail_part
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
 from apps.jobs.models.jobs import ACTIVE_STATES, ANY_GPU
 from apps.jobs.selectors import (
+    job_attempt_nodes,
     job_cost,
     job_nccl_environments,
     job_rank_environments,
@@ -64,6 +65,12 @@ class ResourcesSerializer(SpecSerializer):
     gpu_type = serializers.ChoiceField(choices=[*GPU_TYPES, (ANY_GPU, "Any")], default=ANY_GPU)
     gpus = _count(specs.MAX_GPUS, required=False)
     nodes = _count(specs.MAX_NODES, required=False)
+    min_nodes = _count(
+        specs.MAX_NODES,
+        required=False,
+        help_text="The fewest nodes an attempt may run on (default: nodes). The whole count "
+        "is placed when it fits; fewer only when it does not, dp_shard taking up the change.",
+    )
     gpus_per_node = _count(specs.MAX_GPUS_PER_NODE, required=False)
     layout = LayoutSerializer(required=False)
 
@@ -246,6 +253,11 @@ class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
         source="submitted_by.username", read_only=True, default=None, allow_null=True
     )
     gpus = serializers.IntegerField(read_only=True)
+    min_nodes = serializers.IntegerField(
+        source="fewest_nodes",
+        read_only=True,
+        help_text="The fewest nodes an attempt may run on: nodes, unless it has a node range.",
+    )
     pool = serializers.CharField(source="pool.slug", read_only=True, default=None, allow_null=True)
     spec = serializers.SerializerMethodField()
     pending_reason = serializers.CharField(
@@ -273,6 +285,7 @@ class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
             "gpu_type",
             "gpus",
             "nodes",
+            "min_nodes",
             "gpus_per_node",
             "dp_replicate",
             "dp_shard",
@@ -388,6 +401,10 @@ class JobDetailSerializer(JobSerializer):
         "job has run."
     )
     cost = serializers.SerializerMethodField(help_text="Cost so far and projected.")
+    attempt_nodes = serializers.SerializerMethodField(
+        help_text="The nodes its newest attempt runs (or ran) on: nodes, or fewer within its "
+        "node range (min_nodes); null before its first attempt."
+    )
     checkpoints = serializers.SerializerMethodField(
         help_text="Its checkpoints: the newest, the newest verified, storage used, and whether "
         "a verified one is overdue (`watch`); null for command jobs. More under "
@@ -397,6 +414,7 @@ class JobDetailSerializer(JobSerializer):
     class Meta(JobSerializer.Meta):
         fields = [
             *JobSerializer.Meta.fields,
+            "attempt_nodes",
             "events",
             "nccl_environments",
             "rank_environments",
@@ -404,6 +422,9 @@ class JobDetailSerializer(JobSerializer):
             "checkpoints",
         ]
         read_only_fields = fields
+
+    def get_attempt_nodes(self, job) -> int | None:
+        return job_attempt_nodes(job=job)
 
     @extend_schema_field(NcclEnvironmentSerializer(many=True))
     def get_nccl_environments(self, job) -> list[dict]:

@@ -100,6 +100,10 @@ class Job(models.Model):
 
     gpu_type = models.CharField(max_length=10, choices=JOB_GPU_TYPES)
     nodes = models.PositiveSmallIntegerField(validators=[MinValueValidator(1)])
+    # The fewest nodes an attempt may run on (Slurm's --nodes=min-max): the scheduler places
+    # the whole `nodes` when it can and fewer, not below this, only when it cannot. Null:
+    # exactly `nodes` (no range).
+    min_nodes = models.PositiveSmallIntegerField(null=True, blank=True)
     gpus_per_node = models.PositiveSmallIntegerField(validators=[MinValueValidator(1)])
     dp_replicate = models.PositiveSmallIntegerField(default=1)
     dp_shard = models.PositiveSmallIntegerField(default=1)
@@ -185,6 +189,11 @@ class Job(models.Model):
                 condition=Q(finished_at__isnull=True) | Q(state__in=sorted(FINISHED_STATES)),
                 name="only_finished_jobs_have_finished_at",
             ),
+            models.CheckConstraint(
+                condition=Q(min_nodes__isnull=True)
+                | Q(min_nodes__gte=1, min_nodes__lte=models.F("nodes")),
+                name="min_nodes_within_nodes",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -193,6 +202,11 @@ class Job(models.Model):
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest nodes an attempt may run on: min_nodes, or nodes without a range."""
+        return self.min_nodes or self.nodes
 
     @property
     def priority_rank(self) -> int:

@@ -28,6 +28,13 @@ job ends. A one-node job takes the tightest of its team's own nodes that fits be
 looks at the index; a gang takes only what the index has (nodes no team owns, and shared
 ones), which keeps its rack search as it is. Preemption frees such a node for another
 team only by stopping every job on it. Shared nodes are planned as before.
+
+A job with a node range (min_nodes below nodes, as Slurm's --nodes=min-max) is placed
+whole when it fits. Only when it does not is it given the most nodes that fit now in
+one pool, never fewer than min_nodes; if not even those fit, it waits (and reserves,
+preempts or bursts) for its whole gang. Its gang is narrowed first to what an eligible
+pool can ever hold and its team's quota has room for. Quotas count the GPUs placed. A
+job without a range costs the walk one comparison.
 """
 
 import heapq
@@ -661,6 +668,8 @@ class _Pass:
             known = shapes.get(shape)
             if known is None:
                 known = shapes[shape] = self.shape(job)
+            if job.min_nodes and job.min_nodes < job.nodes:
+                job, known = self.widest_gang(job, known, shapes)
             pools, single_type, types, never = known
             if never is not None:
                 waits[job.job_id] = never
@@ -705,7 +714,9 @@ class _Pass:
                     p.attempts += 1
                     if p.attempts >= depth:
                         p.exhausted = True
-            if not self.try_place(job, fitting):
+            if not self.try_place(job, fitting) and not (
+                job.min_nodes and job.min_nodes < job.nodes and self.place_fewer(job, pools)
+            ):
                 self.blocked(job, fitting)
                 for p in fitting:
                     if not p.blocked_seen:
@@ -743,6 +754,69 @@ class _Pass:
             return pools, None, [], Wait(reason=reason)
         types = sorted({p.gpu_type for p in pools})
         return pools, (types[0] if len(types) == 1 else None), types, None
+
+    def widest_gang(self, job: Pending, known: tuple, shapes: dict) -> tuple[Pending, tuple]:
+        """A job with a node range as the widest gang it may have in this pass, and its
+        shape: `nodes`, or fewer (not below min_nodes) when no eligible pool can ever hold
+        that many nodes or the team's quota has room for fewer now. From here on the pass
+        plans that gang: placed whole if it fits, else place_fewer, else it waits (and
+        reserves, preempts or bursts) for it. Unchanged when not even min_nodes could go:
+        it then waits as its whole gang would, with that gang's reason."""
+        pools = known[0]
+        n, g, team = job.nodes, job.gpus_per_node, job.team_id
+        if g <= 0:
+            return job, known
+        hold = 0  # shape()'s can_hold, as a count
+        for p in pools:
+            if g <= p.gpus_max and p.nodes_with[g] > hold:
+                hold = p.nodes_with[g]
+            if p.is_cloud and g <= p.info.gpus_per_node and p.info.max_nodes > hold:
+                hold = p.info.max_nodes
+        room = 0  # the most nodes the team's quota of some eligible GPU type has room for
+        for gpu_type in {p.gpu_type for p in pools}:
+            limit = self.limits.get((team, gpu_type))
+            if limit is None:
+                room = n
+                break
+            room = max(room, (limit - self.held.get((team, gpu_type), 0)) // g)
+        widest = min(n, hold, room)
+        if widest == n or widest < job.min_nodes:
+            return job, known
+        job = job._replace(nodes=widest)
+        shape = (job.gpu_type, job.placement, widest, g)
+        known = shapes.get(shape)
+        if known is None:
+            known = shapes[shape] = self.shape(job)
+        return job, known
+
+    def place_fewer(self, job: Pending, pools: tuple[PoolCapacity, ...]) -> bool:
+        """A job with a node range whose gang found no room now: place the most of its nodes
+        that fit now in one eligible pool and its team's quota of that pool's GPU type, not
+        below min_nodes, by try_place's rules (reservations, windows, tenancy)."""
+        g, team = job.gpus_per_node, job.team_id
+        limits, held = self.limits, self.held
+        most = 0
+        for p in pools:
+            if g > p.gpus_max:
+                continue
+            count = p.count_fitting(g, self.blocked_nodes(job, p))
+            limit = limits.get((team, p.gpu_type))
+            if limit is not None:
+                count = min(count, (limit - held.get((team, p.gpu_type), 0)) // g)
+            most = max(most, count)
+        fewer = min(most, job.nodes - 1)
+        if fewer < job.min_nodes:
+            if job.min_nodes > 1:
+                return False
+            fewer = 1  # one of the team's own nodes may have room (try_place's spare_fit)
+        gpus = fewer * g
+        fitting = tuple(
+            p
+            for p in pools
+            if (limit := limits.get((team, p.gpu_type))) is None
+            or held.get((team, p.gpu_type), 0) + gpus <= limit
+        )
+        return bool(fitting) and self.try_place(job._replace(nodes=fewer), fitting)
 
     def wait(self, job: Pending, reason: str, estimated_start: float | None = None) -> None:
         self.decisions.waits[job.job_id] = Wait(reason=reason, estimated_start=estimated_start)

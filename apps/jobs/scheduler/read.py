@@ -77,6 +77,7 @@ PENDING_COLUMNS = (
     "placement",
     "spot_allowed",
     "time_limit_s",
+    "min_nodes",
 )
 
 
@@ -150,9 +151,11 @@ class KeptPending:
         jobs, versions = self.jobs, self.versions
         for row in rows:
             job_id = row[0]
-            jobs[job_id] = new(pending, (job_id, row[1], PRIORITY_RANK[row[2]], *row[3:10], True))
+            jobs[job_id] = new(
+                pending, (job_id, row[1], PRIORITY_RANK[row[2]], *row[3:10], True, row[10] or 0)
+            )
             if versioned:
-                versions[job_id] = row[10]
+                versions[job_id] = row[11]
         self.rows_read += len(rows)
 
     def _with_budgets(self, budget_left) -> list[plain.Pending]:
@@ -199,8 +202,8 @@ def _pending(*columns: str):
 
 
 def _pending_rows(*, versioned: bool):
-    """Pending jobs in Pending's field order (the priority as its class), then the row's
-    version on PostgreSQL."""
+    """Pending jobs in Pending's field order (the priority as its class; budget_ok, filled
+    in per pass, left out), then the row's version on PostgreSQL."""
     return _pending(*PENDING_COLUMNS, "version") if versioned else _pending(*PENDING_COLUMNS)
 
 

@@ -75,6 +75,9 @@ class Pending(NamedTuple):
     spot_allowed: bool
     time_limit_s: int
     budget_ok: bool = True  # the team has budget left to burst (budget_left), read before planning
+    # The fewest nodes it may start on (Slurm's --nodes=min-max): fewer than `nodes` only
+    # when the whole gang cannot be placed now. 0: exactly `nodes` (no range).
+    min_nodes: int = 0
 
     @property
     def gpus(self) -> int:

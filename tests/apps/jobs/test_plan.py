@@ -78,6 +78,7 @@ def job(
     waited=60.0,
     spot=False,
     budget_ok=True,
+    min_nodes=0,
 ) -> Pending:
     return Pending(
         job_id=job_id,
@@ -91,6 +92,7 @@ def job(
         spot_allowed=spot,
         time_limit_s=int(limit),
         budget_ok=budget_ok,
+        min_nodes=min_nodes,
     )
 
 
@@ -812,6 +814,97 @@ def test_a_gang_preempts_only_for_whole_nodes():
     assert sorted(p.job_id for p in d.preemptions) == [10, 11]
 
 
+# --- 10. node ranges (min_nodes) -------------------------------------------------------------
+
+
+def four_nodes_two_busy(*pending, **kw):
+    """Four nodes in one rack; nodes 1 and 2 are held by another team for an hour."""
+    running = [run(90, [(1, 8)]), run(91, [(2, 8)])]
+    kw.setdefault("settings", PlanSettings(preemption=False))
+    return snap([node(i) for i in (1, 2, 3, 4)], pending, running=running, **kw)
+
+
+def test_a_job_with_a_node_range_gets_its_whole_gang_when_it_fits():
+    d = plan(snap([node(i) for i in (1, 2, 3, 4)], [job(1, nodes=3, min_nodes=1)]))
+    assert nodes_of(d, 1) == [1, 2, 3]
+
+
+def test_a_job_with_a_node_range_gets_the_nodes_that_fit_when_its_gang_does_not():
+    d = plan(four_nodes_two_busy(job(1, nodes=4, min_nodes=1)))
+    assert nodes_of(d, 1) == [3, 4]
+    assert all(gpus == 8 for _, gpus in placed(d)[1])
+    assert 1 not in d.waits
+
+
+def test_a_job_with_a_node_range_never_starts_below_min_nodes():
+    d = plan(four_nodes_two_busy(job(1, nodes=4, min_nodes=3)))
+    assert not d.placements
+    # It waits, and reserves, for its whole gang.
+    assert d.waits[1].reason.startswith("waiting for 4 × 8 H100 in one pool: 2 nodes free now")
+    assert d.waits[1].estimated_start == NOW + HOUR
+
+
+def test_a_job_without_a_range_is_all_or_nothing_as_before():
+    d = plan(four_nodes_two_busy(job(1, nodes=4), job(2, nodes=4, min_nodes=4)))
+    assert not d.placements
+    assert d.waits[1].estimated_start == NOW + HOUR
+
+
+def test_a_job_with_a_range_goes_first_only_where_its_place_in_the_queue_says():
+    """A higher job that fits whole takes its nodes first; the ranged job gets what is left."""
+    d = plan(four_nodes_two_busy(job(1, nodes=1, priority=2), job(2, nodes=4, min_nodes=1)))
+    assert len(placed(d)[1]) == 1
+    assert len(placed(d)[2]) == 1
+
+
+def test_fewer_nodes_keep_clear_of_a_higher_jobs_reservation():
+    """Job 1 (higher) waits for all four nodes at 13:00 and holds nodes 3 and 4 from then:
+    the ranged job may take them now only if it ends by 13:00, else it waits."""
+    long = four_nodes_two_busy(
+        job(1, nodes=4, priority=2), job(2, nodes=2, min_nodes=1, limit=2 * HOUR)
+    )
+    d = plan(long)
+    assert 2 not in placed(d)
+    short = four_nodes_two_busy(
+        job(1, nodes=4, priority=2), job(2, nodes=3, min_nodes=1, limit=HOUR / 2)
+    )
+    d = plan(short)
+    assert nodes_of(d, 2) == [3, 4] and placed(d)[2] and d.placements[0].backfilled
+
+
+def test_a_job_with_a_range_takes_what_its_quota_has_room_for_and_quotas_count_it():
+    quotas = {(1, "H100"): Quota(nominal=16)}
+    pending = [job(1, nodes=3, min_nodes=1), job(2, nodes=1)]
+    d = plan(snap([node(i) for i in (1, 2, 3, 4)], pending, quotas=quotas))
+    assert len(placed(d)[1]) == 2  # 16 of its 24 GPUs: all the quota has room for
+    assert d.waits[2].reason == "waiting for 8 H100: team quota 16/16 in use"
+
+
+def test_a_job_whose_min_nodes_exceed_the_quota_waits_for_its_whole_gang():
+    quotas = {(1, "H100"): Quota(nominal=8)}
+    d = plan(snap([node(i) for i in (1, 2, 3)], [job(1, nodes=3, min_nodes=2)], quotas=quotas))
+    assert not d.placements
+    assert d.waits[1].reason == "waiting for 24 H100: more than the team's whole H100 quota of 8"
+
+
+def test_a_job_with_a_range_bigger_than_any_pool_runs_on_what_a_pool_can_hold():
+    d = plan(snap([node(1), node(2)], [job(1, nodes=3, min_nodes=2), job(2, nodes=3)]))
+    assert nodes_of(d, 1) == [1, 2]
+    assert d.waits[2].reason.startswith("no eligible pool can hold 3 nodes")
+
+
+def test_a_one_node_floor_may_use_the_teams_own_node():
+    """Node 1 is not shared and holds a job of team 1 with 4 GPUs to spare; the free node 2
+    is taken by a higher job first. Only the team's own node is left: a range down to one
+    node takes it, as a one-node job would."""
+    nodes = [node(1, total=8, shared=False), node(2, shared=False)]
+    running = [run(90, [(1, 4)], team=1)]
+    pending = [job(1, team=2, priority=2), job(2, team=1, nodes=2, gpus=4, min_nodes=1)]
+    d = plan(snap(nodes, pending, running=running, settings=PlanSettings(preemption=False)))
+    assert nodes_of(d, 1) == [2]
+    assert placed(d)[2] == ((1, 4),)
+
+
 # --- invariants, on random small fleets ------------------------------------------------------
 
 GPU_TYPES = ("H100", "H200")
@@ -876,22 +969,26 @@ def snapshots(draw) -> Snapshot:
             )
         )
     nodes = [n._replace(gpus_free=free[n.id]) for n in nodes]
-    pending = [
-        Pending(
-            job_id=job_id,
-            team_id=draw(st.sampled_from(TEAMS)),
-            priority=draw(st.integers(0, 3)),
-            queued_at=NOW - draw(st.integers(0, 2000)),
-            gpu_type=draw(st.sampled_from((*GPU_TYPES, ANY_GPU))),
-            nodes=draw(st.integers(1, 3)),
-            gpus_per_node=draw(st.sampled_from((1, 2, 4, 8))),
-            placement=draw(st.sampled_from((OWNED, OWNED_THEN_CLOUD, CLOUD))),
-            spot_allowed=draw(st.booleans()),
-            time_limit_s=draw(st.sampled_from((600, 3600, 7200, 20000))),
-            budget_ok=draw(st.integers(0, 4)) > 0,
+    pending = []
+    for job_id in range(1, draw(st.integers(0, 10)) + 1):
+        gang = draw(st.integers(1, 3))
+        pending.append(
+            Pending(
+                job_id=job_id,
+                team_id=draw(st.sampled_from(TEAMS)),
+                priority=draw(st.integers(0, 3)),
+                queued_at=NOW - draw(st.integers(0, 2000)),
+                gpu_type=draw(st.sampled_from((*GPU_TYPES, ANY_GPU))),
+                nodes=gang,
+                gpus_per_node=draw(st.sampled_from((1, 2, 4, 8))),
+                placement=draw(st.sampled_from((OWNED, OWNED_THEN_CLOUD, CLOUD))),
+                spot_allowed=draw(st.booleans()),
+                time_limit_s=draw(st.sampled_from((600, 3600, 7200, 20000))),
+                budget_ok=draw(st.integers(0, 4)) > 0,
+                # A node range on about a third of the jobs (0: none).
+                min_nodes=draw(st.sampled_from((0, 0, draw(st.integers(1, gang))))),
+            )
         )
-        for job_id in range(1, draw(st.integers(0, 10)) + 1)
-    ]
     quotas = {}
     for team in TEAMS:
         for gpu_type in GPU_TYPES:
@@ -1036,15 +1133,22 @@ def test_a_one_node_job_on_a_shared_node_takes_the_tightest_that_fits(s):
             teams.setdefault(y, set()).add(j.team_id)
 
 
+def fewest(j: Pending) -> int:
+    """The fewest nodes a job may start on: min_nodes, or all of them without a range."""
+    return j.min_nodes or j.nodes
+
+
 @given(snapshots())
 def test_gangs_are_whole_on_distinct_nodes_of_one_eligible_pool(s):
+    """Whole: all of a job's nodes, or, for a job with a node range, min_nodes to nodes."""
     d = plan(s)
     jobs = {j.job_id: j for j in s.pending}
     nodes = {n.id: n for n in s.nodes}
     for p in d.placements:
         j = jobs[p.job_id]
         ids = [node_id for node_id, _ in p.node_gpus]
-        assert len(ids) == j.nodes == len(set(ids))
+        assert fewest(j) <= len(ids) <= j.nodes
+        assert len(ids) == len(set(ids))
         assert all(gpus == j.gpus_per_node for _, gpus in p.node_gpus)
         assert {nodes[i].pool_id for i in ids} == {p.pool_id}
         assert p.pool_id in {pool.id for pool in eligible_pools(s, j)}
@@ -1060,7 +1164,7 @@ def test_no_team_goes_above_nominal_plus_borrowing(s):
     grown = set()
     for p in d.placements:
         key = (jobs[p.job_id].team_id, s.pools[p.pool_id].gpu_type)
-        held[key] = held.get(key, 0) + jobs[p.job_id].gpus
+        held[key] = held.get(key, 0) + sum(gpus for _, gpus in p.node_gpus)
         grown.add(key)
     for key in grown:
         if key in s.quotas:
@@ -1097,7 +1201,8 @@ def free_at(s: Snapshot, d, moment: float) -> dict[int, int]:
 @given(snapshots())
 def test_backfilled_jobs_never_delay_a_reserved_start(s):
     """Every blocked job given an estimated start can still start then, in some eligible
-    pool, on top of everything placed this pass (backfilled jobs included)."""
+    pool, on top of everything placed this pass (backfilled jobs included). A job with a
+    node range reserves for the widest gang its quota and pools allow: at least min_nodes."""
     d = plan(s)
     nodes = {n.id: n for n in s.nodes}
     jobs = {j.job_id: j for j in s.pending}
@@ -1119,7 +1224,7 @@ def test_backfilled_jobs_never_delay_a_reserved_start(s):
                     for win in s.windows
                 )
             )
-            >= j.nodes
+            >= fewest(j)
             for pool in eligible_pools(s, j)
         ), (job_id, w)
 
@@ -1167,7 +1272,39 @@ def test_the_first_job_is_placed_whenever_it_fits_now(s):
             and not any(n.id in w.node_ids and blocks(w, j, s.now) for w in s.windows)
         ]
         if len(usable) >= j.nodes:
-            assert j.job_id in placed(d)
+            assert len(placed(d)[j.job_id]) == j.nodes  # a node range's whole gang first
+
+
+@given(snapshots())
+def test_the_first_job_with_a_node_range_starts_whenever_its_min_nodes_fit_now(s):
+    """If quota allows min_nodes and some eligible pool has that many usable nodes (as a
+    gang sees them), the highest job starts, on at least as many nodes as the best such
+    pool and its quota offer."""
+    s = replace(s, pending=tuple(j._replace(min_nodes=j.min_nodes or 1) for j in s.pending))
+    d = plan(s)
+    if not d.order:
+        return
+    j = next(p for p in s.pending if p.job_id == d.order[0])
+    teams = teams_on(s)
+    offered = 0
+    for pool in eligible_pools(s, j):
+        quota = s.quotas.get((j.team_id, pool.gpu_type))
+        held = sum(
+            r.gpus for r in s.running if (r.team_id, r.gpu_type) == (j.team_id, pool.gpu_type)
+        )
+        room = j.nodes if quota is None else (quota.limit - held) // j.gpus_per_node
+        usable = [
+            n
+            for n in s.nodes
+            if n.pool_id == pool.id
+            and n.schedulable
+            and n.gpus_free >= j.gpus_per_node
+            and (n.shared or not teams.get(n.id))
+            and not any(n.id in w.node_ids and blocks(w, j, s.now) for w in s.windows)
+        ]
+        offered = max(offered, min(len(usable), room, j.nodes))
+    if offered >= j.min_nodes:
+        assert len(placed(d)[j.job_id]) >= offered
 
 
 @given(snapshots())

@@ -157,6 +157,61 @@ RULES = [
         "data-parallel",
     ),
     (
+        {"resources": {"gpu_type": "H100", "nodes": 2, "gpus_per_node": 8, "min_nodes": 3}},
+        "resources.min_nodes",
+        "more than the job's 2 nodes",
+    ),
+    (
+        {"resources": {"gpu_type": "H100", "nodes": 2, "gpus_per_node": 8, "min_nodes": 0}},
+        "resources",
+        "greater than or equal to 1",
+    ),
+    (
+        # dp_replicate 3 splits 24 GPUs but not the 16 of two nodes.
+        {
+            "resources": {
+                "gpu_type": "H100",
+                "nodes": 3,
+                "min_nodes": 2,
+                "gpus_per_node": 8,
+                "layout": {"dp_replicate": 3, "dp_shard": 8},
+            }
+        },
+        "resources.min_nodes",
+        "On 2 node(s) the job has 16 GPUs",
+    ),
+    (
+        # 72 sequences split over 24 ranks, not over the 16 of two nodes.
+        {
+            "trainer": {
+                "preset": "8b",
+                "dataset": "synthetic",
+                "steps": 1,
+                "global_batch": 72,
+                "seq_len": 2048,
+            },
+            "resources": {"gpu_type": "H100", "nodes": 3, "min_nodes": 2, "gpus_per_node": 8},
+        },
+        "trainer.global_batch",
+        "16 data-parallel ranks the job has on 2 node(s)",
+    ),
+    (
+        # Each rank's 2 sequences split into micro-batches of 2; on two nodes it has 3.
+        {
+            "trainer": {
+                "preset": "8b",
+                "dataset": "synthetic",
+                "steps": 1,
+                "global_batch": 48,
+                "micro_batch": 2,
+                "seq_len": 2048,
+            },
+            "resources": {"gpu_type": "H100", "nodes": 3, "min_nodes": 2, "gpus_per_node": 8},
+        },
+        "trainer.micro_batch",
+        "the 3 sequences each data-parallel rank takes on 2 node(s)",
+    ),
+    (
         {
             "trainer": {
                 "preset": "gpt5",
@@ -185,6 +240,26 @@ def test_each_rule_is_a_400_naming_the_field(
     assert field in details, details
     assert phrase in str(details[field]), details
     assert not Job.objects.exists()
+
+
+def test_a_node_range_is_stored_and_shown(fleet_pool, quota, team, researcher, api_for):
+    spec = trainer_spec(team, nodes=2, layout={"dp_shard": 8, "tp": 2})
+    spec["resources"]["min_nodes"] = 1
+    body = submit(api_for(researcher), spec).json()
+    assert (body["nodes"], body["min_nodes"], body["dp_shard"]) == (2, 1, 8)
+    assert Job.objects.get(pk=body["id"]).min_nodes == 1
+    # Without a range (or a range of one count) a job has none: min_nodes reads as nodes.
+    spec = trainer_spec(team, nodes=2)
+    spec["resources"]["min_nodes"] = 2
+    body = submit(api_for(researcher), spec).json()
+    assert body["min_nodes"] == 2 and Job.objects.get(pk=body["id"]).min_nodes is None
+
+
+def test_a_command_job_may_have_a_node_range(fleet_pool, quota, team, researcher, api_for):
+    resources = {"gpu_type": "H100", "nodes": 3, "min_nodes": 1, "gpus_per_node": 8}
+    response = submit(api_for(researcher), command_spec(team, resources=resources))
+    assert response.status_code == 201, response.content
+    assert Job.objects.get(pk=response.json()["id"]).min_nodes == 1
 
 
 def test_pp_that_divides_the_layers_is_accepted(fleet_pool, quota, team, researcher, api_for):

@@ -125,3 +125,22 @@ def test_the_job_page_shows_the_nccl_environment(client, ib_pool, h100_quota, te
     assert 'href="/nccl/profiles/ib-nvswitch-8gpu/"' in html
     assert "<code>NCCL_ALGO=Ring</code>" in html and "job override" in html
     assert "Kept: bisecting hang #812" in html
+
+
+def test_a_node_range_down_to_one_node_is_linted_for_one_node_too(
+    ib_pool, h100_quota, team, researcher, api_for
+):
+    """On one node a job gets the single-node profile: an override that breaks on top of
+    it is refused for a job whose range goes down to one node, and only for that job."""
+    from apps.tuning.models import NcclProfile
+
+    single = NcclProfile.objects.get(name="single-node")
+    NcclProfile.objects.filter(pk=single.pk).update(env={**single.env, "NCCL_SOCKET_NTHREADS": "8"})
+    nccl = {"overrides": {"NCCL_NSOCKS_PERTHREAD": "16"}}
+    resources = {"gpu_type": "H100", "nodes": 2, "gpus_per_node": 8}
+    client = api_for(researcher)
+    ranged = submit(client, spec(team, nccl, resources={**resources, "min_nodes": 1}))
+    assert ranged.status_code == 400, ranged.content
+    (message,) = ranged.json()["error"]["details"]["nccl.overrides.NCCL_NSOCKS_PERTHREAD"]
+    assert "NCCL_SOCKET_NTHREADS × NCCL_NSOCKS_PERTHREAD = 128 > 64" in message
+    assert submit(client, spec(team, nccl, resources=resources)).status_code == 201

@@ -346,6 +346,30 @@ def test_a_checkpoint_resumes_on_another_layout(scratch, dataset, reference, pre
     assert run.of("checkpoint")[-1]["layout"]["tp"] == 2
 
 
+def test_a_checkpoint_resumes_on_half_the_ranks_with_the_same_global_batch(
+    scratch, dataset, reference, preempted
+):
+    """As a job with a node range resumes on fewer nodes (apps/jobs/runconfig.layout_on):
+    FSDP over two ranks wrote the checkpoint, one rank takes it up with dp_shard 1, and
+    the global batch stays, each rank's share of it doubled."""
+    stopped, checkpoints = preempted
+    stopped_at = stopped.status["step"]
+    workdir = scratch / "fewer-ranks"
+    config = run_config(
+        dataset, checkpoint={"dir": str(copy_of(checkpoints, workdir / "checkpoints"))}
+    )
+
+    run = train(config, workdir)
+
+    (resume,) = run.of("resume")
+    assert (resume["from_world_size"], resume["from_layout"]["dp_shard"]) == (2, 2)
+    assert (resume["step"], resume["layout"]["dp_shard"]) == (stopped_at, 1)
+    assert run.of("start")[0]["world_size"] == 1
+    per_step = reference.of("step")[0]["tokens"]
+    assert [e["tokens"] for e in run.of("step")] == [e["step"] * per_step for e in run.of("step")]
+    assert_same_losses(run, reference, range(stopped_at + 1, STEPS + 1))
+
+
 def test_a_corrupted_checkpoint_is_detected_and_the_previous_one_used(
     scratch, dataset, reference, preempted
 ):

@@ -1,0 +1,126 @@
+"""Dispatch of a job with a node range: an attempt runs on the nodes it was given, with
+torchrun, its environment and run.json's layout for that count, and says so in its events."""
+
+import json
+
+import pytest
+
+from apps.fleet.models import Node, NodeState
+from apps.fleet.services import node_drain, node_transition
+from apps.jobs import services
+from apps.jobs.dispatch import job_dispatch, jobs_on_down_nodes, run_report
+from apps.jobs.models import Allocation, Job, JobState, Run
+from apps.jobs.scheduler.run import scheduling_pass
+from tests.apps.jobs.conftest import trainer_spec
+
+pytestmark = pytest.mark.django_db
+
+CHECKPOINT = "/shared/checkpoints/team/job-1/step-00000010"
+
+
+def run_json(run: Run) -> dict:
+    (item,) = [f for f in run.plan["files"] if f["path"] == "run.json"]
+    return json.loads(item["content"])
+
+
+def only_two_nodes(pool, ops_user) -> list[Node]:
+    """Drain all but two of the pool's nodes; return those two."""
+    nodes = list(Node.objects.filter(pool=pool).order_by("name"))
+    for node in nodes[2:]:
+        node_drain(node=node, reason="elsewhere", by=ops_user)
+    return nodes[:2]
+
+
+def submit_ranged(team, user, *, nodes: int, min_nodes: int) -> Job:
+    spec = trainer_spec(
+        team,
+        preset="tiny",
+        nodes=nodes,
+        gpus_per_node=8,
+        layout={"dp_shard": nodes * 8},
+        seq_len=256,
+        global_batch=48,  # splits over the 8, 16 and 24 data-parallel ranks of 1 to 3 nodes
+    )
+    spec["resources"]["min_nodes"] = min_nodes
+    job, _ = services.job_submit(team=team, spec=spec, submitted_by=user)
+    return job
+
+
+def test_a_job_that_lost_a_node_resumes_on_the_one_left_with_its_global_batch(
+    fleet_pool, quota, team, researcher, ops_user, api_for, client
+):
+    kept, lost = only_two_nodes(fleet_pool, ops_user)
+    job = submit_ranged(team, researcher, nodes=2, min_nodes=1)
+    scheduling_pass()
+    job_dispatch(job_id=job.pk)
+    first = list(Run.objects.filter(job=job, attempt=1).order_by("node_rank"))
+    assert [run.node_id for run in first] == [kept.pk, lost.pk]
+    assert "--nnodes=2" in first[0].plan["argv"]
+    assert run_json(first[0])["layout"]["dp_shard"] == 16
+    for run in first:
+        run_report(node_id=run.node_id, run_id=run.pk, report={"state": "running", "pid": 7})
+
+    node_transition(node=lost, to=NodeState.SUSPECT, reason="no heartbeat", by=None)
+    node_transition(node=lost, to=NodeState.DOWN, reason="no heartbeat", by=None)
+    assert jobs_on_down_nodes() == [job.pk]
+    # The kept node's agent stops its rank; its GPUs come free once the process is gone.
+    survivor = first[0]
+    report = {"state": "exited", "signal": 15, "reason": "stopped"}
+    run_report(node_id=survivor.node_id, run_id=survivor.pk, report=report)
+    scheduling_pass()
+    job.refresh_from_db()
+    assert job.state == JobState.ADMITTED, job.pending_reason
+    job = job_dispatch(job_id=job.pk, resume_from=CHECKPOINT)
+
+    (second,) = Run.objects.filter(job=job, attempt=2)
+    assert (second.node_id, second.node_rank) == (kept.pk, 0)
+    assert "--nnodes=1" in second.plan["argv"]
+    assert "--nproc-per-node=8" in second.plan["argv"]
+    assert second.plan["env"]["CONTROLPLANE_NNODES"] == "1"
+    config = run_json(second)
+    # The data-parallel degree takes up the change; the global batch stays.
+    assert config["layout"] == {"dp_replicate": 1, "dp_shard": 8, "tp": 1, "pp": 1}
+    assert config["schedule"]["global_batch"] == 48
+    assert config["checkpoint"]["resume_from"] == CHECKPOINT
+    assert job.state == JobState.STARTING
+    assert job.events.last().reason == (
+        f"attempt 2: plans for 1 node(s) offered (1 of 2 nodes), resuming from {CHECKPOINT}"
+    )
+
+    detail = api_for(researcher).get(f"/api/v1/jobs/{job.pk}/").json()
+    assert (detail["nodes"], detail["min_nodes"], detail["attempt_nodes"]) == (2, 1, 1)
+    client.force_login(researcher)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "or as few as 1 when no more fit; attempt 2 on 1 node<" in page
+
+
+def test_an_attempt_below_min_nodes_is_requeued(fleet_pool, quota, team, researcher, ops_user):
+    job = submit_ranged(team, researcher, nodes=3, min_nodes=2)
+    only_two_nodes(fleet_pool, ops_user)
+    scheduling_pass()
+    job.refresh_from_db()
+    assert job.state == JobState.ADMITTED and job.allocations.count() == 2
+    # One of its nodes is taken back before its plans are written.
+    allocation = job.allocations.first()
+    Allocation.objects.filter(pk=allocation.pk).update(ended_at=allocation.started_at)
+
+    job = job_dispatch(job_id=job.pk)
+
+    assert job.state == JobState.PENDING
+    assert job.state_reason == "requeued: 1 of 3 nodes still allocated; it needs at least 2"
+    assert not Run.objects.filter(job=job).exists()
+
+
+def test_a_job_without_a_range_runs_on_all_its_nodes_as_before(fleet_pool, quota, team, researcher):
+    spec = trainer_spec(
+        team, preset="tiny", nodes=2, layout={"dp_shard": 16}, seq_len=256, global_batch=64
+    )
+    job, _ = services.job_submit(team=team, spec=spec, submitted_by=researcher)
+    scheduling_pass()
+    job = job_dispatch(job_id=job.pk)
+    runs = list(Run.objects.filter(job=job))
+    assert len(runs) == 2
+    assert all("--nnodes=2" in run.plan["argv"] for run in runs)
+    assert {run.plan["env"]["CONTROLPLANE_NNODES"] for run in runs} == {"2"}
+    assert run_json(runs[0])["layout"]["dp_shard"] == 16
+    assert job.events.last().reason == "attempt 1: plans for 2 node(s) offered"
