@@ -17,6 +17,7 @@ links; a directory left from an earlier start is removed, never reused.
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import shutil
@@ -246,32 +247,89 @@ def read_job_file(path: Path, *, uid: int | None, limit: int = 64 * 1024) -> byt
 # --- what a job leaves behind ------------------------------------------------------------------
 
 
-def processes_of(uid: int) -> list[int]:
-    """Every live process whose real or effective uid is `uid`."""
+# The module every node agent runs as (`python3 -m workers.agent`).
+AGENT_MODULE = __name__.rpartition(".")[0]
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    parent: int
+    session: int
+
+
+def _uids(pid: int | str) -> tuple[int, int] | None:
+    """A process's real and effective uid, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as file:
+            for line in file:
+                if line.startswith("Uid:"):
+                    real, effective = line.split()[1:3]
+                    return int(real), int(effective)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return None
+
+
+def _processes(uid: int) -> list[Process]:
+    """Every live process whose real or effective uid is `uid`, with its parent and session."""
     found = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or uid not in (_uids(entry.name) or ()):
             continue
         try:
-            with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as file:
-                for line in file:
-                    if line.startswith("Uid:"):
-                        real, effective = line.split()[1:3]
-                        if uid in (int(real), int(effective)):
-                            found.append(int(entry.name))
-                        break
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as file:
+                # After the command's name (which may hold anything): state, ppid, pgrp, session.
+                fields = file.read().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
+        found.append(Process(int(entry.name), int(fields[1]), int(fields[3])))
     return found
 
 
+def processes_of(uid: int) -> list[int]:
+    """Every live process whose real or effective uid is `uid`."""
+    return [p.pid for p in _processes(uid)]
+
+
+def _is_agent(pid: int) -> bool:
+    """This agent, or another node's agent on this machine (local nodes share one): a
+    process of the agent's own user running the agent module, which no job can start."""
+    if pid == os.getpid():
+        return True
+    if pid <= 1 or (_uids(pid) or (None, None))[1] != os.geteuid():
+        return False
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    module = AGENT_MODULE.encode()
+    return any(a == b"-m" and b == module for a, b in itertools.pairwise(argv))
+
+
+def _live_run_sessions(processes: list[Process]) -> set[int]:
+    """The sessions of runs still going: each run starts in a session of its own, led by
+    the process an agent started. A daemon that left its run's session leads one whose
+    parent is init (or the process it forked from), never an agent."""
+    return {p.session for p in processes if p.pid == p.session and _is_agent(p.parent)}
+
+
+def live_runs_of(uid: int) -> int:
+    """How many runs of the job's user are still going on this machine (by any agent)."""
+    return len(_live_run_sessions(_processes(uid)))
+
+
 def stop_everything_of(uid: int, *, timeout_s: float = 5.0) -> int:
-    """SIGKILL whatever the job's user still runs (a daemon that left the session, a
-    double fork): nothing of a job outlives its run. Returns how many were killed."""
+    """SIGKILL whatever the job's user still runs outside its runs still going (a daemon
+    that left the session, a double fork): nothing of a job outlives its run. Another run
+    of the same job is spared: another attempt on this node, or, on local nodes (one
+    machine), the job's run on another node. Returns how many were killed."""
     killed: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pids = [pid for pid in processes_of(uid) if pid != os.getpid()]
+        processes = _processes(uid)
+        live = _live_run_sessions(processes)
+        pids = [p.pid for p in processes if p.session not in live and p.pid != os.getpid()]
         if not pids:
             break
         for pid in pids:
