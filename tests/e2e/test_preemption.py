@@ -25,7 +25,7 @@ import pytest
 from django.utils import timezone
 
 from apps.checkpoints.models import Checkpoint
-from apps.fleet.models import Node
+from apps.fleet.models import Node, NodeEvent
 from apps.jobs.models import Allocation, Job, JobEvent, LogLine, Run, StepMetric
 from apps.jobs.runconfig import checkpoint_dir
 from apps.jobs.scheduler.run import scheduling_pass
@@ -40,6 +40,7 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.test_command_jobs import _submit
 from tests.e2e.test_faults import _agent_pid, _node_state
+from workers.agent import isolation
 from workers.tasks.fleet import heartbeat_sweep
 from workers.tasks.jobs import dispatch_one
 
@@ -270,7 +271,8 @@ def test_a_preempted_trainer_job_stops_checkpoints_and_frees_its_gpus_before_the
     assert urgent.pending_reason == "waiting for 1 preempted job to checkpoint and stop"
 
     # Passes keep running while the victim checkpoints: none places the urgent job while a
-    # process of the victim is alive.
+    # process of the victim is alive (any at all of its own user, where jobs run as one).
+    isolated = all(Node.objects.get(pk=n.pk).job_isolation == "user" for n in nodes)
     held_back, deadline = 0, time.monotonic() + 180
     while True:
         scheduling_pass()
@@ -278,6 +280,9 @@ def test_a_preempted_trainer_job_stops_checkpoints_and_frees_its_gpus_before_the
         alive = [p for p in processes if p.alive()]
         if urgent.state != "pending":
             assert not alive, f"job {urgent.pk} placed while the victim's {alive} live"
+            if isolated:
+                left = isolation.processes_of(isolation.DEFAULT_UID_BASE + victim.pk)
+                assert not left, f"job {urgent.pk} placed while the victim's {left} live"
             break
         held_back += bool(alive)
         assert time.monotonic() < deadline, (
@@ -432,6 +437,7 @@ def test_a_job_that_loses_one_of_its_two_nodes_resumes_on_the_other_resharded(
     assert job.restarts == 1
     requeued = JobEvent.objects.filter(job=job, to_state="pending").order_by("at", "pk").last()
     assert requeued.reason.startswith("requeued:"), requeued.reason
+    down = NodeEvent.objects.filter(node=lost, to_state="down").latest("at")
     assert Run.objects.get(pk=lost_run.pk).state == "lost"
     assert not job.allocations.filter(ended_at__isnull=True).exists()
     # Read storage only now: a rename under way when the kill landed still completes.
@@ -454,17 +460,22 @@ def test_a_job_that_loses_one_of_its_two_nodes_resumes_on_the_other_resharded(
     (start,) = [e for e in _trainer_events(api, job, "start") if e["attempt"] == 2]
     assert start["world_size"] == SLOTS  # resharded: 2 ranks where there were 4
     assert resumed_from.world_size == NODES * SLOTS
+    assert Checkpoint.objects.get(pk=resumed_from.pk).state == "verified"
     losses = _losses(job, 2)
     assert min(losses) == newest + 1 and max(losses) == STEPS
     assert losses[STEPS] < _losses(job, 1)[1]
 
-    assert_no_slot_held_twice(ledger_spans([Node.objects.get(pk=n.pk) for n in nodes]))
+    # The kept node's two attempts, one after the other; the lost node's run never ended
+    # in its agent's eyes, and nothing ran there after it.
+    assert assert_no_slot_held_twice(ledger_spans(nodes)) == 1
     running = (job.finished_at - job.submitted_at).total_seconds()
     _say(
         capsys,
         "resume",
-        f"job {job.pk}: node {lost.name} killed at step ~{reached}; declared down and the job "
-        f"requeued {requeued.at.timestamp() - killed_at:.1f} s later; resumed from step "
-        f"{newest} on 1 node x {SLOTS} slots (world {SLOTS}, was {NODES} nodes x {SLOTS}, "
-        f"world {NODES * SLOTS}); all {STEPS} steps done, submitted -> succeeded {running:.1f} s",
+        f"job {job.pk}: node {lost.name} (agent and processes) killed at step ~{reached}; "
+        f"job requeued {requeued.at.timestamp() - killed_at:.1f} s later ({requeued.reason!r}), "
+        f"node down {down.at.timestamp() - killed_at:.1f} s; resumed from step {newest} on 1 "
+        f"node x {SLOTS} slots (world {SLOTS}; it was {NODES} nodes x {SLOTS}, world "
+        f"{NODES * SLOTS}): {started.reason!r}; all {STEPS} steps done, submitted -> "
+        f"succeeded {running:.1f} s",
     )
