@@ -251,13 +251,6 @@ def read_job_file(path: Path, *, uid: int | None, limit: int = 64 * 1024) -> byt
 AGENT_MODULE = __name__.rpartition(".")[0]
 
 
-@dataclass(frozen=True)
-class Process:
-    pid: int
-    parent: int
-    session: int
-
-
 def _uids(pid: int | str) -> tuple[int, int] | None:
     """A process's real and effective uid, or None once it is gone."""
     try:
@@ -271,25 +264,24 @@ def _uids(pid: int | str) -> tuple[int, int] | None:
     return None
 
 
-def _processes(uid: int) -> list[Process]:
-    """Every live process whose real or effective uid is `uid`, with its parent and session."""
-    found = []
+def _parents(uid: int) -> dict[int, int]:
+    """Every live process whose real or effective uid is `uid`, and its parent's id."""
+    found = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or uid not in (_uids(entry.name) or ()):
             continue
         try:
             with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as file:
-                # After the command's name (which may hold anything): state, ppid, pgrp, session.
-                fields = file.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+                # After the command's name (which may hold anything): state, then the parent.
+                found[int(entry.name)] = int(file.read().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
             continue
-        found.append(Process(int(entry.name), int(fields[1]), int(fields[3])))
     return found
 
 
 def processes_of(uid: int) -> list[int]:
     """Every live process whose real or effective uid is `uid`."""
-    return [p.pid for p in _processes(uid)]
+    return list(_parents(uid))
 
 
 def _is_agent(pid: int) -> bool:
@@ -307,29 +299,39 @@ def _is_agent(pid: int) -> bool:
     return any(a == b"-m" and b == module for a, b in itertools.pairwise(argv))
 
 
-def _live_run_sessions(processes: list[Process]) -> set[int]:
-    """The sessions of runs still going: each run starts in a session of its own, led by
-    the process an agent started. A daemon that left its run's session leads one whose
-    parent is init (or the process it forked from), never an agent."""
-    return {p.session for p in processes if p.pid == p.session and _is_agent(p.parent)}
+def _in_live_runs(parents: dict[int, int]) -> set[int]:
+    """The processes of runs still going: an agent starts each run's first process, and
+    everything that run starts descends from it (torchrun's workers too, though each is in
+    a session of its own). A daemon that left its run, or outlived it, was handed to init
+    (or the nearest subreaper): its line of parents reaches no agent."""
+    under_agent: dict[int, bool] = {}
+    for pid in parents:
+        line = []
+        while pid in parents and pid not in under_agent:
+            line.append(pid)
+            pid = parents[pid]
+        verdict = under_agent[pid] if pid in under_agent else _is_agent(pid)
+        under_agent.update(dict.fromkeys(line, verdict))
+    return {pid for pid, verdict in under_agent.items() if verdict}
 
 
-def live_runs_of(uid: int) -> int:
-    """How many runs of the job's user are still going on this machine (by any agent)."""
-    return len(_live_run_sessions(_processes(uid)))
+def runs_going_of(uid: int) -> bool:
+    """Whether a run of the job's user is still going on this machine (by any agent)."""
+    return bool(_in_live_runs(_parents(uid)))
 
 
 def stop_everything_of(uid: int, *, timeout_s: float = 5.0) -> int:
     """SIGKILL whatever the job's user still runs outside its runs still going (a daemon
-    that left the session, a double fork): nothing of a job outlives its run. Another run
-    of the same job is spared: another attempt on this node, or, on local nodes (one
-    machine), the job's run on another node. Returns how many were killed."""
+    that left the session, a double fork, workers whose launcher is gone): nothing of a
+    job outlives its run. Another run of the same job is spared, with all it started:
+    another attempt on this node, or, on local nodes (one machine), the job's run on
+    another node. Returns how many were killed."""
     killed: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        processes = _processes(uid)
-        live = _live_run_sessions(processes)
-        pids = [p.pid for p in processes if p.session not in live and p.pid != os.getpid()]
+        parents = _parents(uid)
+        going = _in_live_runs(parents)
+        pids = [pid for pid in parents if pid not in going and pid != os.getpid()]
         if not pids:
             break
         for pid in pids:

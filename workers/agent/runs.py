@@ -430,7 +430,7 @@ class Run:
             self.leftovers_killed = isolation.stop_everything_of(self.uid)
             if self.leftovers_killed:
                 self.note(f"killed {self.leftovers_killed} process(es) the run left behind")
-            if not isolation.live_runs_of(self.uid):  # else they may be that run's
+            if not isolation.runs_going_of(self.uid):  # else they may be that run's
                 isolation.remove_temporary_files_of(self.uid)
         for reader in self._readers:
             reader.join(timeout=5)  # the last lines first
