@@ -268,8 +268,21 @@ def workers_of(torchrun_pid: int) -> list[Worker]:
     return sorted(workers, key=lambda w: w.rank)
 
 
+def node_directory(node: Node) -> Path:
+    """The node's directory, where its agent keeps its files: local and SSH nodes are both
+    directories of this machine here."""
+    provider, spec = provider_for(node)
+    return Path(provider.node_dir(spec))
+
+
 def run_directory(run: Run) -> Path:
-    """The run's directory on its node (run.json, status.json, tmp/), as the agent made it:
-    local and SSH nodes are both directories of this machine here."""
-    provider, spec = provider_for(run.node)
-    return Path(provider.node_dir(spec)) / "runs" / f"run-{run.pk}"
+    """The run's directory on its node (run.json, status.json, tmp/), as the agent made it."""
+    return node_directory(run.node) / "runs" / f"run-{run.pk}"
+
+
+def agent_ledger(node: Node) -> list[dict]:
+    """The node agent's own record of the runs it started and saw end (runs.jsonl)."""
+    from workers.agent.agent import LEDGER_FILE
+    from workers.agent.runs import Ledger
+
+    return Ledger(node_directory(node) / LEDGER_FILE).read()

@@ -6,4 +6,5 @@ no Django and may have no third-party packages at all.
 """
 
 # The control plane upgrades agents that report an older version than its own.
-VERSION = "1.2.0"  # 1.1: checkpoint reports and requests; 1.2: each job as its own user
+VERSION = "1.2.1"  # 1.1: checkpoint reports and requests; 1.2: each job as its own user;
+# 1.2.1: a run that ends spares the other runs of its job still going

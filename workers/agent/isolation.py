@@ -17,6 +17,7 @@ links; a directory left from an earlier start is removed, never reused.
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import shutil
@@ -246,32 +247,91 @@ def read_job_file(path: Path, *, uid: int | None, limit: int = 64 * 1024) -> byt
 # --- what a job leaves behind ------------------------------------------------------------------
 
 
-def processes_of(uid: int) -> list[int]:
-    """Every live process whose real or effective uid is `uid`."""
-    found = []
+# The module every node agent runs as (`python3 -m workers.agent`).
+AGENT_MODULE = __name__.rpartition(".")[0]
+
+
+def _uids(pid: int | str) -> tuple[int, int] | None:
+    """A process's real and effective uid, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as file:
+            for line in file:
+                if line.startswith("Uid:"):
+                    real, effective = line.split()[1:3]
+                    return int(real), int(effective)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return None
+
+
+def _parents(uid: int) -> dict[int, int]:
+    """Every live process whose real or effective uid is `uid`, and its parent's id."""
+    found = {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or uid not in (_uids(entry.name) or ()):
             continue
         try:
-            with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as file:
-                for line in file:
-                    if line.startswith("Uid:"):
-                        real, effective = line.split()[1:3]
-                        if uid in (int(real), int(effective)):
-                            found.append(int(entry.name))
-                        break
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as file:
+                # After the command's name (which may hold anything): state, then the parent.
+                found[int(entry.name)] = int(file.read().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
             continue
     return found
 
 
+def processes_of(uid: int) -> list[int]:
+    """Every live process whose real or effective uid is `uid`."""
+    return list(_parents(uid))
+
+
+def _is_agent(pid: int) -> bool:
+    """This agent, or another node's agent on this machine (local nodes share one): a
+    process of the agent's own user running the agent module, which no job can start."""
+    if pid == os.getpid():
+        return True
+    if pid <= 1 or (_uids(pid) or (None, None))[1] != os.geteuid():
+        return False
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    module = AGENT_MODULE.encode()
+    return any(a == b"-m" and b == module for a, b in itertools.pairwise(argv))
+
+
+def _in_live_runs(parents: dict[int, int]) -> set[int]:
+    """The processes of runs still going: an agent starts each run's first process, and
+    everything that run starts descends from it (torchrun's workers too, though each is in
+    a session of its own). A daemon that left its run, or outlived it, was handed to init
+    (or the nearest subreaper): its line of parents reaches no agent."""
+    under_agent: dict[int, bool] = {}
+    for pid in parents:
+        line = []
+        while pid in parents and pid not in under_agent:
+            line.append(pid)
+            pid = parents[pid]
+        verdict = under_agent[pid] if pid in under_agent else _is_agent(pid)
+        under_agent.update(dict.fromkeys(line, verdict))
+    return {pid for pid, verdict in under_agent.items() if verdict}
+
+
+def runs_going_of(uid: int) -> bool:
+    """Whether a run of the job's user is still going on this machine (by any agent)."""
+    return bool(_in_live_runs(_parents(uid)))
+
+
 def stop_everything_of(uid: int, *, timeout_s: float = 5.0) -> int:
-    """SIGKILL whatever the job's user still runs (a daemon that left the session, a
-    double fork): nothing of a job outlives its run. Returns how many were killed."""
+    """SIGKILL whatever the job's user still runs outside its runs still going (a daemon
+    that left the session, a double fork, workers whose launcher is gone): nothing of a
+    job outlives its run. Another run of the same job is spared, with all it started:
+    another attempt on this node, or, on local nodes (one machine), the job's run on
+    another node. Returns how many were killed."""
     killed: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pids = [pid for pid in processes_of(uid) if pid != os.getpid()]
+        parents = _parents(uid)
+        going = _in_live_runs(parents)
+        pids = [pid for pid in parents if pid not in going and pid != os.getpid()]
         if not pids:
             break
         for pid in pids:

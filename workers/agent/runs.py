@@ -430,7 +430,8 @@ class Run:
             self.leftovers_killed = isolation.stop_everything_of(self.uid)
             if self.leftovers_killed:
                 self.note(f"killed {self.leftovers_killed} process(es) the run left behind")
-            isolation.remove_temporary_files_of(self.uid)
+            if not isolation.runs_going_of(self.uid):  # else they may be that run's
+                isolation.remove_temporary_files_of(self.uid)
         for reader in self._readers:
             reader.join(timeout=5)  # the last lines first
         status = None

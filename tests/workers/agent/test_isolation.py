@@ -127,6 +127,50 @@ def test_what_a_run_leaves_behind_is_killed_and_its_temporary_files_removed(node
 
 
 @as_root
+def test_a_run_that_ends_spares_another_run_of_its_job_still_going(node_dir):
+    """Two runs of one job on one machine (another attempt on this node; on local nodes,
+    which share a machine, the job's run on another node): the first to end kills what it
+    left behind, not the other run nor the workers it started in sessions of their own (as
+    torchrun does), and leaves the temporary files to the last one."""
+    uid = DEFAULT_UID_BASE + 12
+    kept = Path("/tmp") / f"cp-kept-{os.getpid()}"
+    worker = f"import time; open({str(kept)!r}, 'w').write('in use'); time.sleep(60)"
+    going = _run(
+        node_dir,
+        "import subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True).wait()",
+        job=12,
+        run_id=1,
+    )
+    going.start()
+    deadline = time.monotonic() + 10
+    while not kept.exists():
+        assert time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.05)
+    started = sorted(isolation.processes_of(uid))
+    assert len(started) == 2  # the launcher and its worker
+    daemon = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(300)\n"
+        "    os._exit(0)\n"
+    )
+    ending = _run(node_dir, daemon, job=12, run_id=2)
+    ending.start()
+    assert _finish(ending)["exit_code"] == 0
+    assert ending.leftovers_killed >= 1  # its daemon
+    assert going.process.poll() is None, "the other run was killed"
+    assert sorted(isolation.processes_of(uid)) == started
+    assert kept.read_text() == "in use"
+    going.stop(reason="test over", grace_s=1)
+    _finish(going)
+    assert isolation.processes_of(uid) == []
+    assert not kept.exists()
+
+
+@as_root
 def test_a_status_file_that_is_a_link_is_not_followed(node_dir):
     secret = node_dir / "agent.env"
     secret.write_text("CONTROLPLANE_NODE_TOKEN=cpn_not_for_jobs\n")
