@@ -81,6 +81,43 @@ def test_the_redis_lock_expires_when_its_holder_dies():
         assert taken is True
 
 
+@pytest.mark.redis
+def test_a_held_lock_is_renewed_past_its_lease_and_lapses_soon_after_a_lost_release():
+    """The lease is renewed while its holder works; a release Redis never saw (Redis
+    down at that moment) or a holder that died keeps the lock one lease, not minutes."""
+    from django.core.cache import cache
+
+    with single_flight("test.lease", ttl_s=30, lease_s=1) as held:
+        assert held is True
+        time.sleep(2.5)  # well past one lease: renewed meanwhile
+        with single_flight("test.lease", ttl_s=30, lease_s=1) as second:
+            assert second is False
+        token = cache.get("lock:test.lease")
+    # The release Redis never saw: the same token put back, as if the delete was lost.
+    cache.set("lock:test.lease", token, timeout=1)
+    with single_flight("test.lease", ttl_s=30) as right_after:
+        assert right_after is False
+    time.sleep(1.3)
+    with single_flight("test.lease", ttl_s=30) as after_the_lease:
+        assert after_the_lease is True
+
+
+def test_a_lock_the_cache_cannot_take_reads_as_held_elsewhere(settings):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "controlplane.cache.SharedClientRedisCache",
+            "LOCATION": f"redis://127.0.0.1:{port}/0",
+        }
+    }
+    with single_flight("test.gone", ttl_s=5) as taken:
+        assert taken is False
+
+
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_concurrent_sweeps_move_each_node_once(settings):

@@ -12,7 +12,6 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from django.core.cache import cache
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.utils import timezone
 
@@ -25,6 +24,7 @@ from apps.jobs.models.jobs import LAST_PASS_KEY, NOT_STARTED_STATES, STARTED_STA
 from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
 from controlplane.bulk import InArray, fetch_rows, insert_rows, int_array
+from controlplane.cache import best_effort
 
 log = logging.getLogger(__name__)
 
@@ -290,12 +290,14 @@ def _write_reasons(rows: list[tuple[int, str, dt.datetime | None]]) -> None:
 def _advance_usage(ctx: ReadContext) -> None:
     """Add what each team held since the last pass (scaled; decay needs no write)."""
     now = ctx.now
-    last = cache.get(LAST_PASS_KEY)
+    # With the cache down this pass adds nothing and leaves the key as it was: the first
+    # pass once it is back adds the whole time since the last one that could write it.
+    last = best_effort.get(LAST_PASS_KEY)
     # Once committed: a pass rolled back added no usage, and its reasons are not there to
     # be read (Job.pending_reason reads this key too).
-    transaction.on_commit(lambda: cache.set(LAST_PASS_KEY, now.timestamp(), timeout=None))
+    transaction.on_commit(lambda: best_effort.set(LAST_PASS_KEY, now.timestamp(), timeout=None))
     if last is None:
-        return  # the first pass (or the cache was lost): nothing to add yet
+        return  # the first pass (or the cache was lost or is down): nothing to add yet
     elapsed = max(now.timestamp() - last, 0.0)
     scale = decay_scale(now)
     rows = [

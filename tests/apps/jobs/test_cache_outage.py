@@ -58,3 +58,17 @@ def test_submissions_and_pages_answer_while_the_cache_is_gone(
     client.force_login(researcher)
     queue = client.get("/jobs/")
     assert queue.status_code == 200 and "through-django" in queue.content.decode()
+
+
+def test_a_scheduling_pass_places_jobs_while_the_cache_is_gone(
+    fleet_pool, quota, team, researcher, redis_gone
+):
+    """The pass reads what it needs from PostgreSQL when Redis is down: it still places."""
+    from apps.jobs import services
+    from apps.jobs.scheduler.run import scheduling_pass
+
+    job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
+    scheduling_pass()
+    scheduling_pass()  # a second pass adds usage since the first
+    job.refresh_from_db()
+    assert job.state == "admitted"
