@@ -326,6 +326,13 @@ CELERY_BEAT_SCHEDULE["jobs-schedule"] = {
     "schedule": float(SCHEDULE_EVERY_S),
 }
 CELERY_BEAT_SCHEDULE["jobs-reconcile"] = {"task": "jobs.reconcile", "schedule": 60.0}
+# A placed job whose dispatch was lost is dispatched again this long after its placement,
+# by a sweep every half of it: within 1.5 × DISPATCH_REDRIVE_S.
+DISPATCH_REDRIVE_S = env_int("DISPATCH_REDRIVE_S", 10)
+CELERY_BEAT_SCHEDULE["jobs-redispatch"] = {
+    "task": "jobs.redispatch",
+    "schedule": DISPATCH_REDRIVE_S / 2,
+}
 CELERY_BEAT_SCHEDULE["jobs-purge-logs"] = {"task": "jobs.purge_logs", "schedule": 3600.0}
 
 # Dispatch: where agents reach the control plane, the range of rendezvous ports (each

@@ -745,6 +745,26 @@ def jobs_on_down_nodes() -> list[int]:
     return jobs_on_lost_nodes(node_ids=lost)
 
 
+def jobs_admitted_redrive(*, now: dt.datetime | None = None, dispatch=None) -> int:
+    """Dispatch the jobs placed more than DISPATCH_REDRIVE_S ago and still ADMITTED: their
+    dispatch message was lost, or the worker died before it wrote their plans (a broker
+    would redeliver it only after its visibility timeout, an hour on Redis). Dispatching a
+    job twice skips it the second time. Returns how many were dispatched."""
+    now = now or timezone.now()
+    cutoff = now - dt.timedelta(seconds=settings.DISPATCH_REDRIVE_S)
+    dispatched = 0
+    for job_id in (
+        Job.objects.live()
+        .filter(state=J.ADMITTED, state_changed_at__lt=cutoff)
+        .values_list("id", flat=True)
+    ):
+        if dispatch is not None:
+            dispatched += bool(dispatch(job_id))
+        elif job_dispatch(job_id=job_id) is not None:
+            dispatched += 1
+    return dispatched
+
+
 def jobs_stuck_redrive(*, now: dt.datetime | None = None, dispatch=None) -> dict[str, int]:
     """Jobs whose plans no agent started in time, and jobs past their time limit.
 
@@ -763,16 +783,7 @@ def jobs_stuck_redrive(*, now: dt.datetime | None = None, dispatch=None) -> dict
             if locked.state in (J.PROVISIONING, J.STARTING):
                 _requeue(locked, f"not started within {settings.JOB_START_TIMEOUT_S}s")
                 counts["requeued"] += 1
-    admitted_cutoff = now - dt.timedelta(seconds=60)
-    for job_id in (
-        Job.objects.live()
-        .filter(state=J.ADMITTED, state_changed_at__lt=admitted_cutoff)
-        .values_list("id", flat=True)
-    ):
-        if dispatch is not None:
-            counts["dispatched"] += bool(dispatch(job_id))
-        elif job_dispatch(job_id=job_id) is not None:
-            counts["dispatched"] += 1
+    counts["dispatched"] = jobs_admitted_redrive(now=now, dispatch=dispatch)
     for job in Job.objects.live().filter(state=J.RUNNING, started_at__isnull=False):
         if job.started_at + dt.timedelta(seconds=job.time_limit_s) < now:
             with transaction.atomic():

@@ -51,6 +51,22 @@ def reconcile() -> dict:
             }
 
 
+@shared_task(name="jobs.redispatch", acks_late=True, reject_on_worker_lost=True)
+def redispatch() -> dict:
+    """Dispatch placed jobs whose dispatch was lost (apps/jobs/dispatch.jobs_admitted_redrive)."""
+    from apps.accounts.context import Origin, acting_from
+    from apps.jobs.dispatch import jobs_admitted_redrive
+
+    with single_flight("jobs.redispatch", ttl_s=60) as got_it:
+        if not got_it:
+            return {"skipped": "another redispatch is running"}
+        with acting_from(Origin(channel="task", label="task:jobs.redispatch")):
+            done = jobs_admitted_redrive(
+                dispatch=lambda job_id: dispatch_one(job_id) == "dispatched"
+            )
+            return {"dispatched": done}
+
+
 def dispatch_one(job_id: int) -> str:
     """Dispatch one placed job: "dispatched", "waiting" (its new nodes are still listing its
     checkpoint directory or checking newer checkpoints: ask again soon) or "skipped".

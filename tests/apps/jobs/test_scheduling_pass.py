@@ -507,3 +507,24 @@ def test_two_teams_share_a_node_of_a_shared_pool_whose_agents_run_jobs_as_users(
     assert scheduling_pass().placed == 2
     first, second = _nodes_of(jobs)
     assert first == second
+
+
+def test_a_placed_job_whose_dispatch_was_lost_is_dispatched_within_fifteen_seconds(
+    fleet_pool, quota, team, researcher, settings
+):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from workers.tasks.jobs import redispatch
+
+    job = submit(team, researcher)
+    scheduling_pass()  # placed; suppose its dispatch message is lost with its worker
+    assert redispatch() == {"dispatched": 0}  # too soon: its own dispatch may be under way
+    placed = timezone.now() - dt.timedelta(seconds=settings.DISPATCH_REDRIVE_S + 1)
+    Job.objects.filter(pk=job.pk).update(state_changed_at=placed)
+    assert redispatch() == {"dispatched": 1}
+    job.refresh_from_db()
+    assert job.state == JobState.STARTING
+    beat = settings.CELERY_BEAT_SCHEDULE["jobs-redispatch"]
+    assert settings.DISPATCH_REDRIVE_S + beat["schedule"] <= 15
