@@ -97,11 +97,14 @@ def _apply_placements(
         accepted.append((placement, slots))
     if not accepted:
         return
+    # Stamped now, with the nodes locked, not at the pass's start: GPUs another job let go
+    # of since then were let go before this, so no node is ever booked past its GPUs.
+    stamped = timezone.now()
     insert_rows(
         Allocation,
         ("job", "node", "gpus", "gpu_slots", "started_at", "ended_at", "release_wanted"),
         (
-            (p.job_id, node_id, gpus, mask, now, None, False)
+            (p.job_id, node_id, gpus, mask, stamped, None, False)
             for p, slots in accepted
             for node_id, gpus, mask in slots
         ),

@@ -163,3 +163,27 @@ def test_slot_masks():
     assert slots_of(mask_of([0, 3, 5])) == [0, 3, 5]
     assert lowest_free(0b1011, count=2, size=8) == 0b10100
     assert lowest_free(0b1111, count=5, size=8) == 0  # only four free
+
+
+def test_a_placement_is_stamped_after_the_gpus_it_takes_were_let_go(
+    fleet_pool, quota, team, researcher
+):
+    """A pass read at t0; GPUs let go at t1 > t0 go to a job it places: that allocation
+    starts at t1 or later, so the node is never booked past its GPUs at any moment."""
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from apps.jobs.scheduler import snapshot as plain
+    from apps.jobs.scheduler.apply import Applied, _apply_placements
+
+    read_at = timezone.now() - dt.timedelta(seconds=5)  # the pass's read, before the release
+    first = submit(team, researcher, resources={"gpu_type": "H100", "gpus": 8})
+    scheduling_pass()
+    node_id = Allocation.objects.get(job=first).node_id
+    services.job_cancel(job=first, by=None)
+    freed = Allocation.objects.get(job=first).ended_at
+    second = submit(team, researcher, resources={"gpu_type": "H100", "gpus": 8})
+    placement = plain.Placement(job_id=second.pk, pool_id=fleet_pool.pk, node_gpus=((node_id, 8),))
+    _apply_placements([placement], now=read_at, reasons={}, applied=Applied())
+    assert Allocation.objects.get(job=second).started_at >= freed
