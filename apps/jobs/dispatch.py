@@ -49,7 +49,13 @@ R = RunState
 
 # What a run's process may write to its status file to say it stopped for the
 # infrastructure, not because of its own code (the trainer writes these).
-INFRASTRUCTURE_EXITS = {"preempted", "spot_interruption", "node_lost", "collective_timeout"}
+INFRASTRUCTURE_EXITS = {
+    "preempted",
+    "spot_interruption",
+    "node_lost",
+    "collective_timeout",
+    "storage",
+}
 SPOT_REASON = "spot interruption notice"
 # A dispatch that loses its chosen rendezvous port to a concurrent one chooses again, this
 # many times in all; a port an agent found busy is not chosen on its host for this long.

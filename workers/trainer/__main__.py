@@ -11,11 +11,16 @@ import traceback
 
 
 def classify(error: BaseException) -> str:
-    """code_error for the job's own failures; collective_timeout for stuck or broken collectives."""
+    """code_error for the job's own failures; collective_timeout for stuck or broken collectives;
+    storage for a checkpoint the disk could not take."""
     try:
         import torch.distributed as dist
+
+        from workers.trainer.checkpoint import StorageError
     except ImportError:
         return "code_error"
+    if isinstance(error, StorageError):
+        return "storage"
     kinds = tuple(
         getattr(dist, name)
         for name in ("DistBackendError", "DistNetworkError")
@@ -53,9 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:  # every failure must leave a reason behind
         traceback.print_exc()
         sys.stderr.flush()
+        reason = classify(error)
         last_line = traceback.format_exception_only(type(error), error)[-1].strip()
+        if reason == "storage":  # its message is written for people; the class adds nothing
+            last_line = str(error)
         write_status(
-            classify(error),
+            reason,
             step=progress.step if progress else 0,
             message=last_line,
             rank=rank,

@@ -22,12 +22,20 @@ A step saved again (a run that resumed from before it) moves the old
 directory aside as `.replaced-step-…-<ns>` and says so in its record
 ("replaced"), so whoever keeps the registry knows where those files went.
 
+Room: before each save the ranks agree whether the directory's filesystem has the
+bytes the checkpoint needs (the larger of the state's tensors and the newest committed
+checkpoint, plus a tenth); if not, no byte is written and StorageError says how much is
+needed and free. A save that fails on storage part-way removes its own temporary
+directory; a committed checkpoint is never removed to make room. Either way the run
+ends with the exit reason "storage", which the control plane retries.
+
 Multi-node jobs must checkpoint to a path every node sees: a probe file from
 rank 0 checks that before training starts. Optionally rank 0 copies each
 committed checkpoint to S3 (boto3) in the background, manifest last.
 """
 
 import base64
+import errno
 import hashlib
 import json
 import os
@@ -58,6 +66,56 @@ FORMAT = 1
 UPLOAD_RETRY_DELAYS_S = (5.0, 30.0, 120.0)
 # Optimizer state keyed by parameter name, so it reshards like the model's.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# What a save may need beyond its estimate: DCP's metadata, the manifest, serialisation.
+ROOM_MARGIN = 1.1
+# How storage failures read once DCP and torch.save have wrapped them: the zip writer's
+# "unexpected pos" is a short write, the rest are the OS's words.
+STORAGE_SIGNS = (
+    "no space left",
+    "disk quota exceeded",
+    "read-only file system",
+    "input/output error",
+    "unexpected pos",
+    "file write failed",
+)
+
+
+class StorageError(Exception):
+    """The checkpoint directory's storage cannot take the save: the infrastructure's failure."""
+
+
+def _causes(error: BaseException) -> list[tuple[int | None, BaseException]]:
+    """The ranks' own errors inside DCP's CheckpointException, or the error itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # Each failure is (the exception, its traceback summary).
+        return [
+            (rank, wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+            for rank, wrapped in failures.items()
+        ]
+    return [(None, error)]
+
+
+def is_storage_failure(error: BaseException) -> bool:
+    return any(_is_storage(cause) for _, cause in _causes(error))
+
+
+def _is_storage(error: BaseException) -> bool:
+    if isinstance(error, StorageError):
+        return True
+    if isinstance(error, OSError) and error.errno in (
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EROFS,
+        errno.EIO,
+    ):
+        return True
+    text = str(error).lower()
+    return any(sign in text for sign in STORAGE_SIGNS)
+
+
+def _gb(size: float) -> str:
+    return f"{size / 1e9:.1f} GB"
 
 
 def step_dir_name(step: int) -> str:
@@ -176,11 +234,27 @@ class Checkpointer:
             shutil.rmtree(temporary)
         dist.barrier()
         state, _ = self._state()
-        dcp.save(state, checkpoint_id=str(temporary))
-        files = self._hash_files(temporary)
-        record = None
-        if self.world.is_logger:
-            record = self._commit(step, loss, temporary, final, files)
+        self._check_room(step, state)
+        try:
+            dcp.save(state, checkpoint_id=str(temporary))
+            files = self._hash_files(temporary)
+            record = None
+            if self.world.is_logger:
+                record = self._commit(step, loss, temporary, final, files)
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
+            if not is_storage_failure(error):
+                raise
+            # Every rank sees the failure (DCP gathers the ranks' outcomes); whichever gets
+            # here first removes the partial save, which no one will finish.
+            shutil.rmtree(temporary, ignore_errors=True)
+            rank, cause = next(c for c in _causes(error) if _is_storage(c[1]))
+            where = f" (rank {rank})" if rank is not None else ""
+            message = (
+                f"checkpoint: step {step} could not be written to {self.directory}{where}: "
+                f"{type(cause).__name__}: {cause}"
+            )
+            self._say_storage(step, message)
+            raise StorageError(message) from error
         dist.barrier()
         self._last_saved_at = time.monotonic()
         if self.world.is_logger:
@@ -188,6 +262,47 @@ class Checkpointer:
             if self.settings.s3:
                 self._copy_to_s3(final, step)
         return record
+
+    def _check_room(self, step: int, state: dict) -> None:
+        """Refuse the save, on every rank alike, when the directory lacks the room for it.
+
+        The ranks gather the whole size of each tensor they hold, by name (DCP writes a
+        replicated tensor once, so a name counts once), with rank 0's view of the newest
+        committed checkpoint and of the free space (the directory is one filesystem for
+        all ranks: multi-node jobs need a shared one); every rank then decides alike.
+        """
+        newest, free = 0, 0
+        if self.world.is_logger:
+            found = committed(self.directory)
+            if found:
+                newest = sum(p.stat().st_size for p in found[0].iterdir() if p.is_file())
+            stats = os.statvfs(self.directory)
+            free = stats.f_bavail * stats.f_frsize
+        gathered: list = [None] * self.world.size
+        dist.all_gather_object(gathered, (_tensor_sizes(state), newest, free))
+        sizes = {}
+        for part, _, _ in gathered:
+            sizes.update(part)
+        _, newest, free = gathered[0]
+        written = sum(sizes.values())
+        needed = max(written, newest) * ROOM_MARGIN
+        if needed <= free:
+            return
+        message = f"checkpoint: needs {_gb(needed)} at {self.directory}, {_gb(free)} free"
+        self._say_storage(step, message)
+        raise StorageError(message)
+
+    def _say_storage(self, step: int, message: str) -> None:
+        if self.world.is_logger:
+            metrics.emit(
+                {
+                    "event": "checkpoint_failed",
+                    "step": step,
+                    "reason": "storage",
+                    "message": message,
+                    "time": time.time(),
+                }
+            )
 
     def _hash_files(self, temporary: Path) -> dict:
         """Every file's size and SHA-256, the ranks taking turns through the sorted list."""
@@ -386,6 +501,22 @@ class Checkpointer:
                 }
             )
         return step
+
+
+def _tensor_sizes(state, prefix: str = "") -> dict[str, int]:
+    """Each tensor's whole size in bytes (a sharded one's, not this rank's shard), by name."""
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    elif isinstance(state, torch.Tensor):  # a DTensor's numel is the whole tensor's
+        return {prefix: state.numel() * state.element_size()}
+    else:
+        return {}
+    sizes = {}
+    for key, value in items:
+        sizes.update(_tensor_sizes(value, f"{prefix}/{key}"))
+    return sizes
 
 
 def _step_of(path: Path) -> int:

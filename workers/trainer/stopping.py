@@ -6,9 +6,11 @@ why it stopped to the file named by CONTROLPLANE_STATUS_FILE, as JSON:
 "preempted" (a stop signal; a checkpoint was committed first), "code_error"
 (the job's own failure: the message is the traceback's last line) and
 "collective_timeout" (a collective never completed or a peer went away: the
-infrastructure's failure). The workers of one node share the file; a more
-telling reason is never overwritten by a less telling one (code_error beats
-collective_timeout, which beats preempted and finished), so the rank whose
+infrastructure's failure) and "storage" (the checkpoint directory could not
+take a save: also the infrastructure's). The workers of one node share the
+file; a more telling reason is never overwritten by a less telling one
+(code_error beats storage, which beats collective_timeout, which beats
+preempted and finished), so the rank whose
 code failed names the cause even when its peers fail after it.
 """
 
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 
 STATUS_FILE_VARIABLE = "CONTROLPLANE_STATUS_FILE"
-RANKING = {"finished": 0, "preempted": 1, "collective_timeout": 2, "code_error": 3}
+RANKING = {"finished": 0, "preempted": 1, "collective_timeout": 2, "storage": 3, "code_error": 4}
 
 
 class StopSignal:

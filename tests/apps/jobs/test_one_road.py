@@ -127,6 +127,37 @@ def test_a_requeue_keeps_the_gpus_of_a_rank_still_running_until_it_ends(
     assert held.ended_at is not None
 
 
+@pytest.mark.parametrize(
+    ("status", "state", "restarts"),
+    [
+        # A checkpoint the disk could not take: the storage's failure, retried.
+        (
+            {"reason": "storage", "message": "checkpoint: needs 13.2 GB at /ckpt, 4.1 GB free"},
+            JobState.PENDING,
+            1,
+        ),
+        # The same exit code with the job's own error: FAILED, not retried.
+        ({"reason": "code_error", "message": "ValueError: bad"}, JobState.FAILED, 0),
+    ],
+)
+def test_a_run_that_ran_out_of_checkpoint_storage_is_requeued(
+    fleet_pool, quota, team, researcher, status, state, restarts
+):
+    job = submit(team, researcher, resources={"gpu_type": "H100", "gpus": 8})
+    (run,) = started(job)
+    run_report(
+        node_id=run.node_id,
+        run_id=run.pk,
+        report={"state": "exited", "exit_code": 1, "status": status},
+    )
+    job.refresh_from_db()
+    assert job.state == state
+    assert job.restarts == restarts
+    if state == JobState.PENDING:
+        assert job.state_reason.startswith("requeued:")
+        assert job.state_reason.endswith("(infrastructure)")
+
+
 def test_jobs_sharing_a_node_get_gpus_of_their_own_and_see_only_those(
     fleet_pool, quota, team, researcher
 ):

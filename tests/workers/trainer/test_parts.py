@@ -228,6 +228,7 @@ def test_a_weightier_exit_reason_is_not_overwritten(tmp_path, monkeypatch):
     write_status("code_error", step=4, message="ValueError: bad", rank=0)
     write_status("collective_timeout", step=4, message="peer gone", rank=2)
     write_status("finished", step=4, rank=3)
+    write_status("storage", step=4, message="checkpoint: needs 1.0 GB", rank=4)
 
     recorded = json.loads(status.read_text())
     assert recorded["reason"] == "code_error"
@@ -236,11 +237,30 @@ def test_a_weightier_exit_reason_is_not_overwritten(tmp_path, monkeypatch):
 
 def test_errors_are_classified_as_the_job_s_or_the_infrastructure_s():
     from workers.trainer.__main__ import classify
+    from workers.trainer.checkpoint import StorageError
 
     assert classify(ValueError("shapes do not match")) == "code_error"
     assert classify(RuntimeError("CUDA out of memory")) == "code_error"
     assert classify(RuntimeError("Timed out waiting 600000ms for recv")) == "collective_timeout"
     assert classify(torch.distributed.DistNetworkError("Connection reset")) == "collective_timeout"
+    assert classify(StorageError("checkpoint: needs 13.2 GB at /c, 4.1 GB free")) == "storage"
+    # Unwrapped, the same words are the job's own (the checkpointer wraps what it saw fail).
+    assert classify(OSError(28, "No space left on device")) == "code_error"
+
+
+def test_storage_failures_are_told_from_others_also_inside_dcp_s_exception():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from workers.trainer.checkpoint import is_storage_failure
+
+    assert is_storage_failure(OSError(28, "No space left on device"))
+    assert is_storage_failure(
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    )
+    assert not is_storage_failure(RuntimeError("CUDA out of memory"))
+    wrapped = CheckpointException("save failed", {1: (OSError(28, "No space left on device"), [])})
+    assert is_storage_failure(wrapped)
+    assert not is_storage_failure(CheckpointException("save failed", {0: (ValueError("bad"), [])}))
 
 
 def test_the_env_event_names_the_rank_and_keeps_only_nccl_torch_nccl_and_efa_variables():

@@ -21,6 +21,7 @@ two cores for all of it.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -461,3 +462,84 @@ def test_without_a_named_checkpoint_it_starts_over_and_says_which_step_it_moved_
     aside = saved_again["replaced"]
     assert ".replaced-step-00000002-" in aside
     assert json.loads((Path(aside) / "manifest.json").read_text())["step"] == 2
+
+
+# --- a full disk: refused before writing, or cleaned up after failing; never blamed on the job ----
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of its own, so a test can fill it for real; resized with remount()."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a small tmpfs needs root")
+    where = tmp_path / "disk"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def remount(where: Path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(where)], check=True)
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_a_disk_without_room_refuses_the_save_and_reports_storage(scratch, dataset, small_disk):
+    checkpoints = small_disk / "checkpoints"
+    checkpoint = {"dir": str(checkpoints), "every_steps": 2}
+    train(run_config(dataset, checkpoint=checkpoint, steps=2), scratch / "room-first")
+    (kept,) = [p.name for p in checkpoints.iterdir()]
+    before = files_of(checkpoints / kept)
+    size = sum(len(body) for body in before.values())
+    used = os.statvfs(small_disk)
+    used_bytes = (used.f_blocks - used.f_bfree) * used.f_frsize
+    # Room for half of another checkpoint like it: too little, before a byte is written.
+    remount(small_disk, f"size={used_bytes + size // 2}")
+
+    workdir = scratch / "room-refused"
+    config = run_config(dataset, checkpoint=checkpoint, steps=4, layout={"dp_shard": 2})
+    run = finish(launch(config, workdir, nproc=2), workdir)
+
+    assert run.returncode != 0
+    assert run.status["reason"] == "storage", run.output[-3000:]
+    pattern = rf"checkpoint: needs \d+\.\d GB at {checkpoints}, \d+\.\d GB free"
+    assert re.fullmatch(pattern, run.status["message"]), run.status["message"]
+    (failed,) = run.of("checkpoint_failed")
+    assert failed["step"] == 4 and failed["message"] == run.status["message"]
+    assert [p.name for p in checkpoints.iterdir()] == [kept]  # no temporary left
+    assert files_of(checkpoints / kept) == before
+
+
+def test_a_save_that_fails_on_storage_part_way_removes_only_its_own_temporary(
+    scratch, dataset, small_disk
+):
+    checkpoints = small_disk / "checkpoints"
+    checkpoint = {"dir": str(checkpoints), "every_steps": 2}
+    train(run_config(dataset, checkpoint=checkpoint, steps=2), scratch / "inodes-first")
+    (kept,) = [p.name for p in checkpoints.iterdir()]
+    before = files_of(checkpoints / kept)
+    # Bytes to spare but one inode left: the temporary directory is made, its first shard
+    # file is not (ENOSPC), after the check on free bytes has passed.
+    stats = os.statvfs(small_disk)
+    remount(small_disk, f"nr_inodes={stats.f_files - stats.f_ffree + 1}")
+
+    workdir = scratch / "inodes-failed"
+    run = finish(
+        launch(run_config(dataset, checkpoint=checkpoint, steps=4), workdir, nproc=1), workdir
+    )
+
+    assert run.returncode != 0
+    assert run.status["reason"] == "storage", run.output[-3000:]
+    assert run.status["message"].startswith(
+        f"checkpoint: step 4 could not be written to {checkpoints}"
+    )
+    assert "No space left on device" in run.status["message"]
+    assert [p.name for p in checkpoints.iterdir()] == [kept]  # .tmp-step-00000004 removed
+    assert files_of(checkpoints / kept) == before
