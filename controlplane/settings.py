@@ -185,6 +185,10 @@ CELERY_BEAT_SCHEDULE = {
 # Node agents: how often they heartbeat, how long a node token's look-up is cached,
 # and the health limits past which a node is drained (apps/fleet/agents.py).
 AGENT_HEARTBEAT_S = env_int("AGENT_HEARTBEAT_S", 5)
+# A node whose last written heartbeat is older than this takes no new work (it is not yet
+# SUSPECT): one missed heartbeat, on top of the sweep's period (heartbeats reach the
+# database only when the sweep flushes them), and a margin for the flush itself.
+NODE_QUIET_AFTER_S = env_int("NODE_QUIET_AFTER_S", NODE_SWEEP_EVERY_S + 2 * AGENT_HEARTBEAT_S)
 AGENT_VERSION = AGENT_PACKAGE_VERSION  # agents older than the one shipped are upgraded
 NODE_TOKEN_CACHE_S = env_int("NODE_TOKEN_CACHE_S", 300)
 GPU_MAX_TEMPERATURE_C = env_int("GPU_MAX_TEMPERATURE_C", 90)

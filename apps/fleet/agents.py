@@ -3,8 +3,9 @@
 A heartbeat is the fleet's most frequent write (10,000 nodes every few seconds),
 so it only lands in the cache (`node_heartbeat_land`); the sweep task writes
 what landed to the database in batches (`nodes_heartbeats_flush`), moves nodes
-whose heartbeats resumed back from SUSPECT, and drains nodes that fail a health
-check, but never more than a fifth of a pool.
+whose heartbeats resumed back from SUSPECT (and DOWN ones through their health
+checks), and drains nodes that fail a health check, but never more than a fifth
+of a pool.
 """
 
 import datetime as dt
@@ -230,10 +231,11 @@ def isolation_problems(*, provider: str, report: dict) -> list[str]:
 
 @transaction.atomic
 def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
-    """The agent started: record what it is and found; a bootstrapping node becomes READY
-    if it passes its health checks, FAILED (with why) if not."""
+    """The agent started: record what it is and found; a bootstrapping (or DOWN) node
+    becomes READY if it passes its health checks, FAILED (with why) if not."""
     node = Node.objects.select_for_update().get(pk=identity.node_id)
     now = timezone.now()
+    heard_last = node.last_heartbeat_at
     node.agent_version = str(report.get("version", ""))[:20]
     node.agent_hostname = str(report.get("hostname", ""))[:255]
     node.nccl_version = str(report.get("nccl_version") or "")[:20]
@@ -254,7 +256,9 @@ def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
     _gpu_rows(node, report, now=now)
     problems = health_problems(node_gpus=node.gpu_count, report=report)
     problems += isolation_problems(provider=node.provider, report=report)
-    if node.state == S.BOOTSTRAPPING:
+    if node.state == S.DOWN:
+        _node_back(node, heard_last=heard_last, now=now, problems=problems)
+    elif node.state == S.BOOTSTRAPPING:
         if problems:
             fleet.node_transition(
                 node=node, to=S.FAILED, reason=("health: " + "; ".join(problems))[:300], by=None
@@ -279,6 +283,19 @@ def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
         # the agent registers again with the old token and gets another).
         answer["token"] = node_agent_token_issue(node=node)
     return answer
+
+
+def _node_back(node: Node, *, heard_last, now, problems: list[str]) -> Node:
+    """A DOWN node's agent answers again. Its jobs were requeued when it went DOWN, so it
+    comes back as a fresh node would: checked, then READY, or FAILED (for ops) with why."""
+    silent = f" after {(now - heard_last).total_seconds():.0f}s" if heard_last else ""
+    node = fleet.node_transition(
+        node=node, to=S.BOOTSTRAPPING, reason=f"agent back{silent}", by=None
+    )
+    if problems:
+        why = "health checks failed on return: " + "; ".join(problems)
+        return fleet.node_transition(node=node, to=S.FAILED, reason=why[:300], by=None)
+    return fleet.node_transition(node=node, to=S.READY, reason="health checks passed", by=None)
 
 
 def version_older(version: str, than: str) -> bool:
@@ -370,20 +387,21 @@ def node_heartbeat_land(*, identity: AgentIdentity, report: dict) -> None:
 def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
     """Write the heartbeats that landed since the last flush, in bulk; then act on them.
 
-    Returns counts: written, resumed (SUSPECT nodes back), drained (failed health).
+    Returns counts: written, resumed (SUSPECT nodes back), drained (failed health), back
+    (DOWN nodes heard from again, checked and returned to service or FAILED).
     """
     now = now or timezone.now()
     nodes = {
-        node_id: (state, last, gpu_count)
-        for node_id, state, last, gpu_count in Node.objects.filter(state__in=REPORTING).values_list(
-            "id", "state", "last_heartbeat_at", "gpu_count"
+        row[0]: row[1:]
+        for row in Node.objects.filter(state__in=REPORTING).values_list(
+            "id", "state", "last_heartbeat_at", "gpu_count", "provider", "job_isolation"
         )
     }
     if not nodes:
-        return {"written": 0, "resumed": 0, "drained": 0}
+        return {"written": 0, "resumed": 0, "drained": 0, "back": 0}
     landed = cache.get_many([_heartbeat_key(node_id) for node_id in nodes])
-    node_rows, gpu_rows, fresh, failing = [], [], [], []
-    for node_id, (state, last, gpu_count) in nodes.items():
+    node_rows, gpu_rows, fresh, failing, back = [], [], [], [], []
+    for node_id, (state, last, gpu_count, provider, isolation) in nodes.items():
         entry = landed.get(_heartbeat_key(node_id))
         if entry is None:
             continue
@@ -420,6 +438,11 @@ def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
         problems = health_problems(node_gpus=gpu_count, report=report)
         if problems and state in (S.READY, S.BUSY, S.SUSPECT):
             failing.append((node_id, problems))
+        if state == S.DOWN:
+            problems += isolation_problems(
+                provider=provider, report={"isolation": {"mode": isolation}}
+            )
+            back.append((node_id, last, at, problems))
     with transaction.atomic():
         update_rows(
             Node,
@@ -440,12 +463,19 @@ def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
             keys=("node", "index"),
         )
         resumed = _resume_suspects([node_id for node_id, state in fresh if state == S.SUSPECT])
+    returned = 0
+    for node_id, last, at, problems in back:
+        with transaction.atomic():
+            node = Node.objects.select_for_update().get(pk=node_id)
+            if node.state == S.DOWN:
+                _node_back(node, heard_last=last, now=at, problems=problems)
+                returned += 1
     drained = 0
     for node_id, problems in failing:
         node = Node.objects.get(pk=node_id)
         if _auto_drain(node, problems) == "drained":
             drained += 1
-    return {"written": len(node_rows), "resumed": resumed, "drained": drained}
+    return {"written": len(node_rows), "resumed": resumed, "drained": drained, "back": returned}
 
 
 def _resume_suspects(node_ids: list[int]) -> int:

@@ -47,15 +47,16 @@ NODE_TRANSITIONS: dict[str, set[str]] = {
     S.BUSY: {S.READY, S.SUSPECT, S.DRAINING, S.TERMINATING},
     S.SUSPECT: {S.READY, S.BUSY, S.DOWN, S.DRAINING, S.TERMINATING},
     S.DOWN: {S.BOOTSTRAPPING, S.DRAINED, S.TERMINATING},
-    S.DRAINING: {S.DRAINED, S.READY, S.TERMINATING},
+    S.DRAINING: {S.DRAINED, S.BUSY, S.SUSPECT, S.TERMINATING},
     S.DRAINED: {S.READY, S.PROVISIONING, S.TERMINATING},
     S.FAILED: {S.PROVISIONING, S.TERMINATING},
     S.TERMINATING: {S.TERMINATED},
     S.TERMINATED: set(),
 }
 
-# States in which a node is expected to heartbeat.
-HEARTBEATING = {S.READY, S.BUSY}
+# States in which a node is expected to heartbeat, and goes SUSPECT (then DOWN) when it
+# stops: a draining node still runs jobs, which must be requeued if it dies.
+HEARTBEATING = {S.READY, S.BUSY, S.DRAINING}
 
 
 def _actor_label(by) -> str:
@@ -364,7 +365,11 @@ def node_drain(*, node: Node, reason: str, by) -> Node:
     if not reason.strip():
         raise ApplicationError("Say why the node is drained.", details={"reason": ["Required."]})
     with transaction.atomic():
-        was_idle = Node.objects.select_for_update().get(pk=node.pk).state == S.READY
+        state = Node.objects.select_for_update().get(pk=node.pk).state
+        if state == S.DOWN:
+            # Its jobs were requeued when it went DOWN: nothing is left to drain.
+            return node_transition(node=node, to=S.DRAINED, reason=reason, by=by)
+        was_idle = state == S.READY
         node = node_transition(node=node, to=S.DRAINING, reason=reason, by=by)
         if was_idle:
             # The drain's reason stays on the node: it is what ops look for.
@@ -373,8 +378,13 @@ def node_drain(*, node: Node, reason: str, by) -> Node:
 
 
 def node_undrain(*, node: Node, by) -> Node:
+    """Back into scheduling. A DRAINING node still holds jobs (the last one to end makes it
+    DRAINED), so it goes back to BUSY; a DRAINED one is idle and goes to READY."""
     require_fleet_manager(by)
-    return node_transition(node=node, to=S.READY, reason="undrained", by=by)
+    with transaction.atomic():
+        state = Node.objects.select_for_update().get(pk=node.pk).state
+        to = S.BUSY if state == S.DRAINING else S.READY
+        return node_transition(node=node, to=to, reason="undrained", by=by)
 
 
 @transaction.atomic

@@ -27,9 +27,10 @@ def heartbeat_sweep() -> dict:
                 from apps.jobs.dispatch import jobs_on_down_nodes
 
                 counts["requeued"] = len(jobs_on_down_nodes())
-    if counts["suspect"] or counts["down"] or counts["resumed"] or counts["drained"]:
+    if any(counts[name] for name in ("suspect", "down", "resumed", "drained", "back")):
         log.info(
-            "heartbeats: %(written)d written, %(resumed)d resumed, %(drained)d drained; "
+            "heartbeats: %(written)d written, %(resumed)d resumed, %(back)d back from down, "
+            "%(drained)d drained; "
             "%(suspect)d suspect, %(down)d down",
             counts,
         )

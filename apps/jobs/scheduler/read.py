@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import CharField, FloatField, Func
+from django.db.models import BooleanField, CharField, ExpressionWrapper, FloatField, Func, Q
 
 from apps.accounts.models import TeamQuota
 from apps.fleet.models import (
@@ -268,6 +268,13 @@ def read_snapshot(*, now: dt.datetime, budget_left) -> tuple[plain.Snapshot, Rea
     # allows it and its agent isolates them, or on local nodes whose jobs the settings let
     # read each other.
     local_shared = settings.LOCAL_JOBS_CAN_READ_EACH_OTHER
+    # A node that missed a heartbeat takes no new work until it answers, long before the
+    # sweep calls it SUSPECT. Decided in the query: true, false, or NULL (never heard from:
+    # its agent has not started, and the sweep leaves it alone too).
+    quiet_since = ExpressionWrapper(
+        Q(last_heartbeat_at__lt=now - dt.timedelta(seconds=settings.NODE_QUIET_AFTER_S)),
+        output_field=BooleanField(),
+    )
     user, local = JobIsolation.USER.value, Provider.LOCAL.value
     new, slot = tuple.__new__, plain.NodeSlot  # as Pending in KeptPending._keep
     nodes = tuple(
@@ -279,15 +286,25 @@ def read_snapshot(*, now: dt.datetime, budget_left) -> tuple[plain.Snapshot, Rea
                 rack_id,
                 gpus,
                 max(gpus - held_per_node.get(node_id, 0), 0),
-                state in SCHEDULABLE_STATES and (isolation == user or provider == local),
+                state in SCHEDULABLE_STATES
+                and not quiet
+                and (isolation == user or provider == local),
                 (isolation == user and pool_id in shared_pools)
                 or (local_shared and provider == local),
             ),
         )
-        for node_id, pool_id, rack_id, gpus, state, isolation, provider in fetch_rows(
+        for node_id, pool_id, rack_id, gpus, state, isolation, provider, quiet in fetch_rows(
             Node.objects.exclude(state__in=GONE_STATES)
+            .annotate(quiet=quiet_since)
             .values_list(
-                "id", "pool_id", "rack_id", "gpu_count", "state", "job_isolation", "provider"
+                "id",
+                "pool_id",
+                "rack_id",
+                "gpu_count",
+                "state",
+                "job_isolation",
+                "provider",
+                "quiet",
             )
             .order_by("id")
         )

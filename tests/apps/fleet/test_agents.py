@@ -303,3 +303,48 @@ def test_an_old_agent_is_told_and_an_upgrade_is_asked_for(
         answer = client.post("/api/v1/agent/register", report(8), format="json").json()
     assert answer["upgrade"] is True and answer["latest_version"] == "9.0.0"
     assert any(getattr(c, "__name__", "") == "send" for c in sent)
+
+
+def _down(node: Node, *, silent_s: int) -> Node:
+    node = walk(node, S.SUSPECT, S.DOWN)
+    Node.objects.filter(pk=node.pk).update(
+        last_heartbeat_at=timezone.now() - dt.timedelta(seconds=silent_s)
+    )
+    return node
+
+
+def _moves(node: Node) -> list[tuple[str, str, str]]:
+    return list(
+        NodeEvent.objects.filter(node=node)
+        .order_by("id")
+        .values_list("from_state", "to_state", "reason")
+    )
+
+
+def test_a_down_node_whose_agent_registers_again_is_checked_and_returns_to_service():
+    node, client = _registered()
+    node = _down(node, silent_s=900)
+    answer = client.post("/api/v1/agent/register", report(8), format="json")
+    assert answer.status_code == 200
+    assert Node.objects.get(pk=node.pk).state == S.READY
+    (back, ready) = _moves(node)[-2:]
+    assert back[:2] == (S.DOWN, S.BOOTSTRAPPING) and back[2].startswith("agent back after 9")
+    assert ready == (S.BOOTSTRAPPING, S.READY, "health checks passed")
+
+
+def test_a_down_node_back_with_failing_checks_waits_for_ops():
+    node, client = _registered()
+    node = _down(node, silent_s=900)
+    client.post("/api/v1/agent/register", report(6), format="json")
+    node.refresh_from_db()
+    assert node.state == S.FAILED
+    assert node.state_reason == "health checks failed on return: 6 GPUs found, 8 expected"
+
+
+def test_a_down_node_heard_from_again_without_registering_returns_to_service():
+    node, client = _registered()
+    node = _down(node, silent_s=900)
+    client.post("/api/v1/agent/heartbeat", report(8), format="json")
+    assert agents.nodes_heartbeats_flush()["back"] == 1
+    assert Node.objects.get(pk=node.pk).state == S.READY
+    assert _moves(node)[-2][2].startswith("agent back after 9")

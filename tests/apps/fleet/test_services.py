@@ -81,6 +81,17 @@ def test_drain_a_busy_node_waits_in_draining(ops_user):
     assert services.node_drain(node=node, reason="maintenance", by=ops_user).state == S.DRAINING
 
 
+def test_undraining_a_node_that_still_runs_jobs_makes_it_busy(ops_user):
+    node = services.node_drain(node=walk(ready_node(), S.BUSY), reason="fans", by=ops_user)
+    assert services.node_undrain(node=node, by=ops_user).state == S.BUSY
+
+
+def test_a_down_node_is_drained_at_once(ops_user):
+    node = walk(ready_node(), S.SUSPECT, S.DOWN)
+    drained = services.node_drain(node=node, reason="send it back", by=ops_user)
+    assert drained.state == S.DRAINED and drained.state_reason == "send it back"
+
+
 def test_only_ops_drain(researcher):
     node = ready_node()
     with pytest.raises(ApplicationError) as caught:
@@ -165,6 +176,27 @@ def test_only_a_long_silence_makes_a_node_down(settings):
     assert Node.objects.get(pk=node.pk).state == S.SUSPECT  # a blip is not a death
     services.nodes_heartbeat_sweep(now=now + dt.timedelta(seconds=600))
     assert Node.objects.get(pk=node.pk).state == S.DOWN
+
+
+def test_a_draining_node_that_goes_silent_goes_suspect_then_down(settings, ops_user):
+    settings.NODE_SUSPECT_AFTER_S = 60
+    settings.NODE_DOWN_AFTER_S = 600
+    now = timezone.now()
+    node = services.node_drain(node=walk(ready_node(), S.BUSY), reason="fans", by=ops_user)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now - dt.timedelta(seconds=90))
+    assert services.nodes_heartbeat_sweep(now=now) == {"suspect": 1, "down": 0}
+    node.refresh_from_db()
+    assert (node.state, node.suspect_from) == (S.SUSPECT, S.DRAINING)
+    # Heard from again, it goes on draining; silent for good, it is DOWN (and its jobs
+    # are requeued like any lost node's).
+    assert services.node_heartbeat_record(node=node, at=now).state == S.DRAINING
+    services.nodes_heartbeat_sweep(now=now + dt.timedelta(seconds=90))
+    services.nodes_heartbeat_sweep(now=now + dt.timedelta(seconds=700))
+    assert Node.objects.get(pk=node.pk).state == S.DOWN
+    moves = list(
+        NodeEvent.objects.filter(node=node).order_by("id").values_list("from_state", "to_state")
+    )
+    assert moves[-2:] == [(S.DRAINING, S.SUSPECT), (S.SUSPECT, S.DOWN)]
 
 
 def test_the_sweep_is_a_fixed_number_of_queries(settings, django_assert_max_num_queries):

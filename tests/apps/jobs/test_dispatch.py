@@ -1,17 +1,19 @@
 """Dispatch of a job with a node range: an attempt runs on the nodes it was given, with
 torchrun, its environment and run.json's layout for that count, and says so in its events."""
 
+import datetime as dt
 import json
 
 import pytest
+from django.utils import timezone
 
 from apps.fleet.models import Node, NodeState
-from apps.fleet.services import node_drain, node_transition
+from apps.fleet.services import node_drain, node_transition, nodes_heartbeat_sweep
 from apps.jobs import services
 from apps.jobs.dispatch import job_dispatch, jobs_on_down_nodes, run_report
 from apps.jobs.models import Allocation, Job, JobState, Run
 from apps.jobs.scheduler.run import scheduling_pass
-from tests.apps.jobs.conftest import trainer_spec
+from tests.apps.jobs.conftest import command_spec, trainer_spec
 
 pytestmark = pytest.mark.django_db
 
@@ -92,6 +94,26 @@ def test_a_job_that_lost_a_node_resumes_on_the_one_left_with_its_global_batch(
     client.force_login(researcher)
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert "or as few as 1 when no more fit; attempt 2 on 1 node<" in page
+
+
+def test_the_job_of_a_draining_node_whose_agent_died_is_requeued(
+    fleet_pool, quota, team, researcher, ops_user, settings
+):
+    job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
+    scheduling_pass()
+    job = job_dispatch(job_id=job.pk)
+    (run,) = Run.objects.filter(job=job)
+    run_report(node_id=run.node_id, run_id=run.pk, report={"state": "running", "pid": 7})
+    node = node_drain(node=Node.objects.get(pk=run.node_id), reason="fans", by=ops_user)
+    assert node.state == NodeState.DRAINING
+    now = timezone.now()
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now)
+    nodes_heartbeat_sweep(now=now + dt.timedelta(seconds=settings.NODE_SUSPECT_AFTER_S + 1))
+    nodes_heartbeat_sweep(now=now + dt.timedelta(seconds=settings.NODE_DOWN_AFTER_S + 1))
+    assert Node.objects.get(pk=node.pk).state == NodeState.DOWN
+    assert jobs_on_down_nodes() == [job.pk]
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
 
 
 def test_an_attempt_below_min_nodes_is_requeued(fleet_pool, quota, team, researcher, ops_user):

@@ -2,6 +2,8 @@
 teams' jobs, and the pending jobs kept between passes on PostgreSQL (KeptPending), where
 what a pass reads from what it kept must be what reading every row gives."""
 
+import datetime as dt
+
 import pytest
 from django.db import transaction
 from django.utils import timezone
@@ -140,3 +142,22 @@ def test_what_is_kept_is_read_whole_again_after_a_while(kept, fleet_pool, quota,
     kept.read_at -= kept.MAX_AGE_S + 1
     pending()
     assert kept.rows_read == 2
+
+
+def test_a_node_that_missed_a_heartbeat_takes_no_new_work_until_it_answers(settings):
+    settings.NODE_QUIET_AFTER_S = 25
+    now = timezone.now()
+    pool = factories.make_owned_pool()
+    answering, quiet, never = (factories.make_node(pool=pool) for _ in range(3))
+    Node.objects.filter(pool=pool).update(state="ready", provider="local")
+    Node.objects.filter(pk=answering.pk).update(last_heartbeat_at=now - dt.timedelta(seconds=5))
+    Node.objects.filter(pk=quiet.pk).update(last_heartbeat_at=now - dt.timedelta(seconds=30))
+
+    def schedulable() -> dict:
+        snapshot, _ = read_snapshot(now=now, budget_left=always)
+        return {n.id: n.schedulable for n in snapshot.nodes}
+
+    # Still READY (the sweep calls it SUSPECT only after NODE_SUSPECT_AFTER_S), but skipped.
+    assert schedulable() == {answering.pk: True, quiet.pk: False, never.pk: True}
+    Node.objects.filter(pk=quiet.pk).update(last_heartbeat_at=now)
+    assert schedulable()[quiet.pk] is True
