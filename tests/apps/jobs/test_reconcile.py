@@ -165,3 +165,15 @@ def test_a_poll_names_the_runs_held_that_are_not_wanted(fleet_pool, quota, team,
     answer = agent.get("/api/v1/agent/runs/", {"have": f"{run.pk},77"})
     assert answer.status_code == 200, answer.content
     assert answer.json()["stop"] == [{"id": 77, "reason": UNWANTED}]
+
+
+def test_the_heartbeat_sweep_loses_the_runs_its_agents_no_longer_hold(
+    fleet_pool, quota, team, researcher
+):
+    from workers.tasks.fleet import heartbeat_sweep
+
+    job, run = running_job(team, researcher)
+    heartbeat(run.node_id, have=[])
+    assert heartbeat_sweep()["lost"] == 1
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
