@@ -343,6 +343,17 @@ def _number(value, *, low=0.0, high=1e9):
     return value if low <= value <= high else None
 
 
+MAX_RUNS_LISTED = 256
+
+
+def _run_ids(value) -> list[int] | None:
+    """The runs an agent says it holds; None when it does not say (an older agent), which
+    is not the same as an empty list."""
+    if not isinstance(value, list) or len(value) > MAX_RUNS_LISTED:
+        return None
+    return [i for i in value if isinstance(i, int) and not isinstance(i, bool) and 0 < i < 2**63]
+
+
 def _compact(report: dict) -> dict:
     """Only what the flush writes, checked for type and range (an agent is not trusted)."""
     found = report.get("metrics") if isinstance(report.get("metrics"), dict) else {}
@@ -363,6 +374,7 @@ def _compact(report: dict) -> dict:
         )
     return {
         "seq": _number(report.get("seq"), high=2**62),
+        "have": _run_ids(report.get("have")),
         "version": str(report.get("version", ""))[:20],
         "nccl_version": str(report.get("nccl_version") or "")[:20],
         "disk_free_bytes": _number(report.get("disk_free_bytes"), high=2**62),
@@ -476,6 +488,18 @@ def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
         if _auto_drain(node, problems) == "drained":
             drained += 1
     return {"written": len(node_rows), "resumed": resumed, "drained": drained, "back": returned}
+
+
+def agent_runs_held(*, node_ids: list[int]) -> dict[int, tuple[dt.datetime, list[int]]]:
+    """The runs each node's agent said it holds in its newest heartbeat, and when that
+    heartbeat landed; nodes whose agents did not say are left out."""
+    landed = cache.get_many([_heartbeat_key(node_id) for node_id in node_ids])
+    held = {}
+    for node_id in node_ids:
+        entry = landed.get(_heartbeat_key(node_id))
+        if entry is not None and entry[1].get("have") is not None:
+            held[node_id] = (dt.datetime.fromtimestamp(entry[0], tz=dt.UTC), entry[1]["have"])
+    return held
 
 
 def _resume_suspects(node_ids: list[int]) -> int:

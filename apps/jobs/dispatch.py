@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from apps.accounts.models import TeamSecret
 from apps.accounts.secrets import decrypt
+from apps.fleet.agents import agent_runs_held
 from apps.fleet.models import GONE_STATES, Node, NodeState
 from apps.jobs.models import (
     OPEN_RUN_STATES,
@@ -326,8 +327,26 @@ def _secret_values(job: Job, names: list[str]) -> dict[str, str]:
     return {secret.name: decrypt(secret.ciphertext) for secret in stored}
 
 
-def agent_work(*, node_id: int) -> dict:
-    """The plans this node's agent should start (secrets decrypted) and the runs to stop."""
+MAX_RUNS_HELD = 256
+UNWANTED = "the control plane does not want this run"
+
+
+def agent_have(text: str | None) -> list[int]:
+    """The `have` parameter of an agent's poll: run ids, comma-separated."""
+    if not text:
+        return []
+    parts = text.split(",")
+    if len(parts) > MAX_RUNS_HELD or not all(p.isdigit() and len(p) <= 18 for p in parts):
+        raise ApplicationError(
+            "have lists run ids, comma-separated.",
+            details={"have": [f"At most {MAX_RUNS_HELD} ids, each a positive integer."]},
+        )
+    return [int(p) for p in parts]
+
+
+def agent_work(*, node_id: int, have: list[int] = ()) -> dict:
+    """The plans this node's agent should start (secrets decrypted) and the runs to stop:
+    those asked to stop, and those it holds that this node has no open run for."""
     runs = list(
         Run.objects.select_related("job")
         .filter(node_id=node_id, state__in=OPEN_RUN_STATES)
@@ -343,6 +362,8 @@ def agent_work(*, node_id: int) -> dict:
         for run in runs
         if run.state == R.RUNNING and run.stop_requested_at is not None
     ]
+    wanted = {run.pk for run in runs}
+    stop += [{"id": run_id, "reason": UNWANTED} for run_id in sorted(set(have) - wanted)]
     return {"start": start, "stop": stop}
 
 
@@ -399,6 +420,8 @@ def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
 
 def _describe_exit(run: Run) -> str:
     node = Node.objects.filter(pk=run.node_id).values_list("name", flat=True).first()
+    if run.state == R.LOST:
+        return f"rank {run.node_rank} on {node} was lost: {run.reason}"
     if run.state == R.REFUSED:
         return f"rank {run.node_rank} on {node} could not start: {run.reason}"
     how = f"signal {run.signal}" if run.signal else f"exit code {run.exit_code}"
@@ -406,7 +429,7 @@ def _describe_exit(run: Run) -> str:
 
 
 def _infrastructure(run: Run) -> bool:
-    if run.node_fault:
+    if run.node_fault or run.state == R.LOST:
         return True
     status_reason = (run.status or {}).get("reason") if isinstance(run.status, dict) else None
     return run.reason == "spot interruption" or status_reason in INFRASTRUCTURE_EXITS
@@ -423,7 +446,11 @@ def _job_follows(job_id: int, *, changed: Run | None = None) -> None:
         return  # an older attempt's run: recorded, nothing more
     open_runs = [r for r in runs if r.state in OPEN_RUN_STATES]
     ended = [r for r in runs if r.state not in OPEN_RUN_STATES]
-    failed = [r for r in ended if r.state == R.REFUSED or r.exit_code not in (0, None) or r.signal]
+    failed = [
+        r
+        for r in ended
+        if r.state in (R.REFUSED, R.LOST) or r.exit_code not in (0, None) or r.signal
+    ]
 
     if job.state in (J.PREEMPTING, J.STOPPING):
         if not open_runs:
@@ -701,6 +728,50 @@ def spot_interruption_handle(*, node_id: int, notice: dict) -> list[int]:
                 job, J.PREEMPTING, f"spot interruption notice ({when}): checkpoint, then stop"
             )
     return [job.pk for job in jobs]
+
+
+# An agent lists a run from the moment it starts it, but says "running" through its outbox,
+# which a heartbeat can overtake; and a heartbeat can land late (the agent gives up on it
+# after 10 s). A run that started less than this before a heartbeat is not judged by it.
+AGENT_REPORT_LAG_S = 15
+NO_LONGER_RUN = "the node's agent no longer runs it"
+
+
+def runs_reconcile_with_agents() -> list[int]:
+    """Running runs that their node's newest heartbeat does not list are lost, and their
+    jobs follow (requeued by the usual rules). Returns the runs lost."""
+    running = list(
+        Run.objects.filter(state=R.RUNNING, started_at__isnull=False).values_list(
+            "id", "node_id", "started_at"
+        )
+    )
+    if not running:
+        return []
+    held = agent_runs_held(node_ids=sorted({node_id for _, node_id, _ in running}))
+    margin = dt.timedelta(seconds=AGENT_REPORT_LAG_S)
+    missing = []
+    for run_id, node_id, started_at in running:
+        if node_id not in held:
+            continue  # an agent that does not list its runs: nothing to judge by
+        heard_at, have = held[node_id]
+        if run_id not in have and started_at < heard_at - margin:
+            missing.append(run_id)
+    return [run_id for run_id in missing if _run_lose(run_id)]
+
+
+@transaction.atomic
+def _run_lose(run_id: int) -> bool:
+    run = Run.objects.select_for_update().filter(pk=run_id, state=R.RUNNING).first()
+    if run is None:
+        return False  # its end was reported meanwhile
+    now = timezone.now()
+    run.state, run.reason, run.ended_at = R.LOST, NO_LONGER_RUN, now
+    run.save(update_fields=["state", "reason", "ended_at"])
+    _job_follows(run.job_id, changed=run)
+    from apps.jobs.services import allocations_runs_ended
+
+    allocations_runs_ended(allocation_ids=[run.allocation_id], now=now)
+    return True
 
 
 def jobs_on_lost_nodes(*, node_ids: list[int]) -> list[int]:

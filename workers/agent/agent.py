@@ -10,8 +10,9 @@ The protocol (paths under /api/v1/agent/, JSON, `Authorization: Bearer <node tok
     POST register            {version, hostname, metrics, nccl_version, slots, isolation}
                              -> {..., "token"} when it registered with a cloud node's
                              bootstrap token: the node's own token from then on
-    POST heartbeat           {seq, version, metrics, disk_free_bytes, nccl_version, runs}
-    GET  runs/               -> {"start": [plan, ...], "stop": [{"id", "reason"}, ...]}
+    POST heartbeat           {seq, version, metrics, disk_free_bytes, nccl_version, runs,
+                              have: ids of the runs it runs or whose end is not yet told}
+    GET  runs/?have=1,2      -> {"start": [plan, ...], "stop": [{"id", "reason"}, ...]}
     POST runs/{id}/status    {state: running | exited | refused, pid, exit_code, signal,
                               reason, status, node_fault}
     POST runs/{id}/logs      {lines: [{seq, stream, at, text}], dropped}
@@ -56,6 +57,10 @@ class Agent:
         self.runs: dict[int, Run] = {}
         self.ledger = Ledger(config.work_dir / LEDGER_FILE)
         self.seen: set[int] = set()  # every run id ever started here: plans are re-sent until acked
+        # Runs that ended here but whose end the control plane has not heard yet: heartbeats
+        # still list them, or the control plane would take an exit for a lost process.
+        self.ending: set[int] = set()
+        self._ending_lock = threading.Lock()
         self.stopping = threading.Event()
         self.heartbeats = 0
         self.spot_notice: dict | None = None  # set by the spot watch thread
@@ -171,6 +176,7 @@ class Agent:
             "disk_free_bytes": metrics.disk_free_bytes(self.config.work_dir),
             "nccl_version": self._nccl_version,
             "runs": [{"id": i, "pid": r.pid} for i, r in self.runs.items()],
+            "have": self._held(),
         }
         try:
             self.control.call("POST", f"{API}/heartbeat", body)
@@ -178,9 +184,16 @@ class Agent:
             # A missed heartbeat is not buffered: the next one says the same, newer.
             log.warning("heartbeat %d not delivered: %s", self.heartbeats, exc)
 
+    def _held(self) -> list[int]:
+        with self._ending_lock:
+            return sorted(set(self.runs) | self.ending)
+
     def _fetch_plans(self) -> None:
+        # The runs held are sent along: the control plane answers "stop" for any it does
+        # not want (ended or unknown to it).
+        have = ",".join(str(i) for i in sorted(self.runs)[:256])
         try:
-            answer = self.control.call("GET", f"{API}/runs/")
+            answer = self.control.call("GET", f"{API}/runs/" + (f"?have={have}" if have else ""))
         except (Unreachable, Refused) as exc:
             log.warning("could not fetch run plans: %s", exc)
             return
@@ -234,13 +247,18 @@ class Agent:
             self.ledger.write("ended", run, exit_code=code)
             if self.spot_notice is not None and not report["reason"]:
                 report["reason"] = "spot interruption"
-            del self.runs[run_id]
-            self._report(run_id, report)
+            with self._ending_lock:
+                self.ending.add(run_id)
+                del self.runs[run_id]
+            self._report(run_id, report, on_sent=functools.partial(self._ended, run_id))
 
-    def _report(self, run_id: int, body: dict) -> None:
-        self.outbox.put(
-            Message("POST", f"{API}/runs/{run_id}/status", body, f"run {run_id} {body['state']}")
-        )
+    def _ended(self, run_id: int) -> None:
+        with self._ending_lock:
+            self.ending.discard(run_id)
+
+    def _report(self, run_id: int, body: dict, on_sent=None) -> None:
+        what = f"run {run_id} {body['state']}"
+        self.outbox.put(Message("POST", f"{API}/runs/{run_id}/status", body, what, on_sent))
 
     # --- output ----------------------------------------------------------------------------------
 

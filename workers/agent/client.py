@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("agent")
@@ -69,6 +70,7 @@ class Message:
     path: str
     body: dict
     what: str  # for the agent's own log
+    on_sent: Callable[[], None] | None = None  # once delivered, or refused for good
 
 
 class Outbox:
@@ -116,6 +118,8 @@ class Outbox:
                 log.error("control plane refused %s: %s", message.what, exc)
             with self._wake:
                 self._queue.popleft()
+            if message.on_sent is not None:
+                message.on_sent()
             self.delivered += 1
             delay = 0.5
 

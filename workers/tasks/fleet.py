@@ -21,17 +21,21 @@ def heartbeat_sweep() -> dict:
             return {"skipped": "another sweep is running"}
         with acting_from(Origin(channel="task", label="task:fleet.heartbeat_sweep")):
             counts = {**nodes_heartbeats_flush(), **nodes_heartbeat_sweep()}
+            # What the agents hold is the truth about processes (jobs sit above fleet, so
+            # the task joins the two here as well).
+            from apps.jobs.dispatch import runs_reconcile_with_agents
+
+            counts["lost"] = len(runs_reconcile_with_agents())
             if counts["down"]:
                 # Nodes lost for good: their jobs go back to the queue now, not at the
                 # next reconcile (jobs sit above fleet, so the task joins the two).
                 from apps.jobs.dispatch import jobs_on_down_nodes
 
                 counts["requeued"] = len(jobs_on_down_nodes())
-    if any(counts[name] for name in ("suspect", "down", "resumed", "drained", "back")):
+    if any(counts[name] for name in ("suspect", "down", "resumed", "drained", "back", "lost")):
         log.info(
             "heartbeats: %(written)d written, %(resumed)d resumed, %(back)d back from down, "
-            "%(drained)d drained; "
-            "%(suspect)d suspect, %(down)d down",
+            "%(drained)d drained; %(suspect)d suspect, %(down)d down; %(lost)d run(s) lost",
             counts,
         )
     return counts

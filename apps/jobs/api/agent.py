@@ -11,7 +11,8 @@ from apps.jobs import dispatch
 
 @agent_endpoint("GET")
 def work(request, identity, body):
-    return dispatch.agent_work(node_id=identity.node_id)
+    have = dispatch.agent_have(request.GET.get("have"))
+    return dispatch.agent_work(node_id=identity.node_id, have=have)
 
 
 @agent_endpoint("POST")

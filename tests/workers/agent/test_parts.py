@@ -446,3 +446,64 @@ def test_the_agent_reports_a_busy_rendezvous_port_as_the_nodes_fault(tmp_path):
             },
         )
     ]
+
+
+def test_the_agent_lists_a_run_until_its_end_is_told_and_stops_one_it_is_told_to(tmp_path):
+    """Heartbeats list the runs the agent holds, ended ones too until their end reached the
+    control plane (or an exit would read as a lost process); polls send the live ones, and
+    a run answered with "stop" is stopped."""
+    heartbeats, polls, status = [], [], {"code": 503}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            code = status["code"] if self.path.endswith("/status") else 200
+            if self.path.endswith("/heartbeat"):
+                heartbeats.append(body["have"])
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def do_GET(self):
+            polls.append(self.path)
+            answer = {"start": [], "stop": [{"id": 41, "reason": "not wanted"}]}
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(answer).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = _Server(Handler)
+    (tmp_path / "agent.env").write_text(
+        f"CONTROLPLANE_URL={server.url}\nCONTROLPLANE_NODE_TOKEN=cpn_t\n"
+    )
+    stop = threading.Event()
+    try:
+        from workers.agent.agent import Agent
+        from workers.agent.config import load
+
+        environ = {"AGENT_JOB_USERS": "off", "AGENT_STOP_GRACE_S": "5"}
+        agent = Agent(load(tmp_path, environ=environ))
+        agent.control.timeout_s = 2
+        agent.outbox._max_delay_s = 0.2
+        sender = threading.Thread(target=agent.outbox.run, args=(stop,), daemon=True)
+        sender.start()
+        agent._start({"id": 41, "job": 5, "argv": [PY, "-c", "import time; time.sleep(60)"]})
+        agent._heartbeat()
+        agent._fetch_plans()  # answered "stop 41"
+        assert polls == ["/api/v1/agent/runs/?have=41"]
+        assert _wait(agent.runs[41], timeout=10) == -signal.SIGTERM
+        agent._reap()
+        agent._heartbeat()  # ended, but its end not yet told (503s)
+        status["code"] = 200
+        assert agent.outbox.flush(timeout_s=10)
+        agent._heartbeat()
+        agent._fetch_plans()
+    finally:
+        stop.set()
+        server.close()
+    assert heartbeats == [[41], [41], []]
+    assert polls[-1] == "/api/v1/agent/runs/"
