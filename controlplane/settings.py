@@ -394,6 +394,13 @@ CELERY_BEAT_SCHEDULE["fleet-orphan-sweep"] = {
     "task": "fleet.orphan_sweep",
     "schedule": float(ORPHAN_SWEEP_EVERY_S),
 }
+# Owned (local, SSH) nodes provisioning or bootstrapping this long are taken up again: the
+# task that was doing it was lost. The sweep looks every minute.
+OWNED_REDRIVE_AFTER_S = env_int("OWNED_REDRIVE_AFTER_S", 300)
+CELERY_BEAT_SCHEDULE["fleet-provisioning-redrive"] = {
+    "task": "fleet.provisioning_redrive",
+    "schedule": 60.0,
+}
 
 # Costs: every node-second metered into the usage ledger (apps/costs). Days and months
 # are counted in COSTS_TIME_ZONE; amounts are in COSTS_CURRENCY (the price book's).

@@ -583,3 +583,21 @@ def nodes_work_ended(*, node_ids: list[int], still_busy: set[int]) -> dict[str, 
         ),
         "drained": _bulk_move(candidates=draining, to=S.DRAINED, reason="jobs finished", now=now),
     }
+
+
+def owned_nodes_stalled(*, now: dt.datetime | None = None) -> list[int]:
+    """Owned (local and SSH) nodes PROVISIONING or BOOTSTRAPPING for
+    OWNED_REDRIVE_AFTER_S: the task taking them up was lost (a worker killed mid-bootstrap,
+    a message dropped) or is stuck. Provisioning is safe to run again, and the provision
+    task holds a lock per node, so one still under way is not run twice."""
+    now = now or timezone.now()
+    cutoff = now - dt.timedelta(seconds=settings.OWNED_REDRIVE_AFTER_S)
+    return list(
+        Node.objects.filter(
+            provider__in=(Provider.LOCAL, Provider.SSH),
+            state__in=(S.PROVISIONING, S.BOOTSTRAPPING),
+            state_changed_at__lt=cutoff,
+        )
+        .order_by("id")
+        .values_list("id", flat=True)
+    )

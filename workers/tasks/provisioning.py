@@ -20,6 +20,7 @@ from workers.providers import errors
 from workers.providers.bundle import Bundle
 from workers.providers.local import LocalConfig, LocalNodeSpec, LocalProvider
 from workers.providers.ssh import SshConfig, SshNodeSpec, SshProvider
+from workers.tasks.locks import single_flight
 
 log = logging.getLogger(__name__)
 
@@ -219,12 +220,42 @@ def local_nodes_revive_task() -> dict:
 def provision(self, node_id: int) -> str:
     from apps.accounts.context import Origin, acting_from
 
-    with acting_from(Origin(channel="task", label="task:fleet.provision")):
+    # One provisioning of a node at a time: a re-driven one finds the first still going.
+    with single_flight(f"fleet.provision:{node_id}", ttl_s=3600) as ours:
+        if not ours:
+            return "already being provisioned"
+        with acting_from(Origin(channel="task", label="task:fleet.provision")):
+            try:
+                return provision_node(node_id)
+            except errors.ProviderError as exc:
+                log.warning("provisioning node %s: %s (retrying)", node_id, exc)
+                countdown = min(300, 5 * 2**self.request.retries)
+                raise self.retry(exc=exc, countdown=countdown) from exc
+
+
+@shared_task(name="fleet.provisioning_redrive", acks_late=True)
+def provisioning_redrive() -> dict:
+    """Take up again the owned nodes whose provisioning stalled (apps/fleet/services.py
+    owned_nodes_stalled), each at most once per OWNED_REDRIVE_AFTER_S."""
+    from django.conf import settings
+
+    from apps.fleet.services import owned_nodes_stalled
+    from controlplane.cache import best_effort
+    from controlplane.celery import app
+
+    redriven = []
+    for node_id in owned_nodes_stalled():
+        key = f"fleet:owned-redrive:{node_id}"
+        if not best_effort.add(key, 1, timeout=settings.OWNED_REDRIVE_AFTER_S):
+            continue
         try:
-            return provision_node(node_id)
-        except errors.ProviderError as exc:
-            log.warning("provisioning node %s: %s (retrying)", node_id, exc)
-            raise self.retry(exc=exc, countdown=min(300, 5 * 2**self.request.retries)) from exc
+            app.send_task("fleet.provision", args=[node_id])
+            redriven.append(node_id)
+        except Exception:
+            log.warning("could not re-drive provisioning of node %s", node_id, exc_info=True)
+    if redriven:
+        log.info("provisioning re-driven for nodes %s", redriven)
+    return {"redriven": len(redriven)}
 
 
 @shared_task(name="fleet.terminate", acks_late=True, reject_on_worker_lost=True)
