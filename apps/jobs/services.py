@@ -479,11 +479,7 @@ def allocations_release(*, job_ids: list[int], now: dt.datetime) -> None:
     )
     if not open_ids:
         return
-    busy = set(
-        Run.objects.filter(
-            InArray("allocation_id", open_ids), state__in=OPEN_RUN_STATES
-        ).values_list("allocation_id", flat=True)
-    )
+    busy = _with_open_runs(open_ids)
     if busy:
         Allocation.objects.filter(InArray("id", sorted(busy))).update(release_wanted=True)
     _allocations_end([a for a in open_ids if a not in busy], now=now)
@@ -500,12 +496,17 @@ def allocations_runs_ended(*, allocation_ids, now: dt.datetime) -> None:
     )
     if not wanted:
         return
-    busy = set(
-        Run.objects.filter(InArray("allocation_id", wanted), state__in=OPEN_RUN_STATES).values_list(
-            "allocation_id", flat=True
-        )
-    )
+    busy = _with_open_runs(wanted)
     _allocations_end([a for a in wanted if a not in busy], now=now)
+
+
+def _with_open_runs(allocation_ids: list[int]) -> set[int]:
+    """Those of the allocations a run of which may still have a process."""
+    return set(
+        Run.objects.filter(
+            InArray("allocation_id", allocation_ids), state__in=OPEN_RUN_STATES
+        ).values_list("allocation_id", flat=True)
+    )
 
 
 def _allocations_end(allocation_ids: list[int], *, now: dt.datetime) -> None:
