@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from workers.agent import isolation
+from workers.agent.exits import ExitWatch
 from workers.agent.isolation import Isolation
 
 log = logging.getLogger("agent")
@@ -256,8 +257,11 @@ class Run:
         on_stdout=None,
         isolation: Isolation | None = None,
         code_dir: Path | None = None,
+        exits: ExitWatch | None = None,
     ):
         self.plan = plan
+        # The kernel's account of how the run's processes died (workers/agent/exits.py).
+        self._exits = exits
         # Called with each stdout line (masked) by the reader thread: the agent picks out
         # the lines that must reach the control plane even if output is dropped.
         self._on_stdout = on_stdout
@@ -386,6 +390,8 @@ class Run:
             )
         except (OSError, subprocess.SubprocessError) as exc:
             raise PlanRefused(f"could not start {self.plan.argv[0]!r}: {exc}") from None
+        if self._exits is not None:
+            self._exits.follow(self.plan.id, self.process.pid)
         for pipe, stream in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr")):
             reader = threading.Thread(target=self._read, args=(pipe, stream), daemon=True)
             reader.start()
@@ -407,6 +413,8 @@ class Run:
     def stop(self, *, reason: str, grace_s: float) -> None:
         """SIGTERM now (the trainer checkpoints and exits), SIGKILL after the grace period."""
         if self._kill_at is None:
+            if self._exits is not None:
+                self._exits.stopping(self.plan.id)
             self.stop_reason = reason
             self.note(f"stopping: {reason}")
             self.signal(signal.SIGTERM)
@@ -424,6 +432,13 @@ class Run:
 
     def exit_report(self, code: int) -> dict:
         """What the control plane learns when the process ends."""
+        evidence = None
+        if self._exits is not None:
+            # Before the leftovers are killed: those deaths are the agent's doing.
+            evidence = self._exits.evidence(self.plan.id)
+            self._exits.forget(self.plan.id)
+            if evidence and evidence.get("incomplete"):
+                self.note("some process events were lost: how its processes died may be partial")
         if self.uid is not None:
             # Whatever the job left running (a daemon out of its session holds our pipes
             # open too) and its files in the shared temporary directories go with it.
@@ -447,4 +462,5 @@ class Run:
             "signal": -code if code < 0 else None,
             "reason": self.stop_reason,
             "status": status,
+            "evidence": evidence,
         }
