@@ -379,6 +379,15 @@ class ExitWatch:
             process.local_rank = _number(env.get(b"LOCAL_RANK"))
 
 
+def unavailable() -> str:
+    """Why this process cannot hear the kernel's process events, or "" where it can."""
+    try:
+        ExitWatch._listen().close()
+    except OSError as exc:
+        return str(exc)
+    return ""
+
+
 _watch: ExitWatch | None = None
 _watch_lock = threading.Lock()
 
