@@ -263,17 +263,21 @@ class ExitWatch:
     # --- the watch thread -----------------------------------------------------------------
 
     def _read_forever(self) -> None:
-        sources = [self._socket] + ([self._kmsg] if self._kmsg is not None else [])
-        while True:
-            try:
+        try:
+            while True:
+                sources = [self._socket] + ([self._kmsg] if self._kmsg is not None else [])
                 readable, _, _ = select.select(sources, [], [], 1.0)
-            except OSError as exc:
-                log.error("exit watch stopped: %s", exc)
-                return
-            if self._kmsg is not None:
-                self._read_kmsg()  # first: a kill is logged before its victim's exit is read
-            if self._socket in readable:
-                self._read_events()
+                if self._kmsg is not None:
+                    self._read_kmsg()  # first: a kill is logged before its victim's exit is read
+                if self._socket in readable:
+                    self._read_events()
+        except OSError as exc:
+            log.error("exit evidence is off from now on: %s", exc)
+            with self._lock:  # what the runs followed now saw is partial
+                self.on, self.reason = False, str(exc)
+                for tree in self._trees.values():
+                    tree.incomplete = True
+                    tree.top_exited.set()
 
     def _read_kmsg(self) -> None:
         while True:

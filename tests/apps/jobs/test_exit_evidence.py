@@ -50,7 +50,7 @@ def test_a_rank_killed_by_sigkill_requeues_the_job_naming_rank_pid_node_and_sign
 
 
 def test_an_oom_kill_is_named_as_the_kernels_and_without_a_rank_the_node_rank_stands_in(
-    fleet_pool, quota, team, researcher
+    fleet_pool, quota, team, researcher, client
 ):
     job = submit(team, researcher, resources={"gpu_type": "H100", "gpus": 8})
     oom = {**KILLED, "kind": "oom", "rank": None, "local_rank": None}
@@ -61,6 +61,9 @@ def test_an_oom_kill_is_named_as_the_kernels_and_without_a_rank_the_node_rank_st
         f"requeued: rank 0 (pid 4321) on {_node_name(run)} was killed by the kernel's OOM "
         "killer (infrastructure)"
     )
+    client.force_login(researcher)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert '<div class="muted">OOM-killed: pid 4321</div>' in page
 
 
 def test_past_the_restart_limit_a_killed_rank_fails_the_job_saying_so(
