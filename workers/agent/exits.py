@@ -150,7 +150,8 @@ class ExitWatch:
     followed; `evidence` says how a run's tree died. Off (`on` False, `reason` why) where
     the kernel will not tell this process."""
 
-    def __init__(self):
+    def __init__(self, *, receive_buffer: int = RECEIVE_BUFFER):
+        self._receive_buffer = receive_buffer
         self.on = False
         self.reason = "not started"
         self._socket: socket.socket | None = None
@@ -162,7 +163,7 @@ class ExitWatch:
 
     def start(self) -> "ExitWatch":
         try:
-            self._socket = self._listen()
+            self._socket = self._listen(self._receive_buffer)
         except OSError as exc:
             self.reason = f"the kernel's process events cannot be read here: {exc}"
             log.warning("exit evidence is off: %s", self.reason)
@@ -178,11 +179,11 @@ class ExitWatch:
         return self
 
     @staticmethod
-    def _listen() -> socket.socket:
+    def _listen(receive_buffer: int = RECEIVE_BUFFER) -> socket.socket:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_CONNECTOR)
         try:
             with contextlib.suppress(OSError):  # SO_RCVBUFFORCE needs CAP_NET_ADMIN
-                sock.setsockopt(socket.SOL_SOCKET, 33, RECEIVE_BUFFER)  # SO_RCVBUFFORCE
+                sock.setsockopt(socket.SOL_SOCKET, 33, receive_buffer)  # SO_RCVBUFFORCE
             sock.bind((0, CN_IDX_PROC))  # 0: the kernel picks our port id
             listen = struct.pack("=I", PROC_CN_MCAST_LISTEN)
             message = CN_MSG.pack(CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(listen), 0) + listen

@@ -115,6 +115,32 @@ def test_a_run_that_ends_well_has_no_evidence_and_is_forgotten(tmp_path, watch):
     assert 7 not in watch._trees and run.pid not in watch._run_of
 
 
+def test_events_lost_to_a_full_buffer_make_the_evidence_say_it_is_incomplete(tmp_path):
+    """A watch with the smallest receive buffer the kernel allows, kept from reading (its
+    lock held) while the run starts a few hundred processes: the kernel drops events."""
+    small = ExitWatch(receive_buffer=1).start()
+    if not small.on:
+        pytest.skip(f"the proc connector cannot run here: {small.reason}")
+    burst = (
+        "import subprocess, sys, time\n"
+        "while not open(sys.argv[1]).read(): time.sleep(0.01)\n"
+        "for _ in range(300): subprocess.run(['/bin/true'])\n"
+    )
+    go = tmp_path / "go"
+    go.write_text("")
+    run = _run(tmp_path, small, [PY, "-c", burst, str(go)])
+    with small._lock:
+        go.write_text("go")
+        deadline = time.monotonic() + 30
+        while run.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    report = _ended(run)
+    assert report["exit_code"] == 0
+    assert report["evidence"] == {"incomplete": True}
+    notes = [line.text for lines in run._logs.take(100_000).values() for line in lines]
+    assert "some process events were lost: how its processes died may be partial" in notes
+
+
 def _memory_cgroup() -> Path | None:
     """A cgroup v1 memory group of our own, below the one this process is in."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
