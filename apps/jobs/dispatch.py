@@ -6,9 +6,8 @@ nodes' agents) → RUNNING (every rank started) → SUCCEEDED when every rank ex
 0. A rank that fails in the job's own code fails the job (FAILED, not retried);
 infrastructure (a node lost, a spot notice, a plan no agent started in time, a
 rendezvous port found busy, a process the node's kernel killed) requeues it to
-PENDING, up to its restart limit. A job
-that must stop (cancel, preemption, time limit) asks its runs to stop, and ends when
-the last one has.
+PENDING, up to its restart limit. A job that must stop (cancel, preemption, time
+limit) asks its runs to stop, and ends when the last one has.
 """
 
 import datetime as dt

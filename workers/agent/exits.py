@@ -154,6 +154,7 @@ class ExitWatch:
         self._receive_buffer = receive_buffer
         self.on = False
         self.reason = "not started"
+        self._closing = threading.Event()
         self._socket: socket.socket | None = None
         self._kmsg: int | None = None
         self._lock = threading.Lock()
@@ -253,6 +254,10 @@ class ExitWatch:
                 found["incomplete"] = True
             return found
 
+    def close(self) -> None:
+        """Stop listening (the agent's watch lives as long as the agent; tests close theirs)."""
+        self._closing.set()
+
     def forget(self, run_id: int) -> None:
         with self._lock:
             tree = self._trees.pop(run_id, None)
@@ -265,13 +270,16 @@ class ExitWatch:
 
     def _read_forever(self) -> None:
         try:
-            while True:
+            while not self._closing.is_set():
                 sources = [self._socket] + ([self._kmsg] if self._kmsg is not None else [])
                 readable, _, _ = select.select(sources, [], [], 1.0)
                 if self._kmsg is not None:
                     self._read_kmsg()  # first: a kill is logged before its victim's exit is read
                 if self._socket in readable:
                     self._read_events()
+            self._socket.close()
+            if self._kmsg is not None:
+                os.close(self._kmsg)
         except OSError as exc:
             log.error("exit evidence is off from now on: %s", exc)
             with self._lock:  # what the runs followed now saw is partial

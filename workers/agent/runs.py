@@ -9,7 +9,9 @@ processes will listen on (refused, as the node's fault, if something holds it). 
 process starts in a new session, so a stop or a spot notice signals torchrun and all
 its workers together. Where the
 agent is privileged it runs as the job's own user (workers/agent/isolation.py),
-and whatever that user still runs when the run ends is killed.
+and whatever that user still runs when the run ends is killed. Its exit report says
+which of its processes the kernel saw killed by a signal the agent did not send
+(workers/agent/exits.py), where the agent can hear the kernel.
 """
 
 import contextlib

@@ -36,7 +36,8 @@ def watch():
     watch = ExitWatch().start()
     if not watch.on:
         pytest.skip(f"the proc connector cannot run here: {watch.reason}")
-    return watch
+    yield watch
+    watch.close()
 
 
 def _run(tmp_path, watch, argv, run_id=7) -> Run:
@@ -115,12 +116,13 @@ def test_a_run_that_ends_well_has_no_evidence_and_is_forgotten(tmp_path, watch):
     assert 7 not in watch._trees and run.pid not in watch._run_of
 
 
-def test_events_lost_to_a_full_buffer_make_the_evidence_say_it_is_incomplete(tmp_path):
+def test_events_lost_to_a_full_buffer_make_the_evidence_say_it_is_incomplete(tmp_path, request):
     """A watch with the smallest receive buffer the kernel allows, kept from reading (its
     lock held) while the run starts a few hundred processes: the kernel drops events."""
     small = ExitWatch(receive_buffer=1).start()
     if not small.on:
         pytest.skip(f"the proc connector cannot run here: {small.reason}")
+    request.addfinalizer(small.close)
     burst = (
         "import subprocess, sys, time\n"
         "while not open(sys.argv[1]).read(): time.sleep(0.01)\n"
