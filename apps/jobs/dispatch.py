@@ -5,9 +5,9 @@ ADMITTED → PROVISIONING (plans being written) → STARTING (plans offered to t
 nodes' agents) → RUNNING (every rank started) → SUCCEEDED when every rank exits
 0. A rank that fails in the job's own code fails the job (FAILED, not retried);
 infrastructure (a node lost, a spot notice, a plan no agent started in time, a
-rendezvous port found busy) requeues it to PENDING, up to its restart limit. A job
-that must stop (cancel, preemption, time limit) asks its runs to stop, and ends when
-the last one has.
+rendezvous port found busy, a process the node's kernel killed) requeues it to
+PENDING, up to its restart limit. A job that must stop (cancel, preemption, time
+limit) asks its runs to stop, and ends when the last one has.
 """
 
 import datetime as dt
@@ -16,6 +16,7 @@ import logging
 import math
 import re
 import secrets
+import signal
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -382,6 +383,42 @@ def _int_or_none(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _int_within(value, low: int, high: int) -> int | None:
+    number = _int_or_none(value)
+    return number if number is not None and low <= number <= high else None
+
+
+EVIDENCE_KINDS = ("oom", "signal")
+_COMMAND = re.compile(r"[\w .:/@+-]{0,64}\Z")
+
+
+def _evidence(value) -> dict | None:
+    """The agent's evidence of how a run's processes died, kept only when every field is
+    what the agent writes (workers/agent/exits.py); anything else is dropped whole."""
+    if not isinstance(value, dict) or value.get("kind") not in EVIDENCE_KINDS:
+        return None
+    number = _int_within(value.get("signal"), 1, 64)
+    pid = _int_within(value.get("pid"), 1, 1 << 22)
+    if number is None or pid is None:
+        return None
+    ranks = {}
+    for name in ("rank", "local_rank"):
+        ranks[name] = _int_within(value.get(name), 0, 1 << 20)
+        if value.get(name) is not None and ranks[name] is None:
+            return None
+    command = value.get("command", "")
+    if not isinstance(command, str) or not _COMMAND.match(command):
+        return None
+    return {
+        "kind": value["kind"],
+        "signal": number,
+        "pid": pid,
+        **ranks,
+        "command": command,
+        "incomplete": value.get("incomplete") is True,
+    }
+
+
 @transaction.atomic
 def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
     """An agent says a run started, could not start, or ended; the job follows."""
@@ -401,6 +438,7 @@ def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
         run.node_fault = fault if fault in NodeFault.values else ""
         status = report.get("status")
         run.status = status if isinstance(status, dict) else None
+        run.evidence = _evidence(report.get("evidence")) if state == "exited" else None
         run.ended_at = now
     elif state not in ("running", "exited", "refused"):
         raise ApplicationError(
@@ -424,12 +462,32 @@ def _describe_exit(run: Run) -> str:
         return f"rank {run.node_rank} on {node} was lost: {run.reason}"
     if run.state == R.REFUSED:
         return f"rank {run.node_rank} on {node} could not start: {run.reason}"
+    if run.evidence:
+        return _describe_death(run.evidence, node_rank=run.node_rank, node=node)
     how = f"signal {run.signal}" if run.signal else f"exit code {run.exit_code}"
     return f"rank {run.node_rank} on {node} ended with {how}"
 
 
+def _describe_death(evidence: dict, *, node_rank: int, node: str) -> str:
+    rank = evidence["rank"] if evidence["rank"] is not None else node_rank
+    who = f"rank {rank} (pid {evidence['pid']}) on {node}"
+    if evidence["kind"] == "oom":
+        text = f"{who} was killed by the kernel's OOM killer"
+    else:
+        try:
+            name = f" ({signal.Signals(evidence['signal']).name})"
+        except ValueError:
+            name = ""
+        text = f"{who} was killed by signal {evidence['signal']}{name}"
+    if evidence.get("incomplete"):
+        text += " (the first death the agent saw: some process events were lost)"
+    return text
+
+
 def _infrastructure(run: Run) -> bool:
-    if run.node_fault or run.state == R.LOST:
+    # The node's kernel killed one of its processes (OOM, or a signal the agent did not
+    # send): an exit code of 1 from torchrun says nothing more than that a rank died.
+    if run.node_fault or run.state == R.LOST or run.evidence:
         return True
     status_reason = (run.status or {}).get("reason") if isinstance(run.status, dict) else None
     return run.reason == "spot interruption" or status_reason in INFRASTRUCTURE_EXITS
@@ -464,7 +522,8 @@ def _job_follows(job_id: int, *, changed: Run | None = None) -> None:
             _runs_stop(job, reason="another rank failed")
             _transition(job, J.FAILED, _describe_exit(own[0]))
         else:
-            _requeue(job, f"{_describe_exit(failed[0])} (infrastructure)")
+            cause = next((r for r in failed if r.evidence), failed[0])
+            _requeue(job, f"{_describe_exit(cause)} (infrastructure)")
         return
     if runs and not open_runs:
         _transition(job, J.SUCCEEDED, f"all {len(runs)} rank(s) exited 0")
