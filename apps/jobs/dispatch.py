@@ -462,7 +462,7 @@ def _describe_exit(run: Run) -> str:
         return f"rank {run.node_rank} on {node} was lost: {run.reason}"
     if run.state == R.REFUSED:
         return f"rank {run.node_rank} on {node} could not start: {run.reason}"
-    if run.evidence:
+    if _killed(run):
         return _describe_death(run.evidence, node_rank=run.node_rank, node=node)
     how = f"signal {run.signal}" if run.signal else f"exit code {run.exit_code}"
     return f"rank {run.node_rank} on {node} ended with {how}"
@@ -484,10 +484,17 @@ def _describe_death(evidence: dict, *, node_rank: int, node: str) -> str:
     return text
 
 
+def _killed(run: Run) -> bool:
+    """The node's kernel OOM-killed one of the run's processes, or a rank (a process torchrun
+    started, with a RANK) died of a signal the agent did not send: an exit code of 1 from
+    torchrun says nothing more than that a rank died. A signal to any other process of the
+    job may be the job's own doing (a subprocess it killed), so it is not evidence."""
+    evidence = run.evidence or {}
+    return evidence.get("kind") == "oom" or evidence.get("rank") is not None
+
+
 def _infrastructure(run: Run) -> bool:
-    # The node's kernel killed one of its processes (OOM, or a signal the agent did not
-    # send): an exit code of 1 from torchrun says nothing more than that a rank died.
-    if run.node_fault or run.state == R.LOST or run.evidence:
+    if run.node_fault or run.state == R.LOST or _killed(run):
         return True
     status_reason = (run.status or {}).get("reason") if isinstance(run.status, dict) else None
     return run.reason == "spot interruption" or status_reason in INFRASTRUCTURE_EXITS
@@ -522,7 +529,7 @@ def _job_follows(job_id: int, *, changed: Run | None = None) -> None:
             _runs_stop(job, reason="another rank failed")
             _transition(job, J.FAILED, _describe_exit(own[0]))
         else:
-            cause = next((r for r in failed if r.evidence), failed[0])
+            cause = next((r for r in failed if _killed(r)), failed[0])
             _requeue(job, f"{_describe_exit(cause)} (infrastructure)")
         return
     if runs and not open_runs:

@@ -49,6 +49,20 @@ def test_a_rank_killed_by_sigkill_requeues_the_job_naming_rank_pid_node_and_sign
     )
 
 
+def test_a_signal_to_a_process_that_is_not_a_rank_is_the_jobs_own_doing(
+    fleet_pool, quota, team, researcher
+):
+    """A command job that SIGKILLs a subprocess of its own and then exits 1 failed on its
+    own: only the kernel's OOM kills and ranks' deaths are evidence of the node."""
+    job = submit(team, researcher, resources={"gpu_type": "H100", "gpus": 8})
+    helper = {**KILLED, "rank": None, "local_rank": None, "command": "curl"}
+    _one_rank_exits(job, exit_code=1, evidence=helper)
+    job.refresh_from_db()
+    assert job.state == JobState.FAILED
+    assert job.restarts == 0
+    assert job.state_reason.endswith("ended with exit code 1")
+
+
 def test_an_oom_kill_is_named_as_the_kernels_and_without_a_rank_the_node_rank_stands_in(
     fleet_pool, quota, team, researcher, client
 ):
