@@ -464,6 +464,11 @@ def _describe_exit(run: Run) -> str:
         return f"rank {run.node_rank} on {node} could not start: {run.reason}"
     if _killed(run):
         return _describe_death(run.evidence, node_rank=run.node_rank, node=node)
+    status = run.status if isinstance(run.status, dict) else {}
+    if status.get("reason") == "storage" and isinstance(status.get("message"), str):
+        # The trainer's words, shown as text: what it needed and where ("checkpoint: needs
+        # 13.2 GB at DIR, 4.1 GB free").
+        return f"rank {run.node_rank} on {node} could not save: {status['message'][:160]}"
     how = f"signal {run.signal}" if run.signal else f"exit code {run.exit_code}"
     return f"rank {run.node_rank} on {node} ended with {how}"
 

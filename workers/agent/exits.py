@@ -82,6 +82,9 @@ class Tree:
     alive: dict[int, Process] = field(default_factory=dict)
     deaths: list[Death] = field(default_factory=list)
     stop_ns: int | None = None  # from when the agent asked the run to stop
+    # When a rank first ended on its own (an exit code other than 0, or a crash of its own
+    # making): what dies after it (torchrun stopping the other ranks) is its consequence.
+    own_failure_ns: int | None = None
     incomplete: bool = False  # events were lost while it ran
     top_exited: threading.Event = field(default_factory=threading.Event)
 
@@ -232,7 +235,8 @@ class ExitWatch:
             return None
         tree.top_exited.wait(TOP_EXIT_WAIT_S)
         with self._lock:
-            deaths = [d for d in tree.deaths if tree.stop_ns is None or d.at_ns < tree.stop_ns]
+            until = min(t for t in (tree.stop_ns, tree.own_failure_ns, 1 << 63) if t is not None)
+            deaths = [d for d in tree.deaths if d.at_ns < until]
             if not deaths:
                 return {"incomplete": True} if tree.incomplete else None
             first = min(deaths, key=lambda d: d.at_ns)
@@ -377,6 +381,9 @@ class ExitWatch:
                 killed = process is not None and signum and signum not in OWN_FAULTS
                 if killed and len(tree.deaths) < DEATHS_KEPT:
                     tree.deaths.append(Death(at_ns, process, signum))
+                own = signum in OWN_FAULTS or (not signum and status >> 8)
+                if own and process is not None and process.rank is not None:
+                    tree.own_failure_ns = min(tree.own_failure_ns or at_ns, at_ns)
                 if pid == tree.top:
                     tree.top_exited.set()
 

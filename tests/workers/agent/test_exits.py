@@ -109,6 +109,29 @@ def test_a_process_that_crashes_on_its_own_is_not_the_nodes_doing(tmp_path, watc
     assert report["evidence"] is None
 
 
+# Two ranks, as torchrun runs them: rank 0 fails on its own (exit 1), and then the parent
+# stops rank 1 with SIGTERM, as torchrun stops the ranks left when one fails.
+ONE_FAILS = (
+    "import os, signal, subprocess, sys, time\n"
+    "def rank(n, code):\n"
+    "    env = dict(os.environ, RANK=str(n), LOCAL_RANK=str(n))\n"
+    "    return subprocess.Popen([sys.executable, '-c', code], env=env)\n"
+    "left = rank(1, 'import time; time.sleep(60)')\n"
+    "failing = rank(0, 'import time, sys; time.sleep(0.5); sys.exit(1)')\n"
+    "failing.wait()\n"
+    "left.send_signal(signal.SIGTERM)\n"
+    "left.wait()\n"
+    "sys.exit(1)\n"
+)
+
+
+def test_a_rank_stopped_because_another_failed_on_its_own_is_not_evidence(tmp_path, watch):
+    run = _run(tmp_path, watch, [PY, "-c", ONE_FAILS])
+    report = _ended(run)
+    assert report["exit_code"] == 1
+    assert report["evidence"] is None
+
+
 def test_a_run_that_ends_well_has_no_evidence_and_is_forgotten(tmp_path, watch):
     run = _run(tmp_path, watch, [PY, "-c", _tree("print('done')")])
     report = _ended(run)
