@@ -266,9 +266,9 @@ def test_a_pass_pauses_the_cycle_collector_and_restores_it(
     seen = []
     real_plan = run.plan
 
-    def plan_watching_the_collector(snapshot, out=None):
+    def plan_watching_the_collector(snapshot):
         seen.append(gc.isenabled())
-        return real_plan(snapshot, out)
+        return real_plan(snapshot)
 
     monkeypatch.setattr(run, "plan", plan_watching_the_collector)
     submit(team, researcher)
