@@ -30,7 +30,12 @@ def test_gunicorn_stopped_mid_burst(drill, recovered):
     assert all(ids[n] == i for n, i in accepted_before.items())
     exactly_once(drill, ids)
     all_succeed_once(drill, ids.values())
-    recovered("gunicorn SIGTERM mid-burst", marks["back"] - marks["stopped"], "stop → answering")
+    unanswered = sum(1 for a in answers.values() if a[0] != 201)
+    recovered(
+        "gunicorn SIGTERM mid-burst",
+        marks["back"] - marks["stopped"],
+        f"stop → answering again ({unanswered} of 60 unanswered, then retried)",
+    )
 
 
 def test_postgres_restarted_mid_burst(drill, recovered):
@@ -55,7 +60,12 @@ def test_postgres_restarted_mid_burst(drill, recovered):
     first_after = burst.first_accepted_after(marks["up"])
     exactly_once(drill, ids)
     all_succeed_once(drill, ids.values())
-    recovered("PostgreSQL restart", first_after, "database back → next 201 committed")
+    refused = sum(1 for a in answers.values() if a[0] == 503)
+    recovered(
+        "PostgreSQL restart",
+        first_after,
+        f"database back → next 201 ({refused} of 60 answered 503, then retried)",
+    )
 
 
 def test_redis_down_for_ten_seconds(drill, recovered):
