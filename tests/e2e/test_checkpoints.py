@@ -187,7 +187,7 @@ def test_a_killed_nodes_job_resumes_elsewhere_from_its_newest_verified_checkpoin
     resumed_from = Checkpoint.objects.get(job=job, step=newest_on_disk, attempt=1)
     assert resumed_from.offered_at is not None
     started = job.events.filter(to_state="starting").last()
-    assert started.reason.endswith(f"resuming from {resumed_from.copies.first().location}")
+    assert started.reason.endswith(f"checkpoint offered: {resumed_from.copies.first().location}")
     assert resumed_from.events.filter(reason__startswith="attempt 2 resumed from it").exists()
     assert reached - resume["step"] <= INTERVAL
     again = _losses(job, 2)
