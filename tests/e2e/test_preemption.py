@@ -200,7 +200,11 @@ def _trainer_events(api, job: Job, kind: str) -> list[dict]:
 def _resumed_from(job: Job, checkpoint: Checkpoint) -> JobEvent:
     """The event of the attempt that was offered `checkpoint` to resume from."""
     location = checkpoint.copies.order_by("pk").first().location
-    started = JobEvent.objects.filter(job=job, to_state="starting").order_by("at", "pk").last()
+    started = (
+        JobEvent.objects.filter(job=job, from_state="provisioning", to_state="starting")
+        .order_by("at", "pk")
+        .last()
+    )
     assert "checkpoint offered: " in started.reason and started.reason.endswith(location), (
         started.reason,
         location,
