@@ -24,7 +24,7 @@ DEV_ENV := DJANGO_DEBUG=1 SECRET_KEY_FILE=var/secret_key SECURE_COOKIES=0 \
 	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL= \
 	CONTROLPLANE_URL=http://127.0.0.1:$(PORT) NODE_MIN_FREE_DISK_GB=1
 
-.PHONY: run test test-fast lint format bench bench-api bench-costs bench-heartbeats bench-scheduler bench-trainer bench-scaling clean install system-test-deps
+.PHONY: run test test-fast drills lint format bench bench-api bench-costs bench-heartbeats bench-scheduler bench-trainer bench-scaling clean install system-test-deps
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ test: $(VENV)/.installed system-test-deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fault drills: the product in its production shape (its own PostgreSQL and Redis,
+# gunicorn, a Celery worker and beat, local and SSH nodes), each fault played for real.
+# Run after `make test` by .ci/run; root, for PostgreSQL's own user and the jobs' users.
+drills: $(VENV)/.installed system-test-deps
+	$(BIN)/python -m pytest tests/drills --confcutdir=tests/drills -p no:django \
+		-W ignore::pytest.PytestConfigWarning $(PYTEST_ARGS)
 
 # The quick tier: no browser, no fuzzing, no subprocess servers.
 test-fast: $(VENV)/.installed

@@ -49,7 +49,6 @@ def database_from_url(url: str, *, base_dir: Path) -> dict:
     parsed = urlparse(url)
     options = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
     if parsed.scheme in ("postgres", "postgresql", "pgsql"):
-        options["prepare_threshold"] = _prepare_threshold(options.get("prepare_threshold"))
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": unquote(parsed.path.lstrip("/")) or "postgres",
@@ -70,25 +69,6 @@ def database_from_url(url: str, *, base_dir: Path) -> dict:
     raise ImproperlyConfigured(
         f"DATABASE_URL scheme {parsed.scheme!r} is not supported: use postgres:// or sqlite://"
     )
-
-
-# Statements sent through a server-binding cursor (the hot inserts of controlplane/bulk.py)
-# are prepared on the server after this many uses on a connection. Django's default, None,
-# never prepares; `?prepare_threshold=none` restores it, for a transaction-pooling
-# PgBouncer older than 1.21 or one without max_prepared_statements.
-DEFAULT_PREPARE_THRESHOLD = 2
-
-
-def _prepare_threshold(raw: str | None) -> int | None:
-    if raw is None:
-        return DEFAULT_PREPARE_THRESHOLD
-    if raw.strip().lower() in ("none", "off"):
-        return None
-    if not raw.strip().isdecimal():
-        raise ImproperlyConfigured(
-            f"DATABASE_URL's prepare_threshold must be a whole number or none, got {raw!r}"
-        )
-    return int(raw)
 
 
 def sqlite_database(path: Path) -> dict:

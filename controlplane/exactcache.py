@@ -14,8 +14,6 @@ change cannot put the old answer back there either. A cache that fails is
 skipped: the database answers, as it would without one.
 """
 
-import contextlib
-import contextvars
 import logging
 import threading
 import uuid
@@ -29,41 +27,6 @@ log = logging.getLogger(__name__)
 
 RECHECK = "recheck"
 
-# Keys read ahead in one round trip (read_ahead) → their values (None: not cached).
-_ahead: contextvars.ContextVar[dict | None] = contextvars.ContextVar("read_ahead", default=None)
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def read_ahead(keys):
-    """Read these cache keys in one round trip (a hot request that will look up several,
-    one after another); inside the block, the first cache_get of each is answered from
-    what was read. A cache that fails reads nothing ahead: each get then asks it again."""
-    keys = [key for key in keys if key]
-    try:
-        found = cache.get_many(keys) if keys else {}
-    except Exception:
-        log.warning("cache unreachable; not reading ahead", exc_info=True)
-        yield
-        return
-    token = _ahead.set({key: found.get(key) for key in keys})
-    try:
-        yield
-    finally:
-        _ahead.reset(token)
-
-
-def cache_get(key: str):
-    """cache.get(key), answered by an enclosing read_ahead if it read this key (once: a
-    second get of the key asks the cache, which may have been written since). A cache that
-    cannot be reached reads as missing."""
-    ahead = _ahead.get()
-    if ahead is not None:
-        value = ahead.pop(key, _MISSING)
-        if value is not _MISSING:
-            return value
-    return best_effort.get(key)
-
 
 class ExactCache:
     def __init__(self, prefix: str, *, max_timeout_s: float):
@@ -71,20 +34,9 @@ class ExactCache:
         self.max_timeout_s = max_timeout_s
         # name → the generation this thread's last recall found (remember caches under it)
         self._seen = threading.local()
-        # name → the marker's generation the last recall in this process found there, while
-        # one stands: read ahead with the entry, the answer cached under it comes in the
-        # same round trip (otherwise every look-up until the marker expires makes two)
-        self._marked: dict[str, str] = {}
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}:{name}"
-
-    def keys_ahead(self, name: str) -> list[str]:
-        """The cache keys recall(name) reads, for read_ahead: the entry, and the answer
-        cached under the marker last found there, if one was."""
-        key = self._key(name)
-        generation = self._marked.get(name)
-        return [key, f"{key}@{generation}"] if generation else [key]
 
     def _generations(self) -> dict[str, str]:
         if not hasattr(self._seen, "generations"):
@@ -98,16 +50,13 @@ class ExactCache:
         if self.max_timeout_s <= 0:
             return None
         try:
-            value = cache_get(self._key(name))
+            value = best_effort.get(self._key(name))
             if isinstance(value, str) and value.startswith(RECHECK):
                 generation = value.partition(":")[2]
                 if not generation:  # a marker without one: ask the database, cache nothing
                     return None
                 generations[name] = generation
-                self._marked[name] = generation
-                value = cache_get(f"{self._key(name)}@{generation}")
-            else:
-                self._marked.pop(name, None)
+                value = best_effort.get(f"{self._key(name)}@{generation}")
         except Exception:  # the cache is an optimisation; the database still answers
             log.warning("%s: cache unreachable; reading the database", self.prefix, exc_info=True)
             return None

@@ -395,11 +395,12 @@ CELERY_BEAT_SCHEDULE["fleet-orphan-sweep"] = {
     "schedule": float(ORPHAN_SWEEP_EVERY_S),
 }
 # Owned (local, SSH) nodes provisioning or bootstrapping this long are taken up again: the
-# task that was doing it was lost. The sweep looks every minute.
+# task that was doing it was lost. The sweep looks every minute (or every half of a
+# shorter threshold).
 OWNED_REDRIVE_AFTER_S = env_int("OWNED_REDRIVE_AFTER_S", 300)
 CELERY_BEAT_SCHEDULE["fleet-provisioning-redrive"] = {
     "task": "fleet.provisioning_redrive",
-    "schedule": 60.0,
+    "schedule": min(60.0, OWNED_REDRIVE_AFTER_S / 2),
 }
 
 # Costs: every node-second metered into the usage ledger (apps/costs). Days and months

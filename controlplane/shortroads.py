@@ -9,8 +9,8 @@ refuse, a host Django would refuse) it hands to Django, which then gives the onl
 answer, in the API's one error shape. Sessions, CSRF, messages and browser logins mean
 nothing to these requests: they carry bearer tokens and JSON bodies.
 
-The roads: node heartbeats (apps/fleet/api/agent.py) and job submissions
-(apps/jobs/api/submit.py), put in front of Django in controlplane/wsgi.py.
+The road: node heartbeats (apps/fleet/api/agent.py), put in front of Django in
+controlplane/wsgi.py.
 """
 
 import io
@@ -24,7 +24,6 @@ from django.conf import settings
 from django.core.exceptions import DisallowedHost
 from django.core.handlers.wsgi import WSGIHandler, WSGIRequest
 from django.core.signals import request_started
-from django.db import DEFAULT_DB_ALIAS, connections
 
 from controlplane.observability import LATENCY, REQUESTS
 
@@ -52,14 +51,10 @@ class Answer:
 Road = Callable[[WSGIRequest], Answer | None]
 
 
-def short_road(
-    application, *, method: str, path: str, route: str, road: Road, queries: bool = False
-):
+def short_road(application, *, method: str, path: str, route: str, road: Road):
     """Wrap a WSGI application: `method path` requests go to `road` first.
 
-    `route` is the URL's name, the route label of the request metrics. `queries`: every
-    success of the road has been answered by the database, which vouches for the
-    connection for the next ALIVE_BYPASS_S seconds.
+    `route` is the URL's name, the route label of the request metrics.
     """
 
     def wsgi(environ, start_response):
@@ -67,8 +62,6 @@ def short_road(
             started = time.perf_counter()
             answer = _take(road, environ)
             if answer is not None:
-                if queries and answer.status < 300:
-                    _vouch_for_connection()
                 start_response(
                     f"{answer.status} {HTTPStatus(answer.status).phrase}",
                     [
@@ -97,7 +90,6 @@ def _take(road: Road, environ) -> Answer | None:
     # closes a database connection past its age or broken. Sent, not called, so a test
     # client can disconnect it.
     request_started.send(sender=WSGIHandler, environ=environ)
-    _skip_health_check_if_vouched()
     try:
         request = WSGIRequest(environ)
         request.get_host()  # the ALLOWED_HOSTS check
@@ -113,36 +105,11 @@ def _take(road: Road, environ) -> Answer | None:
         return None
 
 
-# A connection that answered a road's queries this recently is taken as alive: the
-# request skips the `SELECT 1` that CONN_HEALTH_CHECKS sends before its first query (a
-# round trip on every submission; the pool HikariCP skips its check alike within its
-# "alive bypass window"). An idle or failed connection is checked as Django checks it.
-ALIVE_BYPASS_S = 1.0
-
-
-def _vouch_for_connection() -> None:
-    db = connections[DEFAULT_DB_ALIAS]
-    if db.connection is not None and not db.errors_occurred:
-        db.road_answered_at = time.monotonic()
-
-
-def _skip_health_check_if_vouched() -> None:
-    db = connections[DEFAULT_DB_ALIAS]
-    answered_at = getattr(db, "road_answered_at", None)
-    if (
-        answered_at is not None
-        and db.connection is not None
-        and not db.errors_occurred
-        and time.monotonic() - answered_at < ALIVE_BYPASS_S
-    ):
-        db.health_check_done = True
-
-
-def bearer_token(request: WSGIRequest, keywords: tuple[str, ...] = ("bearer",)) -> str | None:
+def bearer_token(request: WSGIRequest) -> str | None:
     """The token of an `Authorization: Bearer <token>` header, or None."""
     # META, not request.headers, which would build a dict of every header first.
     scheme, _, raw = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
     raw = raw.strip()
-    if scheme.lower() not in keywords or not raw or " " in raw:
+    if scheme.lower() != "bearer" or not raw or " " in raw:
         return None
     return raw

@@ -9,8 +9,8 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 from apps.accounts import views as accounts_views
 from controlplane import agent_bundle, observability
 
-# Django tries these in order, each app's routes in turn: the jobs API (CI's polls, and
-# the submissions the short road hands over, controlplane/shortroads.py) goes first.
+# Django tries these in order, each app's routes in turn: the jobs API (CI's submissions
+# and polls) goes first.
 api_v1 = [
     path("", include("apps.jobs.api.urls")),
     path("", include("apps.accounts.api.urls")),

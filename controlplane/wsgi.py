@@ -7,10 +7,8 @@ from django.core.wsgi import get_wsgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 application = get_wsgi_application()
 
-# Node agents' heartbeats and plain job submissions skip the middleware stack
-# (controlplane/shortroads.py says why); every other request, and any of those the
-# view would refuse, goes to Django as before.
+# Node agents' heartbeats skip the middleware stack (controlplane/shortroads.py says why);
+# every other request, and any heartbeat the view would refuse, goes to Django as before.
 from apps.fleet.api.agent import heartbeat_fast_path  # noqa: E402 (needs Django set up)
-from apps.jobs.api.submit import submit_fast_path  # noqa: E402
 
-application = submit_fast_path(heartbeat_fast_path(application))
+application = heartbeat_fast_path(application)

@@ -16,6 +16,8 @@ from tests.report_backends import describe
 
 # The sshd fixtures: the SSH provider's tests and the end-to-end ones both start one.
 pytest_plugins = ["tests.sshd"]
+# The fault drills run apart, against a stack of their own (`make drills`).
+collect_ignore = ["drills"]
 
 hypothesis_settings.register_profile(
     "ci",

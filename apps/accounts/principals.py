@@ -13,11 +13,6 @@ from controlplane.exactcache import ExactCache
 _tokens = ExactCache("auth:token", max_timeout_s=settings.AUTH_CACHE_S)
 
 
-def cache_keys(digest: str) -> list[str]:
-    """What recall(digest) reads (for controlplane.exactcache.read_ahead)."""
-    return _tokens.keys_ahead(digest)
-
-
 def recall(digest: str):
     """(token, roles) as cached, or None when the database must answer."""
     return _tokens.recall(digest)

@@ -175,11 +175,6 @@ def team_secrets_visible_to(*, user) -> QuerySet[TeamSecret]:
 _teams = ExactCache("accounts:team", max_timeout_s=300)
 
 
-def team_cache_keys(team_id: int) -> list[str]:
-    """What team_for_submission reads (for controlplane.exactcache.read_ahead)."""
-    return _teams.keys_ahead(str(team_id))
-
-
 def team_for_submission(*, user, team_id: int) -> Team | None:
     """The team, if the user may see it (others "do not exist"), with its quota limits."""
     roles = roles_of(user)

@@ -81,14 +81,7 @@ def _actor_label(actor) -> str:
     return origin.label or "system"
 
 
-def audit_record(**change) -> AuditEvent:
-    """Record one change now: audit_event's row (same arguments), saved."""
-    event = audit_event(**change)
-    event.save(force_insert=True)
-    return event
-
-
-def audit_event(
+def audit_record(
     *,
     actor,
     action: str,
@@ -97,10 +90,9 @@ def audit_event(
     after: dict | None = None,
     team: Team | None = None,
 ) -> AuditEvent:
-    """The audit row audit_record saves, unsaved: for a caller that inserts it together
-    with the change it records (controlplane.bulk.insert_with)."""
+    """Record one change now, with who made it and from where (the request's origin)."""
     origin = current_origin()
-    return AuditEvent(
+    return AuditEvent.objects.create(
         actor=actor if actor is not None and actor.pk else None,
         actor_label=_actor_label(actor)[:150],
         channel=origin.channel,

@@ -287,14 +287,23 @@ def node_agent_register(*, identity: AgentIdentity, report: dict) -> dict:
 
 def _node_back(node: Node, *, heard_last, now, problems: list[str]) -> Node:
     """A DOWN node's agent answers again. Its jobs were requeued when it went DOWN, so it
-    comes back as a fresh node would: checked, then READY, or FAILED (for ops) with why."""
+    comes back as a fresh node would: checked, then READY, or FAILED (for ops) with why; one
+    that ops were draining when it went quiet comes back DRAINED, as they left it."""
     silent = f" after {(now - heard_last).total_seconds():.0f}s" if heard_last else ""
+    drained = node.suspect_from in (S.DRAINING, S.DRAINED)
     node = fleet.node_transition(
         node=node, to=S.BOOTSTRAPPING, reason=f"agent back{silent}", by=None
     )
     if problems:
         why = "health checks failed on return: " + "; ".join(problems)
         return fleet.node_transition(node=node, to=S.FAILED, reason=why[:300], by=None)
+    if drained:
+        return fleet.node_transition(
+            node=node,
+            to=S.DRAINED,
+            reason="health checks passed; drained before it went down, so it stays drained",
+            by=None,
+        )
     return fleet.node_transition(node=node, to=S.READY, reason="health checks passed", by=None)
 
 

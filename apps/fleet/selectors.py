@@ -16,7 +16,6 @@ from apps.fleet.models import (
     Site,
 )
 from controlplane.cache import best_effort
-from controlplane.exactcache import cache_get
 
 
 def nodes_for_listing() -> QuerySet[Node]:
@@ -154,7 +153,7 @@ def pools_capacity(*, cached: bool = False) -> list[PoolCapacity]:
     `cached=True` answers from Django's cache for up to CAPACITY_CACHE_S seconds.
     """
     if cached:
-        hit = cache_get(CAPACITY_CACHE_KEY)  # read ahead by a submission
+        hit = best_effort.get(CAPACITY_CACHE_KEY)
         if hit is not None:
             return hit
     sizes: dict[int, list[tuple[int, int]]] = {}

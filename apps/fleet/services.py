@@ -42,7 +42,7 @@ NODE_TRANSITIONS: dict[str, set[str]] = {
     S.REQUESTED: {S.PROVISIONING, S.FAILED, S.TERMINATING},
     S.PROVISIONING: {S.AWAITING_HOST_KEY, S.BOOTSTRAPPING, S.FAILED, S.TERMINATING},
     S.AWAITING_HOST_KEY: {S.BOOTSTRAPPING, S.FAILED, S.TERMINATING},
-    S.BOOTSTRAPPING: {S.READY, S.FAILED, S.TERMINATING},
+    S.BOOTSTRAPPING: {S.READY, S.DRAINED, S.FAILED, S.TERMINATING},
     S.READY: {S.BUSY, S.SUSPECT, S.DRAINING, S.TERMINATING},
     S.BUSY: {S.READY, S.SUSPECT, S.DRAINING, S.TERMINATING},
     S.SUSPECT: {S.READY, S.BUSY, S.DOWN, S.DRAINING, S.TERMINATING},
@@ -330,6 +330,15 @@ def _refuse_move(node: Node, to: str) -> ApplicationError:
     )
 
 
+def _remembered(came_from: str, to: str, remembered: str) -> str:
+    """What a node remembers of the state it left when its agent went quiet: set on the
+    move to SUSPECT, kept through DOWN (a drained node that comes back stays drained),
+    forgotten on any other move."""
+    if to == S.SUSPECT:
+        return came_from
+    return remembered if to == S.DOWN else ""
+
+
 @transaction.atomic
 def node_transition(*, node: Node, to: str, reason: str, by, **fields) -> Node:
     """Move one node to `to`, if the state machine allows it from where it is now."""
@@ -341,7 +350,7 @@ def node_transition(*, node: Node, to: str, reason: str, by, **fields) -> Node:
     locked.state = to
     locked.state_reason = reason[:300]
     locked.state_changed_at = timezone.now()
-    locked.suspect_from = came_from if to == S.SUSPECT else ""
+    locked.suspect_from = _remembered(came_from, to, locked.suspect_from)
     for name, value in fields.items():
         setattr(locked, name, value)
     locked.save()
@@ -482,7 +491,8 @@ def _bulk_move(
     moved = 0
     for state, ids in by_state.items():
         values = {"state": to, "state_reason": reason, "state_changed_at": now}
-        values["suspect_from"] = state if to == S.SUSPECT else ""
+        if to != S.DOWN:  # DOWN keeps what the node left when it went SUSPECT
+            values["suspect_from"] = _remembered(state, to, "")
         values.update(extra or {})
         moved += update_logged(
             Node.objects.filter(InArray("id", ids), state=state),

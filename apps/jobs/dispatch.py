@@ -5,9 +5,9 @@ ADMITTED → PROVISIONING (plans being written) → STARTING (plans offered to t
 nodes' agents) → RUNNING (every rank started) → SUCCEEDED when every rank exits
 0. A rank that fails in the job's own code fails the job (FAILED, not retried);
 infrastructure (a node lost, a spot notice, a plan no agent started in time, a
-rendezvous port found busy) requeues it to PENDING, up to its restart limit. A job
-that must stop (cancel, preemption, time limit) asks its runs to stop, and ends when
-the last one has.
+rendezvous port found busy, a process the node's kernel killed) requeues it to
+PENDING, up to its restart limit. A job that must stop (cancel, preemption, time
+limit) asks its runs to stop, and ends when the last one has.
 """
 
 import datetime as dt
@@ -16,6 +16,7 @@ import logging
 import math
 import re
 import secrets
+import signal
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -383,6 +384,42 @@ def _int_or_none(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _int_within(value, low: int, high: int) -> int | None:
+    number = _int_or_none(value)
+    return number if number is not None and low <= number <= high else None
+
+
+EVIDENCE_KINDS = ("oom", "signal")
+_COMMAND = re.compile(r"[\w .:/@+-]{0,64}\Z")
+
+
+def _evidence(value) -> dict | None:
+    """The agent's evidence of how a run's processes died, kept only when every field is
+    what the agent writes (workers/agent/exits.py); anything else is dropped whole."""
+    if not isinstance(value, dict) or value.get("kind") not in EVIDENCE_KINDS:
+        return None
+    number = _int_within(value.get("signal"), 1, 64)
+    pid = _int_within(value.get("pid"), 1, 1 << 22)
+    if number is None or pid is None:
+        return None
+    ranks = {}
+    for name in ("rank", "local_rank"):
+        ranks[name] = _int_within(value.get(name), 0, 1 << 20)
+        if value.get(name) is not None and ranks[name] is None:
+            return None
+    command = value.get("command", "")
+    if not isinstance(command, str) or not _COMMAND.match(command):
+        return None
+    return {
+        "kind": value["kind"],
+        "signal": number,
+        "pid": pid,
+        **ranks,
+        "command": command,
+        "incomplete": value.get("incomplete") is True,
+    }
+
+
 @transaction.atomic
 def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
     """An agent says a run started, could not start, or ended; the job follows."""
@@ -402,6 +439,7 @@ def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
         run.node_fault = fault if fault in NodeFault.values else ""
         status = report.get("status")
         run.status = status if isinstance(status, dict) else None
+        run.evidence = _evidence(report.get("evidence")) if state == "exited" else None
         run.ended_at = now
     elif state not in ("running", "exited", "refused"):
         raise ApplicationError(
@@ -425,12 +463,44 @@ def _describe_exit(run: Run) -> str:
         return f"rank {run.node_rank} on {node} was lost: {run.reason}"
     if run.state == R.REFUSED:
         return f"rank {run.node_rank} on {node} could not start: {run.reason}"
+    if _killed(run):
+        return _describe_death(run.evidence, node_rank=run.node_rank, node=node)
+    status = run.status if isinstance(run.status, dict) else {}
+    if status.get("reason") == "storage" and isinstance(status.get("message"), str):
+        # The trainer's words, shown as text: what it needed and where ("checkpoint: needs
+        # 13.2 GB at DIR, 4.1 GB free").
+        return f"rank {run.node_rank} on {node} could not save: {status['message'][:160]}"
     how = f"signal {run.signal}" if run.signal else f"exit code {run.exit_code}"
     return f"rank {run.node_rank} on {node} ended with {how}"
 
 
+def _describe_death(evidence: dict, *, node_rank: int, node: str) -> str:
+    rank = evidence["rank"] if evidence["rank"] is not None else node_rank
+    who = f"rank {rank} (pid {evidence['pid']}) on {node}"
+    if evidence["kind"] == "oom":
+        text = f"{who} was killed by the kernel's OOM killer"
+    else:
+        try:
+            name = f" ({signal.Signals(evidence['signal']).name})"
+        except ValueError:
+            name = ""
+        text = f"{who} was killed by signal {evidence['signal']}{name}"
+    if evidence.get("incomplete"):
+        text += " (the first death the agent saw: some process events were lost)"
+    return text
+
+
+def _killed(run: Run) -> bool:
+    """The node's kernel OOM-killed one of the run's processes, or a rank (a process torchrun
+    started, with a RANK) died of a signal the agent did not send: an exit code of 1 from
+    torchrun says nothing more than that a rank died. A signal to any other process of the
+    job may be the job's own doing (a subprocess it killed), so it is not evidence."""
+    evidence = run.evidence or {}
+    return evidence.get("kind") == "oom" or evidence.get("rank") is not None
+
+
 def _infrastructure(run: Run) -> bool:
-    if run.node_fault or run.state == R.LOST:
+    if run.node_fault or run.state == R.LOST or _killed(run):
         return True
     status_reason = (run.status or {}).get("reason") if isinstance(run.status, dict) else None
     return run.reason == "spot interruption" or status_reason in INFRASTRUCTURE_EXITS
@@ -441,21 +511,25 @@ def _collective_timeout(run: Run) -> bool:
 
 
 def _describe_failure(run: Run) -> str:
-    """A collective timeout is what a healthy rank sees of a peer's loss: said as such."""
-    if not _collective_timeout(run):
+    """A collective timeout is what a healthy rank sees of a peer's loss: said as such,
+    unless the rank's own death is what the run's evidence shows."""
+    if not _collective_timeout(run) or _killed(run):
         return _describe_exit(run)
     node = Node.objects.filter(pk=run.node_id).values_list("name", flat=True).first()
     return f"rank {run.node_rank} on {node} lost its peers (collective timeout)"
 
 
 def _to_blame(failed: list[Run]) -> Run:
-    """The failed run an infrastructure requeue names: one lost, refused or failed by its
-    node first (the cause), a collective timeout last (what its peers saw of it)."""
+    """The failed run an infrastructure requeue names: one the node's kernel or a signal
+    killed first, then one lost, refused or failed by its node (the cause), a collective
+    timeout last (what its peers saw of it)."""
 
     def order(run: Run) -> tuple[int, int]:
-        if run.state in (R.LOST, R.REFUSED) or run.node_fault:
+        if _killed(run):
             return 0, run.node_rank
-        return (2 if _collective_timeout(run) else 1), run.node_rank
+        if run.state in (R.LOST, R.REFUSED) or run.node_fault:
+            return 1, run.node_rank
+        return (3 if _collective_timeout(run) else 2), run.node_rank
 
     return min(failed, key=order)
 
@@ -470,7 +544,7 @@ def _late_cause_note(job: Job, runs: list[Run]) -> None:
         over = runs
     for run in over:
         # A signal the agent sent says why (the stop it was asked for); any other is news.
-        if run.state == R.LOST or (run.signal and not run.reason):
+        if run.state == R.LOST or _killed(run) or (run.signal and not run.reason):
             from apps.jobs.services import job_note
 
             job_note(job_id=job.pk, reason=f"attempt {run.attempt}: {_describe_exit(run)}")

@@ -17,7 +17,7 @@ from django.utils import timezone
 from apps.accounts.models import TeamSecret
 from apps.accounts.secrets import decrypt, encrypt
 from apps.accounts.selectors import quota_limits, roles_of
-from apps.accounts.services import audit_event, audit_record, audit_record_many, snapshot
+from apps.accounts.services import audit_record, audit_record_many, snapshot
 from apps.costs import selectors as costs
 from apps.costs.money import money_text
 from apps.fleet import services as fleet
@@ -39,7 +39,7 @@ from apps.jobs.models import (
 from apps.jobs.models.jobs import FINISHED_STATES, HOLDING_STATES, NOT_STARTED_STATES
 from apps.tuning import services as tuning
 from controlplane import webhooks
-from controlplane.bulk import InArray, insert_with, update_logged
+from controlplane.bulk import InArray, update_logged
 from controlplane.cache import best_effort
 from controlplane.errors import ApplicationError
 
@@ -211,24 +211,20 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
         queued_at=now,
     )
 
-    def records(job: Job) -> list:
-        return [
-            JobEvent(
+    try:
+        with transaction.atomic():  # a savepoint: a lost race leaves a caller's transaction usable
+            job.save(force_insert=True)
+            JobEvent.objects.create(
                 job=job,
                 from_state="",
                 to_state=J.PENDING,
                 reason="submitted",
                 actor=job.submitted_by,
                 actor_label=_label(submitted_by),
-            ),
-            audit_event(
+            )
+            audit_record(
                 actor=submitted_by, action="job.submit", obj=job, after=snapshot(job), team=team
-            ),
-        ]
-
-    try:
-        # The job, its event and its audit row in one statement (one unit, one round trip).
-        insert_with(job, records)
+            )
     except IntegrityError:
         # A concurrent retry with the same key won the race: answer with its job.
         existing = Job.objects.filter(team=team, idempotency_key=idempotency_key).first()
@@ -237,7 +233,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
         raise
     Job.wait.related.set_cached_value(job, None)  # a new job waits for its first pass
     job.last_pass_at = None  # which no pass has read yet: its reason needs no look-up
-    schedule_soon()  # after the commit (at once when the insert committed by itself)
+    schedule_soon()  # after the commit
     return job, True
 
 

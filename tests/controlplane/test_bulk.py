@@ -1,31 +1,25 @@
-"""The bulk helpers of controlplane/bulk.py: InArray and fetch_rows (the scheduler's
-pass), insert_with (a job submit's three rows in one statement).
+"""The bulk helpers of controlplane/bulk.py: InArray, fetch_rows, insert_rows and the
+updates the scheduler's pass writes with.
 
 They run on whichever database the suite has (SQLite, or PostgreSQL in CI): InArray
-and fetch_rows must give what Django's own `__in` and `values_list` would, and
-insert_with what saving each row in one transaction would.
+and fetch_rows must give what Django's own `__in` and `values_list` would.
 """
 
 import datetime as dt
 from decimal import Decimal
 
 import pytest
-from django.apps import apps
-from django.db import DatabaseError, DataError, IntegrityError, connection, transaction
+from django.db import DatabaseError, DataError, connection, transaction
 from django.utils import timezone
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from apps.jobs.models import Job, JobEvent
 from apps.jobs.scheduler.read import Epoch
 from controlplane.bulk import (
     InArray,
     _binary_copy_types,
-    _preparers,
     fetch_batches,
     fetch_rows,
     insert_rows,
-    insert_with,
     int_array,
     update_logged,
     update_rows,
@@ -162,57 +156,6 @@ def test_fetch_batches_gives_fetch_rows_rows_a_batch_at_a_time(jobs):
     _refused_in_a_failed_transaction(lambda: list(fetch_batches(query.all())))
 
 
-def _job_records(job):
-    from apps.accounts.services import audit_event, snapshot
-    from apps.jobs.models import JobEvent
-
-    return [
-        JobEvent(job=job, from_state="", to_state="pending", reason="submitted"),
-        audit_event(actor=None, action="job.submit", obj=job, after=snapshot(job)),
-    ]
-
-
-def _unsaved_job(team, name="together", key=""):
-    return Job(
-        name=name,
-        team=team,
-        kind="command",
-        spec={"argv": ["true"]},
-        gpu_type="H100",
-        nodes=1,
-        gpus_per_node=8,
-        dp_shard=8,
-        placement="owned",
-        time_limit_s=600,
-        idempotency_key=key,
-        queued_at=dt.datetime(2026, 12, 1, tzinfo=dt.UTC),
-    )
-
-
-def _inserted_as_one_unit(team, name="together"):
-    from apps.accounts.models import AuditEvent
-    from apps.jobs.models import JobEvent
-
-    job = _unsaved_job(team, name=name)
-    objects = insert_with(job, _job_records)
-    assert objects[0] is job and job.pk is not None and not job._state.adding
-    stored = Job.objects.get(pk=job.pk)
-    assert stored.name == name and stored.spec == {"argv": ["true"]}
-    assert stored.submitted_at is not None  # auto_now_add, as save() would set it
-    assert stored.pool_id is None and stored.admitted_at is None  # NULLs stay NULL
-    event = JobEvent.objects.get(job=job)
-    assert (event.to_state, event.reason) == ("pending", "submitted") and event.at is not None
-    audit = AuditEvent.objects.get(action="job.submit", object_id=str(job.pk))
-    assert audit.object_repr == f"{name} (#{job.pk})"
-    # The audit row's snapshot was taken with the job's id and insert-time values.
-    assert audit.after["id"] == job.pk and audit.after["submitted_at"] is not None
-    # The objects handed back hold the id the database drew, as the rows do.
-    _, event_object, audit_object = objects
-    assert event_object.job_id == job.pk and audit_object.object_id == str(job.pk)
-    assert audit_object.object_repr == audit.object_repr and audit_object.after == audit.after
-    return job
-
-
 EVENT_FIELDS = ("job", "at", "from_state", "to_state", "reason", "actor", "actor_label")
 
 
@@ -316,169 +259,3 @@ def test_insert_rows_refuses_a_value_too_long_for_its_column_as_django_would(job
     with pytest.raises(DataError), transaction.atomic():  # Django's error, not psycopg's
         insert_rows(JobEvent, EVENT_FIELDS, rows)
     assert not _events("long")
-
-
-# Values of each type a short preparation takes, edge cases included: integers past
-# every column's range (Django does not check them either), text with NUL and surrogates.
-_SHORT = {
-    int: st.integers(min_value=-(2**70), max_value=2**70),
-    str: st.text(),
-    bool: st.booleans(),
-}
-
-
-@settings(max_examples=60, deadline=None)
-@given(data=st.data())
-def test_short_preparation_gives_what_djangos_get_db_prep_save_gives(data):
-    """insert_with prepares a value of a known field class and type without Django's
-    generic steps: for every field of every model, the same value of the same type."""
-    shortened = 0
-    for model in apps.get_models():
-        for field, plain, adapt in _preparers(model, True, connection.alias):
-            if plain is None:
-                continue
-            shortened += 1
-            value = data.draw(_SHORT[plain], label=f"{model.__name__}.{field.name}")
-            expected = field.get_db_prep_save(
-                field.pre_save(_with(model, field, value), True), connection
-            )
-            got = adapt(value) if adapt is not None else value
-            assert (got, type(got)) == (expected, type(expected)), field
-    assert shortened > 20  # the job's own integers, texts, flags and keys among them
-
-
-def test_fields_of_other_classes_keep_djangos_preparation():
-    """Datetimes (auto_now_add), JSON, UUIDs, decimals and any subclass of a known class
-    are prepared by Django, whatever their value."""
-    from apps.accounts.models import AuditEvent
-    from apps.costs.models import UsageEntry
-
-    prepared = {
-        field.name: plain
-        for model in (Job, JobEvent, AuditEvent)
-        for field, plain, _ in _preparers(model, True, connection.alias)
-    }
-    assert prepared["queued_at"] is prepared["spec"] is prepared["uuid"] is None
-    assert prepared["max_cost_usd"] is prepared["at"] is None
-    assert (prepared["name"], prepared["nodes"], prepared["spot_allowed"]) == (str, int, bool)
-    assert prepared["team"] is int  # a key to an auto-numbered row
-    assert "id" not in prepared  # drawn by the database
-    # A subclass (costs' MoneyField stores dollars as integer micro-dollars) keeps its own.
-    usage = {f.name: plain for f, plain, _ in _preparers(UsageEntry, True, connection.alias)}
-    assert usage["amount"] is usage["rate_per_hour"] is None
-
-
-def _with(model, field, value):
-    obj = model()
-    setattr(obj, field.attname, value)
-    return obj
-
-
-def test_insert_with_writes_a_row_and_its_records_together(team):
-    _inserted_as_one_unit(team)
-
-
-def test_insert_with_sends_a_job_in_few_enough_parameters_for_psycopg_to_keep(team):
-    if connection.vendor != "postgresql":
-        pytest.skip("one statement on PostgreSQL only")
-    sent = []
-
-    def record(execute, sql, params, many, context):
-        sent.append((sql, params))
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(record):
-        _inserted_as_one_unit(team)
-    insert = [params for sql, params in sent if sql.startswith("WITH new AS")]
-    assert len(insert) == 1
-    # The id is drawn inside that statement, not asked for before it.
-    assert [sql for sql, _ in sent if "nextval" in sql] == [
-        sql for sql, _ in sent if sql.startswith("WITH new AS")
-    ]
-    # psycopg keeps the parsed form of statements of up to 50 parameters; NULLs go as
-    # literals, never as parameters.
-    assert len(insert[0]) <= 50 and None not in insert[0]
-
-
-def test_insert_with_writes_each_rows_own_nulls_and_values_one_after_another(team, researcher):
-    """The statement's text is kept per pattern of NULLs: rows alternating between
-    patterns must each get their own values in their own columns."""
-    made = []
-    for n in range(4):
-        job = _unsaved_job(team, name=f"pattern-{n}")
-        if n % 2:
-            job.submitted_by, job.max_cost_usd = researcher, Decimal("12.50")
-        insert_with(job, _job_records)
-        made.append(job.pk)
-    stored = Job.objects.filter(pk__in=made).order_by("pk")
-    assert [(j.name, j.submitted_by_id, j.max_cost_usd) for j in stored] == [
-        ("pattern-0", None, None),
-        ("pattern-1", researcher.pk, Decimal("12.50")),
-        ("pattern-2", None, None),
-        ("pattern-3", researcher.pk, Decimal("12.50")),
-    ]
-
-
-def test_a_failed_insert_with_leaves_nothing_and_the_transaction_usable(team):
-    from apps.jobs.models import JobEvent
-
-    insert_with(_unsaved_job(team, name="first", key="k-1"), _job_records)
-    clash = _unsaved_job(team, name="second", key="k-1")  # the same idempotency key
-    with pytest.raises(IntegrityError):
-        insert_with(clash, _job_records)
-    assert clash.pk is None
-    # The caller's transaction goes on: the clash left no job, event or audit row.
-    assert list(Job.objects.values_list("name", flat=True)) == ["first"]
-    assert JobEvent.objects.count() == 1
-
-
-@pytest.mark.django_db(transaction=True)
-def test_insert_with_commits_by_itself_outside_a_transaction(team):
-    assert not connection.in_atomic_block
-    job = _inserted_as_one_unit(team)
-    if connection.vendor == "postgresql":
-        # Seen from a second connection: committed, with no BEGIN or COMMIT of ours.
-        import psycopg
-
-        settings = connection.settings_dict
-        with psycopg.connect(
-            host=settings["HOST"],
-            port=settings["PORT"] or 5432,
-            user=settings["USER"],
-            dbname=settings["NAME"],
-        ) as other:
-            count = other.execute("SELECT count(*) FROM jobs_job WHERE id = %s", [job.pk])
-            assert count.fetchone()[0] == 1
-
-
-def _prepared_inserts() -> list[str]:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT statement FROM pg_prepared_statements")
-        return [row[0] for row in cursor.fetchall() if row[0].startswith("WITH new AS")]
-
-
-def test_insert_with_is_prepared_on_the_server_after_the_connections_threshold(team):
-    if connection.vendor != "postgresql":
-        pytest.skip("prepared statements are PostgreSQL's")
-    connection.ensure_connection()
-    threshold = connection.settings_dict["OPTIONS"].get("prepare_threshold")
-    if threshold is None or connection.connection.prepare_threshold is None:
-        pytest.skip("DATABASE_URL turns prepared statements off (prepare_threshold=none)")
-    before = len(_prepared_inserts())
-    for n in range(threshold + 1):
-        _inserted_as_one_unit(team, f"prepared-{n}")
-    assert len(_prepared_inserts()) == before + 1  # one statement, prepared once
-    assert Job.objects.filter(name__startswith="prepared-").count() == threshold + 1
-
-
-def test_without_a_threshold_insert_with_binds_on_the_client_and_prepares_nothing(
-    team, monkeypatch
-):
-    if connection.vendor != "postgresql":
-        pytest.skip("prepared statements are PostgreSQL's")
-    monkeypatch.setitem(connection.settings_dict["OPTIONS"], "prepare_threshold", None)
-    before = _prepared_inserts()
-    for n in range(5):
-        _inserted_as_one_unit(team, f"client-{n}")
-    assert _prepared_inserts() == before
-    assert Job.objects.filter(name__startswith="client-").count() == 5

@@ -107,24 +107,3 @@ def test_a_bad_boolean_is_a_clear_error(tmp_path, raw):
     result = load_settings(tmp_path, SECRET_KEY="x" * 50, DJANGO_DEBUG=raw)
     assert result.returncode != 0
     assert "DJANGO_DEBUG must be a boolean" in result.stderr
-
-
-def test_database_urls_prepare_hot_statements_unless_told_not_to(tmp_path):
-    from django.core.exceptions import ImproperlyConfigured
-
-    from controlplane.env import DEFAULT_PREPARE_THRESHOLD, database_from_url
-
-    def threshold(url):
-        return database_from_url(url, base_dir=tmp_path)["OPTIONS"]["prepare_threshold"]
-
-    assert threshold("postgres://u@db:5432/cp") == DEFAULT_PREPARE_THRESHOLD
-    assert threshold("postgres://u@db:5432/cp?prepare_threshold=5&sslmode=require") == 5
-    assert threshold("postgres://u@db:5432/cp?prepare_threshold=none") is None  # PgBouncer < 1.21
-    assert threshold("postgres://u@db:5432/cp?prepare_threshold=OFF") is None
-    assert threshold("postgres://u@db:5432/cp?prepare_threshold=0") == 0
-    for bad in ("-1", "soon", "2.5"):
-        with pytest.raises(ImproperlyConfigured, match="prepare_threshold"):
-            threshold(f"postgres://u@db:5432/cp?prepare_threshold={bad}")
-    assert (
-        "prepare_threshold" not in database_from_url("sqlite:///x.db", base_dir=tmp_path)["OPTIONS"]
-    )

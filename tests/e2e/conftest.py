@@ -18,6 +18,8 @@ from apps.jobs.dispatch import job_dispatch
 from apps.jobs.models import Job, JobEvent, Run, StepMetric
 from apps.jobs.scheduler.run import scheduling_pass
 from tests import factories
+from tests.jobspecs import tiny_trainer_spec  # noqa: F401 (the e2e tests' own names)
+from tests.procs import Worker, workers_of  # noqa: F401 (the e2e tests' own names)
 from workers.tasks.provisioning import provider_for, provision_node, terminate_node
 
 ENDED = ("succeeded", "failed", "cancelled")
@@ -106,8 +108,7 @@ def ssh_nodes(agents_reach, ssh_server, client_key, settings, open_dir):
     """`ssh_nodes(pool, count)`: owned nodes reached over a real sshd on 127.0.0.1 (its
     host key pinned, as ops would have accepted it), brought up to READY by their agents,
     which run as the sshd's user (root in CI) with a stand-in nvidia-smi of 4 GPUs."""
-    from tests.workers.providers.servers import public_key
-    from tests.workers.providers.test_ssh_provisioning import FAKE_NVIDIA_SMI
+    from tests.workers.providers.servers import FAKE_NVIDIA_SMI, public_key
     from workers.providers.bundle import NODE_UUID_VARIABLE
 
     settings.SSH_KEY_FILE = str(client_key)
@@ -143,29 +144,6 @@ def ssh_nodes(agents_reach, ssh_server, client_key, settings, open_dir):
 
 
 # --- trainer jobs ------------------------------------------------------------------------
-
-
-def tiny_trainer_spec(team, *, nodes: int, gpus_per_node: int, **trainer) -> dict:
-    """A `tiny` trainer job on synthetic data, in fp32 so that CPUs compute it exactly alike
-    on every layout; `trainer` overrides its fields (steps, global_batch, seq_len...)."""
-    return {
-        "name": f"tiny-{nodes}x{gpus_per_node}",
-        "team": team.pk,
-        "time_limit_s": 900,
-        "trainer": {
-            "preset": "tiny",
-            "dataset": "synthetic",
-            "steps": 10,
-            "global_batch": 8,
-            "seq_len": 32,
-            "precision": "fp32",
-            "checkpoint_every_steps": 5,
-            "seed": 7,
-            **trainer,
-        },
-        "resources": {"gpu_type": "H100", "nodes": nodes, "gpus_per_node": gpus_per_node},
-        "placement": {"where": "owned"},
-    }
 
 
 @dataclass
@@ -230,46 +208,6 @@ def log_texts(api, job: Job) -> list[str]:
     answer = api.get(f"/api/v1/jobs/{job.pk}/logs/")
     assert answer.status_code == 200, answer.content
     return [line["text"] for line in answer.json()["lines"]]
-
-
-@dataclass(frozen=True)
-class Worker:
-    """One torchrun worker process, as /proc shows it: who it is in the job's world."""
-
-    pid: int
-    rank: int
-    local_rank: int
-    world_size: int
-
-
-def workers_of(torchrun_pid: int) -> list[Worker]:
-    """The worker processes a run's torchrun has started (its children that carry a RANK),
-    read from /proc: on local and SSH nodes alike they are processes of this machine."""
-    workers = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) != torchrun_pid:
-                continue
-            env = dict(
-                item.split(b"=", 1)
-                for item in (entry / "environ").read_bytes().split(b"\0")
-                if b"=" in item
-            )
-        except (OSError, ValueError):
-            continue  # gone, or not ours to read
-        if b"RANK" in env:
-            workers.append(
-                Worker(
-                    int(entry.name),
-                    int(env[b"RANK"]),
-                    int(env[b"LOCAL_RANK"]),
-                    int(env[b"WORLD_SIZE"]),
-                )
-            )
-    return sorted(workers, key=lambda w: w.rank)
 
 
 def node_directory(node: Node) -> Path:

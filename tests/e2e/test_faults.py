@@ -1,5 +1,6 @@
 """Faults on real parts: an agent paused (heartbeats cut), an agent and its job killed (a node
-lost for good), a spot notice from a stand-in for EC2 instance metadata.
+lost for good), a spot notice from a stand-in for EC2 instance metadata, a trainer's rank
+killed as the OOM killer or a hardware fault would.
 
 Thresholds are shortened (seconds, not minutes) so each fault plays out in a few seconds;
 the sweep is called as its beat would call it.
@@ -17,11 +18,12 @@ import pytest
 from django.conf import settings
 
 from apps.jobs.dispatch import NO_LONGER_RUN, job_dispatch
-from apps.jobs.models import Job, JobEvent, Run
+from apps.jobs.models import Job, JobEvent, Run, StepMetric
 from apps.jobs.scheduler.run import scheduling_pass
 from tests import factories
-from tests.e2e.conftest import agent_ledger, wait_for
+from tests.e2e.conftest import ENDED, agent_ledger, tiny_trainer_spec, wait_for, workers_of
 from tests.e2e.test_command_jobs import _submit
+from workers.agent import exits
 from workers.agent.leftovers import LEFT_BY_PREDECESSOR, process_start_time
 from workers.tasks.fleet import heartbeat_sweep
 from workers.tasks.provisioning import local_nodes_revive, provider_for
@@ -243,4 +245,50 @@ def test_a_spot_notice_signals_the_job_which_checkpoints_and_is_requeued(
             "checkpoint written"
             in [line["text"] for line in api.get(f"/api/v1/jobs/{job.pk}/logs/").json()["lines"]]
         ),
+    )
+
+
+def test_a_rank_killed_by_sigkill_requeues_the_trainer_job_naming_that_rank(
+    local_nodes, e2e_team, api_for
+):
+    """torchrun exits 1 when a rank dies, whatever killed it; the agent's exit watch (the
+    kernel's process events) says rank 1 was killed by SIGKILL, so the job is requeued as
+    the node's fault, not failed as the job's."""
+    if reason := exits.unavailable():
+        pytest.skip(f"the agent's exit watch cannot run here: {reason}")
+    pool = factories.make_owned_pool(slug="e2e-killed-rank")
+    (node,) = local_nodes(pool, count=1, gpus=2)
+    api = api_for(factories.make_member(team=e2e_team), scopes=("submit",))
+    spec = tiny_trainer_spec(e2e_team, nodes=1, gpus_per_node=2, steps=2000)
+    answer = api.post("/api/v1/jobs/", spec, format="json")
+    assert answer.status_code == 201, answer.content
+    job = Job.objects.get(pk=answer.json()["id"])
+    scheduling_pass()
+    job_dispatch(job_id=job.pk)
+    wait_for(
+        "the job to train",
+        lambda: StepMetric.objects.filter(job=job, attempt=1, step__gte=2).exists(),
+        timeout_s=180,
+    )
+    run = Run.objects.get(job=job, attempt=1)
+    workers = workers_of(run.pid)
+    assert [w.rank for w in workers] == [0, 1]
+    victim = workers[1]
+    os.kill(victim.pid, signal.SIGKILL)
+
+    job = wait_for(
+        "the job to be requeued",
+        lambda: (j := Job.objects.get(pk=job.pk)).state in ("pending", *ENDED) and j,
+        timeout_s=120,
+    )
+    run.refresh_from_db()
+    assert run.state == "exited" and run.exit_code == 1, (run.state, run.exit_code, run.signal)
+    assert run.evidence["kind"] == "signal" and run.evidence["signal"] == 9, run.evidence
+    assert (run.evidence["pid"], run.evidence["rank"]) == (victim.pid, 1), run.evidence
+    assert (job.state, job.restarts) == ("pending", 1), job.state_reason
+    event = JobEvent.objects.filter(job=job).order_by("at").last()
+    assert event.to_state == "pending"
+    assert event.reason == (
+        f"requeued: rank 1 (pid {victim.pid}) on {node.name} was killed by signal 9 (SIGKILL) "
+        "(infrastructure)"
     )

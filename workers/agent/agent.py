@@ -14,7 +14,8 @@ The protocol (paths under /api/v1/agent/, JSON, `Authorization: Bearer <node tok
                               have: ids of the runs it runs or whose end is not yet told}
     GET  runs/?have=1,2      -> {"start": [plan, ...], "stop": [{"id", "reason"}, ...]}
     POST runs/{id}/status    {state: running | exited | refused, pid, exit_code, signal,
-                              reason, status, node_fault}
+                              reason, status, node_fault, evidence: how its processes died,
+                              as the kernel said (workers/agent/exits.py), or null}
     POST runs/{id}/logs      {lines: [{seq, stream, at, text}], dropped}
     POST events              {kind: "spot_interruption", notice, runs}
 
@@ -32,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from workers.agent import VERSION, isolation, metrics
+from workers.agent import VERSION, exits, isolation, metrics
 from workers.agent import config as config_module
 from workers.agent.checkpoints import CheckpointKeeper
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
@@ -74,6 +75,7 @@ class Agent:
             uid_count=config.job_uid_count,
         )
         self.import_dir = isolation.import_dir(config.work_dir)
+        self.exits = exits.watch()
         if self.isolation.on:
             isolation.open_code(config.work_dir)
             python = isolation.blocked_by(Path(sys.executable).parent)
@@ -233,6 +235,7 @@ class Agent:
                 on_stdout=functools.partial(self.checkpoints.relay, run_id),
                 isolation=self.isolation,
                 code_dir=self.import_dir,
+                exits=self.exits,
             )
             run.start()
         except (PlanRefused, KeyError, TypeError, ValueError, OSError) as exc:

@@ -9,7 +9,9 @@ processes will listen on (refused, as the node's fault, if something holds it). 
 process starts in a new session, so a stop or a spot notice signals torchrun and all
 its workers together. Where the
 agent is privileged it runs as the job's own user (workers/agent/isolation.py),
-and whatever that user still runs when the run ends is killed.
+and whatever that user still runs when the run ends is killed. Its exit report says
+which of its processes the kernel saw killed by a signal the agent did not send
+(workers/agent/exits.py), where the agent can hear the kernel.
 """
 
 import contextlib
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from workers.agent import isolation
+from workers.agent.exits import ExitWatch
 from workers.agent.isolation import Isolation
 from workers.agent.leftovers import process_start_time
 
@@ -292,8 +295,11 @@ class Run:
         on_stdout=None,
         isolation: Isolation | None = None,
         code_dir: Path | None = None,
+        exits: ExitWatch | None = None,
     ):
         self.plan = plan
+        # The kernel's account of how the run's processes died (workers/agent/exits.py).
+        self._exits = exits
         # Called with each stdout line (masked) by the reader thread: the agent picks out
         # the lines that must reach the control plane even if output is dropped.
         self._on_stdout = on_stdout
@@ -422,6 +428,8 @@ class Run:
             )
         except (OSError, subprocess.SubprocessError) as exc:
             raise PlanRefused(f"could not start {self.plan.argv[0]!r}: {exc}") from None
+        if self._exits is not None:
+            self._exits.follow(self.plan.id, self.process.pid)
         for pipe, stream in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr")):
             reader = threading.Thread(target=self._read, args=(pipe, stream), daemon=True)
             reader.start()
@@ -453,6 +461,8 @@ class Run:
     def stop(self, *, reason: str, grace_s: float) -> None:
         """SIGTERM now (the trainer checkpoints and exits), SIGKILL after the grace period."""
         if self._kill_at is None:
+            if self._exits is not None:
+                self._exits.stopping(self.plan.id)
             self.stop_reason = reason
             self.note(f"stopping: {reason}")
             self.signal(signal.SIGTERM)
@@ -470,6 +480,13 @@ class Run:
 
     def exit_report(self, code: int) -> dict:
         """What the control plane learns when the process ends."""
+        evidence = None
+        if self._exits is not None:
+            # Before the leftovers are killed: those deaths are the agent's doing.
+            evidence = self._exits.evidence(self.plan.id)
+            self._exits.forget(self.plan.id)
+            if evidence and evidence.get("incomplete"):
+                self.note("some process events were lost: how its processes died may be partial")
         if self.uid is not None:
             # Whatever the job left running (a daemon out of its session holds our pipes
             # open too) and its files in the shared temporary directories go with it.
@@ -493,4 +510,5 @@ class Run:
             "signal": -code if code < 0 else None,
             "reason": self.stop_reason,
             "status": status,
+            "evidence": evidence,
         }

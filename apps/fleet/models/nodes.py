@@ -102,7 +102,8 @@ class Node(models.Model):
         choices=NodeState.choices,
         blank=True,
         editable=False,
-        help_text="The state a SUSPECT node returns to when its heartbeats resume.",
+        help_text="The state a SUSPECT node returns to when its heartbeats resume (kept "
+        "while DOWN: a node drained before it went down comes back drained).",
     )
     last_heartbeat_at = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -4,7 +4,6 @@ The submit serializers check types and ranges only; the rules that tie the
 fields together (layout against GPUs, tp against heads...) live in apps/jobs/specs.py.
 """
 
-import functools
 import re
 
 from drf_spectacular.utils import extend_schema_field
@@ -33,7 +32,6 @@ from controlplane.api import (
     Text,
     TextKeyedDictField,
 )
-from controlplane.compiled_serializers import NotPlain, compile_check, compile_representation
 from workers.trainer.presets import PRESETS
 
 # The trainer's own choices (workers/trainer/config.py; apps import only its presets, so a
@@ -223,23 +221,6 @@ class JobSubmitSerializer(SpecSerializer):
     nccl = NcclSerializer(required=False)
 
 
-def submit_body(data) -> dict:
-    """A submission's validated body: checked by the compiled check when plainly valid
-    (most are; controlplane/compiled_serializers.py), by the serializer otherwise, which raises
-    the 400's ValidationError."""
-    try:
-        return _plain_submit_check()(data)
-    except NotPlain:
-        body = JobSubmitSerializer(data=data)
-        body.is_valid(raise_exception=True)
-        return dict(body.validated_data)
-
-
-@functools.cache
-def _plain_submit_check():
-    return compile_check(JobSubmitSerializer)
-
-
 class JobEventSerializer(StrictModelSerializer):
     class Meta:
         model = JobEvent
@@ -309,17 +290,6 @@ class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
 
     def get_spec(self, job) -> dict:
         return {k: v for k, v in job.spec.items() if k != "fingerprint"}
-
-
-def job_answer(job) -> dict:
-    """A job as JobSerializer gives it, by the compiled representation (the answer to every
-    submission; controlplane/compiled_serializers.py)."""
-    return _job_representation()(job)
-
-
-@functools.cache
-def _job_representation():
-    return compile_representation(JobSerializer)
 
 
 class NcclVariableSerializer(StrictSerializer):

@@ -53,12 +53,14 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     )
     def create(self, request, *args, **kwargs):
         """Submit a job. 201 with the new job, or 200 with the first one for a reused key."""
+        body = s.JobSubmitSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
         job, created = submit_request(
             user=request.user,
-            data=request.data,
+            spec=dict(body.validated_data),
             idempotency_key=request.headers.get("Idempotency-Key", ""),
         )
-        answer = s.job_answer(job)
+        answer = s.JobSerializer(job, context=self.get_serializer_context()).data
         return Response(answer, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     def _operate(self, request, operation, **kwargs):
@@ -119,12 +121,10 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return Response(s.JobLogSerializer(answer).data)
 
 
-def submit_request(*, user, data, idempotency_key: str):
-    """A submit request (its body and Idempotency-Key header) checked and queued:
-    (job, created). Raises ValidationError or ApplicationError, before anything is
-    written, for a request refused. Both roads call it: the view above and the short
-    one (apps/jobs/api/submit.py)."""
-    spec = s.submit_body(data)
+def submit_request(*, user, spec: dict, idempotency_key: str):
+    """A submit request (its validated body and Idempotency-Key header) checked and queued:
+    (job, created). Raises ApplicationError, before anything is written, for a request
+    refused."""
     key = idempotency_key.strip()
     if len(key) > 200 or (key and not key.isprintable()):
         raise ApplicationError(

@@ -63,6 +63,12 @@ class Run(models.Model):
     status = models.JSONField(
         null=True, blank=True, help_text="What the process wrote to its status file."
     )
+    evidence = models.JSONField(
+        null=True,
+        blank=True,
+        help_text="How its processes died, as the node's kernel told the agent: the earliest "
+        "killed by a signal the agent did not send (kind oom or signal, signal, pid, rank...).",
+    )
     stop_requested_at = models.DateTimeField(null=True, blank=True)
     stop_reason = models.CharField(max_length=300, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

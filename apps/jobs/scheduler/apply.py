@@ -7,12 +7,10 @@ no longer fits is skipped (the next pass places it), never half-applied.
 
 import datetime as dt
 import logging
-import sys
-import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from apps.costs.selectors import BurstCost
@@ -334,95 +332,12 @@ def _advance_usage(ctx: ReadContext) -> None:
         )
 
 
-class PlacementWriter:
-    """Writes a pass's placements while the planner is still walking the queue.
-
-    The walk is pure Python and the write is mostly PostgreSQL's work (rows and their
-    indexes), so on two cores they can run side by side: a thread takes the placements
-    `plan()` has appended so far, a chunk at a time, and applies them on the pass's own
-    connection, inside the transaction the pass has opened (the planner does not touch
-    the database until it has returned, and finish() waits for the thread). Applying in
-    chunks gives what applying all at once gives: each chunk locks and checks its jobs
-    and nodes as _apply_placements always has, and sees the chunks before it.
-
-    Only on PostgreSQL; elsewhere (SQLite, `make run`) finish() applies them all at once.
-    """
-
-    CHUNK = 500  # placements a statement set carries
-    POLL_S = 0.005  # how often the thread looks for new placements
-    # While the thread runs, the planner (pure Python) gives up the interpreter after
-    # this long rather than the default 5 ms, so the thread's many short waits on the
-    # database do not each cost up to 5 ms.
-    SWITCH_INTERVAL_S = 0.0005
-
-    def __init__(self, placements: list[plain.Placement], *, ctx: ReadContext):
-        self.placements = placements
-        self.now = ctx.now
-        self.reasons = ctx.reasons
-        self.applied = Applied()
-        self._taken = 0
-        self._planned = threading.Event()
-        self._abandon = False
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._switch_interval = sys.getswitchinterval()
-        self._connection = connections[DEFAULT_DB_ALIAS]
-
-    def start(self) -> None:
-        """Call inside the pass's transaction, before the walk."""
-        if self._connection.vendor != "postgresql":
-            return
-        self._connection.inc_thread_sharing()
-        sys.setswitchinterval(self.SWITCH_INTERVAL_S)
-        self._thread = threading.Thread(target=self._run, name="placement-writer", daemon=True)
-        self._thread.start()
-
-    def finish(self, *, planned: bool = True) -> Applied:
-        """After the walk: apply what is left and wait for it. With planned=False (the walk
-        failed) stop without writing more; the caller's transaction then rolls back."""
-        self._abandon = not planned
-        self._planned.set()
-        if self._thread is not None:
-            self._thread.join()
-            sys.setswitchinterval(self._switch_interval)
-            self._connection.dec_thread_sharing()
-            self._thread = None
-        elif planned:
-            self._apply_next()
-        if self._error is not None:
-            raise self._error
-        return self.applied
-
-    def _run(self) -> None:
-        # This thread uses the pass's connection (and so its transaction), not one of its own.
-        connections[DEFAULT_DB_ALIAS] = self._connection
-        try:
-            while True:
-                planned = self._planned.wait(self.POLL_S)
-                if self._abandon:
-                    return
-                if planned or len(self.placements) - self._taken >= self.CHUNK:
-                    self._apply_next()
-                if planned and self._taken == len(self.placements):
-                    return
-        except BaseException as error:  # handed to finish(), which raises it in the pass
-            self._error = error
-        finally:
-            del connections[DEFAULT_DB_ALIAS]
-
-    def _apply_next(self) -> None:
-        end = len(self.placements)
-        if end > self._taken:
-            chunk = self.placements[self._taken : end]
-            self._taken = end
-            _apply_placements(chunk, now=self.now, reasons=self.reasons, applied=self.applied)
-
-
 @transaction.atomic
-def decisions_apply(decisions: plain.Decisions, ctx: ReadContext, applied: Applied) -> Applied:
-    """The rest of the decisions, once a PlacementWriter has written the placements in
-    this transaction (`applied`, its account of them)."""
+def decisions_apply(decisions: plain.Decisions, ctx: ReadContext) -> Applied:
+    """Write one pass's decisions: placements first, then preemptions, bursts and reasons."""
     now = ctx.now or timezone.now()
+    applied = Applied()
+    _apply_placements(decisions.placements, now=now, reasons=ctx.reasons, applied=applied)
     _apply_preemptions(decisions.preemptions, now=now, applied=applied)
     _apply_bursts(decisions.bursts, now=now, applied=applied, waits=decisions.waits)
     _apply_reasons(decisions.waits, ctx, applied)

@@ -67,14 +67,9 @@ NO_NODES: frozenset[int] = frozenset()
 KINDS_FOR = {OWNED: ("owned",), CLOUD: ("cloud",), OWNED_THEN_CLOUD: ("owned", "cloud")}
 
 
-def plan(snapshot: Snapshot, out: Decisions | None = None) -> Decisions:
-    """Place what fits now, reserve for what does not, preempt and burst where allowed.
-
-    `out`: the Decisions to fill (a new one by default). The walk only appends to its
-    lists, and a placement once appended never changes, so a caller that passes its own
-    may start writing `out.placements` while the walk goes on (apply.PlacementWriter).
-    """
-    return _Pass(snapshot, out).run()
+def plan(snapshot: Snapshot) -> Decisions:
+    """Place what fits now, reserve for what does not, preempt and burst where allowed."""
+    return _Pass(snapshot).run()
 
 
 # --- words ---------------------------------------------------------------------------------
@@ -578,11 +573,11 @@ class PoolCapacity:
 class _Pass:
     """The state of one pass; thrown away once it has returned its decisions."""
 
-    def __init__(self, snapshot: Snapshot, out: Decisions | None = None):
+    def __init__(self, snapshot: Snapshot):
         self.snap = snapshot
         self.now = now = snapshot.now
         self.settings = snapshot.settings
-        self.decisions = Decisions() if out is None else out
+        self.decisions = Decisions()
         by_pool: dict[int, list[NodeSlot]] = {pid: [] for pid in snapshot.pools}
         for n in snapshot.nodes:
             if n.pool_id in by_pool:

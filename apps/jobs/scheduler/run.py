@@ -5,14 +5,12 @@ import gc
 import time
 from dataclasses import dataclass
 
-from django.db import transaction
 from django.utils import timezone
 
 from apps.jobs.models.jobs import QUEUE_ORDER_KEY
-from apps.jobs.scheduler.apply import PlacementWriter, decisions_apply
+from apps.jobs.scheduler.apply import decisions_apply
 from apps.jobs.scheduler.plan import plan
 from apps.jobs.scheduler.read import read_snapshot
-from apps.jobs.scheduler.snapshot import Decisions
 from controlplane.cache import best_effort
 
 
@@ -25,8 +23,8 @@ class PassReport:
     bursts: int
     reasons_written: int
     read_ms: float
-    plan_ms: float  # the walk, with the placements' write going on beside it (PostgreSQL)
-    apply_ms: float  # from the walk's end to the pass's commit
+    plan_ms: float
+    apply_ms: float  # the writes, to the pass's commit
 
 
 @contextlib.contextmanager
@@ -60,19 +58,9 @@ def _read_plan_apply() -> tuple[PassReport, list[int]]:
     started = time.perf_counter()
     snapshot, ctx = read_snapshot(now=timezone.now(), budget_left=budget_left)
     read_done = time.perf_counter()
-    decisions = Decisions()
-    with transaction.atomic():
-        # The placements are written while the walk goes on (PlacementWriter); the rest of
-        # the decisions once it is done, all in this one transaction.
-        writer = PlacementWriter(decisions.placements, ctx=ctx)
-        writer.start()
-        try:
-            plan(snapshot, out=decisions)
-        except BaseException:
-            writer.finish(planned=False)
-            raise
-        plan_done = time.perf_counter()
-        applied = decisions_apply(decisions, ctx, writer.finish())
+    decisions = plan(snapshot)
+    plan_done = time.perf_counter()
+    applied = decisions_apply(decisions, ctx)
     done = time.perf_counter()
     placed = set(applied.placed)
     queue = [j for j in decisions.order if j not in placed]

@@ -332,6 +332,17 @@ def test_a_down_node_whose_agent_registers_again_is_checked_and_returns_to_servi
     assert ready == (S.BOOTSTRAPPING, S.READY, "health checks passed")
 
 
+def test_a_node_drained_before_it_went_down_comes_back_drained():
+    node, client = _registered()
+    node = walk(node, S.DRAINING)
+    node = _down(node, silent_s=900)
+    assert Node.objects.get(pk=node.pk).suspect_from == S.DRAINING
+    client.post("/api/v1/agent/register", report(8), format="json")
+    node.refresh_from_db()
+    assert node.state == S.DRAINED, node.state_reason
+    assert _moves(node)[-1][2].startswith("health checks passed; drained before it went down")
+
+
 def test_a_down_node_back_with_failing_checks_waits_for_ops():
     node, client = _registered()
     node = _down(node, silent_s=900)

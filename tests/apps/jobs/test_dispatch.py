@@ -236,3 +236,24 @@ def test_a_peer_ended_by_a_signal_after_the_requeue_is_named_unless_it_was_stopp
         note = job.events.last()
         assert note.reason == f"attempt 1: rank 1 on {peer.node.name} ended with signal 9"
         assert note.from_state == note.to_state == JobState.PENDING
+
+
+def test_a_rank_whose_death_the_evidence_shows_is_named_though_its_peers_timed_out(
+    fleet_pool, quota, team, researcher
+):
+    """Rank 1 of node 0 was killed; torchrun's other rank saw the collective time out and
+    the status file says so: the evidence names the death, not the symptom."""
+    job, (first, _) = _two_ranks_running(team, researcher)
+    killed = {"kind": "signal", "signal": 9, "pid": 4321, "rank": 1, "local_rank": 1}
+    report = {
+        "state": "exited",
+        "exit_code": 1,
+        "status": {"reason": "collective_timeout"},
+        "evidence": {**killed, "command": "python"},
+    }
+    run_report(node_id=first.node_id, run_id=first.pk, report=report)
+    job.refresh_from_db()
+    assert job.state_reason == (
+        f"requeued: rank 1 (pid 4321) on {first.node.name} was killed by signal 9 (SIGKILL) "
+        "(infrastructure)"
+    )

@@ -156,6 +156,9 @@ def test_a_run_that_ran_out_of_checkpoint_storage_is_requeued(
     if state == JobState.PENDING:
         assert job.state_reason.startswith("requeued:")
         assert job.state_reason.endswith("(infrastructure)")
+        assert "could not save: checkpoint: needs 13.2 GB at /ckpt, 4.1 GB free" in (
+            job.state_reason
+        )
 
 
 def test_jobs_sharing_a_node_get_gpus_of_their_own_and_see_only_those(

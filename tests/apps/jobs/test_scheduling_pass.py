@@ -36,6 +36,26 @@ def test_a_pass_places_a_gang_and_marks_its_nodes_busy(fleet_pool, quota, team, 
     assert JobEvent.objects.filter(job=job, to_state=JobState.ADMITTED).exists()
 
 
+def test_a_pass_that_fails_after_placing_leaves_nothing_behind(
+    fleet_pool, quota, team, researcher, monkeypatch
+):
+    from apps.jobs.scheduler import apply
+
+    job = submit(team, researcher)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the database went away mid-pass")
+
+    monkeypatch.setattr(apply, "_apply_reasons", fail)  # after the placements are written
+    with pytest.raises(RuntimeError, match="went away"):
+        scheduling_pass()
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING
+    assert not Allocation.objects.exists()
+    assert not Node.objects.filter(state=NodeState.BUSY).exists()
+    assert not JobEvent.objects.filter(to_state=JobState.ADMITTED).exists()
+
+
 def test_a_job_that_does_not_fit_now_waits_with_a_reason(fleet_pool, quota, team, researcher):
     big = submit(
         team, researcher, name="big", resources={"gpu_type": "H100", "nodes": 3, "gpus_per_node": 8}
@@ -266,9 +286,9 @@ def test_a_pass_pauses_the_cycle_collector_and_restores_it(
     seen = []
     real_plan = run.plan
 
-    def plan_watching_the_collector(snapshot, out=None):
+    def plan_watching_the_collector(snapshot):
         seen.append(gc.isenabled())
-        return real_plan(snapshot, out)
+        return real_plan(snapshot)
 
     monkeypatch.setattr(run, "plan", plan_watching_the_collector)
     submit(team, researcher)

@@ -534,29 +534,3 @@ def test_a_retry_that_loses_the_race_answers_with_the_winners_job(
     assert Job.objects.count() == 1
     assert JobEvent.objects.filter(job=job).count() == 1
     assert AuditEvent.objects.filter(action="job.submit").count() == 1
-
-
-def test_the_submit_answer_is_the_job_serializers_in_every_state(
-    fleet_pool, quota, team, researcher
-):
-    from apps.jobs import services
-    from apps.jobs.api.serializers import JobSerializer, job_answer
-
-    fresh, _ = services.job_submit(
-        team=team, spec=command_spec(team), submitted_by=researcher, idempotency_key="k1"
-    )
-    costly, _ = services.job_submit(
-        team=team, spec={**trainer_spec(team), "max_cost_usd": "12.50"}, submitted_by=None
-    )
-    admitted = services.job_transition(
-        job=costly, to=JobState.ADMITTED, reason="placed", by=None, pool=fleet_pool
-    )
-    cancelled = services.job_cancel(job=Job.objects.get(pk=fresh.pk), by=researcher)
-    jobs = [fresh, costly, admitted, cancelled, Job.objects.get(pk=admitted.pk)]
-    for job in jobs:
-        assert job_answer(job) == JobSerializer(job).data
-    answers = [job_answer(job) for job in jobs]
-    assert answers[0]["submitted_by"] == researcher.username
-    assert answers[1]["submitted_by"] is None  # a default where the source is missing
-    assert answers[2]["pool"] == fleet_pool.slug and answers[2]["max_cost_usd"] == "12.50"
-    assert answers[3]["state"] == "cancelled" and answers[3]["finished_at"] is not None

@@ -12,6 +12,21 @@ SSHD = Path("/usr/sbin/sshd")
 # a test puts a stand-in program there (the fake nvidia-smi).
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+# CI has no GPUs: this stands in for nvidia-smi on the "owned node" (the sshd on 127.0.0.1),
+# answering both the provider's detection query and the agent's metrics query for 4 H100s.
+FAKE_NVIDIA_SMI = """#!/bin/sh
+case "$1" in
+  --query-gpu=index,uuid,name,memory.total,driver_version)
+    for i in 0 1 2 3; do
+      echo "$i, GPU-0000000$i-e2e, NVIDIA H100 80GB HBM3, 81559 MiB, 550.54.15"
+    done ;;
+  *)
+    for i in 0 1 2 3; do
+      echo "$i, GPU-0000000$i-e2e, NVIDIA H100 80GB HBM3, 35, 1200, 81559, 310.5, 41, 0, 550.54.15"
+    done ;;
+esac
+"""
+
 
 def free_port() -> int:
     with socket.socket() as probe:

@@ -12,25 +12,15 @@ from apps.fleet import services as fleet
 from apps.fleet.models import Node, NodeEvent
 from tests import factories
 from tests.e2e.conftest import wait_for
-from tests.workers.providers.servers import keygen, public_key, ssh_keygen_fingerprint
+from tests.workers.providers.servers import (
+    FAKE_NVIDIA_SMI,
+    keygen,
+    public_key,
+    ssh_keygen_fingerprint,
+)
 from workers.tasks.provisioning import provider_for, provision_node, terminate_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-
-# CI has no GPUs: this stands in for nvidia-smi on the "owned node" (the sshd on 127.0.0.1),
-# answering both the provider's detection query and the agent's metrics query for 4 H100s.
-FAKE_NVIDIA_SMI = """#!/bin/sh
-case "$1" in
-  --query-gpu=index,uuid,name,memory.total,driver_version)
-    for i in 0 1 2 3; do
-      echo "$i, GPU-0000000$i-e2e, NVIDIA H100 80GB HBM3, 81559 MiB, 550.54.15"
-    done ;;
-  *)
-    for i in 0 1 2 3; do
-      echo "$i, GPU-0000000$i-e2e, NVIDIA H100 80GB HBM3, 35, 1200, 81559, 310.5, 41, 0, 550.54.15"
-    done ;;
-esac
-"""
 
 
 @pytest.fixture
