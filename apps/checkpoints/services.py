@@ -45,7 +45,7 @@ from apps.fleet.models import Node, NodeState
 from apps.jobs.models import Job, JobKind, JobState, Run
 from apps.jobs.models.jobs import ACTIVE_STATES, FINISHED_STATES
 from apps.jobs.runconfig import checkpoint_dir
-from apps.jobs.services import job_can_manage
+from apps.jobs.services import job_can_manage, job_note
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -784,6 +784,10 @@ def _copy_at(run: Run, path: str):
 def _rejected(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
     path = _place(event, "path", own)
     reason = _clean(event.get("reason") or "it did not verify", 250)
+    job_note(
+        job_id=run.job_id,
+        reason=f"attempt {run.attempt} rejected the checkpoint at {_tail(path)}: {reason}",
+    )
     found = _lock_copies(_copy_at(run, path))
     copy = found[0] if found else None
     if copy is None:
@@ -793,6 +797,11 @@ def _rejected(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
     copy.save()
     _settle(copy.checkpoint, f"a copy did not verify: {reason}", actor=actor, now=now)
     return {"checkpoint": copy.checkpoint_id, "copy": copy.pk}
+
+
+def _tail(path: str) -> str:
+    """The end of a long path, which tells checkpoints apart, within a JobEvent's reason."""
+    return path if len(path) <= 150 else "…" + path[-150:]
 
 
 def _fetched(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
@@ -834,6 +843,13 @@ def _resumed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
         .select_related("checkpoint")
         .order_by("-id")
         .first()
+    )
+    step = event.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        step = copy.checkpoint.step if copy else None
+    at_step = f" step {step}" if step is not None else ""
+    job_note(
+        job_id=run.job_id, reason=f"attempt {run.attempt} resumed from{at_step} ({_tail(path)})"
     )
     if copy is None:
         return {"ignored": True}

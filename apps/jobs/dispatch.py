@@ -40,7 +40,7 @@ from apps.jobs.models import (
     RunState,
     StepMetric,
 )
-from apps.jobs.models.jobs import FINISHED_STATES, STARTED_STATES
+from apps.jobs.models.jobs import FINISHED_STATES, STARTED_STATES, STOPPING_STATES
 from apps.jobs.specs import NCCL_ENV_PREFIXES
 from apps.tuning.services import nccl_environments_render
 from controlplane.errors import ApplicationError
@@ -312,7 +312,8 @@ def job_dispatch(
                 f"all {spread} from {first} to {first + spread - 1} are held by other jobs",
             )
         of = f" ({nnodes} of {job.nodes} nodes)" if nnodes < job.nodes else ""
-        resuming = f", resuming from {resume_from.rstrip('/')[-200:]}" if resume_from else ""
+        # Offered, not taken: the trainer may reject it and fall back (it says which it took).
+        resuming = f"; checkpoint offered: {resume_from.rstrip('/')[-200:]}" if resume_from else ""
         return _transition(
             job, J.STARTING, f"attempt {attempt}: plans for {nnodes} node(s) offered{of}{resuming}"
         )
@@ -505,9 +506,55 @@ def _infrastructure(run: Run) -> bool:
     return run.reason == "spot interruption" or status_reason in INFRASTRUCTURE_EXITS
 
 
+def _collective_timeout(run: Run) -> bool:
+    return isinstance(run.status, dict) and run.status.get("reason") == "collective_timeout"
+
+
+def _describe_failure(run: Run) -> str:
+    """A collective timeout is what a healthy rank sees of a peer's loss: said as such,
+    unless the rank's own death is what the run's evidence shows."""
+    if not _collective_timeout(run) or _killed(run):
+        return _describe_exit(run)
+    node = Node.objects.filter(pk=run.node_id).values_list("name", flat=True).first()
+    return f"rank {run.node_rank} on {node} lost its peers (collective timeout)"
+
+
+def _to_blame(failed: list[Run]) -> Run:
+    """The failed run an infrastructure requeue names: one the node's kernel or a signal
+    killed first, then one lost, refused or failed by its node (the cause), a collective
+    timeout last (what its peers saw of it)."""
+
+    def order(run: Run) -> tuple[int, int]:
+        if _killed(run):
+            return 0, run.node_rank
+        if run.state in (R.LOST, R.REFUSED) or run.node_fault:
+            return 1, run.node_rank
+        return (3 if _collective_timeout(run) else 2), run.node_rank
+
+    return min(failed, key=order)
+
+
+def _late_cause_note(job: Job, runs: list[Run]) -> None:
+    """A run of an attempt already over (its job requeued, often on a peer's collective
+    timeout) found lost, or killed by a signal its agent did not send, is likely the real
+    cause: the job's timeline names it."""
+    if job.state in STARTED_STATES | STOPPING_STATES | {J.PROVISIONING}:
+        over = [r for r in runs if r.attempt < _current_attempt(job)]
+    else:
+        over = runs
+    for run in over:
+        # A signal the agent sent says why (the stop it was asked for); any other is news.
+        if run.state == R.LOST or _killed(run) or (run.signal and not run.reason):
+            from apps.jobs.services import job_note
+
+            job_note(job_id=job.pk, reason=f"attempt {run.attempt}: {_describe_exit(run)}")
+
+
 def _job_follows(job_id: int, *, changed: Run | None = None) -> None:
     """Move the job as its current attempt's runs say."""
     job = Job.objects.select_for_update().get(pk=job_id)
+    if changed is not None:
+        _late_cause_note(job, [changed])
     if job.state in FINISHED_STATES or job.state in (J.PENDING, J.HELD, J.ADMITTED):
         return
     attempt = _current_attempt(job)
@@ -534,8 +581,7 @@ def _job_follows(job_id: int, *, changed: Run | None = None) -> None:
             _runs_stop(job, reason="another rank failed")
             _transition(job, J.FAILED, _describe_exit(own[0]))
         else:
-            cause = next((r for r in failed if _killed(r)), failed[0])
-            _requeue(job, f"{_describe_exit(cause)} (infrastructure)")
+            _requeue(job, f"{_describe_failure(_to_blame(failed))} (infrastructure)")
         return
     if runs and not open_runs:
         _transition(job, J.SUCCEEDED, f"all {len(runs)} rank(s) exited 0")
@@ -864,7 +910,11 @@ def jobs_on_lost_nodes(*, node_ids: list[int]) -> list[int]:
             job = Job.objects.select_for_update().get(pk=job_id)
             lost = Run.objects.filter(job=job, node_id__in=node_ids, state__in=OPEN_RUN_STATES)
             allocations = list(lost.values_list("allocation_id", flat=True))
+            found = list(lost)
             lost.update(state=R.LOST, reason="node lost", ended_at=timezone.now())
+            for run in found:
+                run.state, run.reason = R.LOST, "node lost"
+            _late_cause_note(job, found)
             if job.state in FINISHED_STATES or job.state in (J.PENDING, J.HELD):
                 from apps.jobs.services import allocations_runs_ended
 

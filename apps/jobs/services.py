@@ -380,6 +380,24 @@ def jobs_move(*, moves: list[Move], to: str, by, now: dt.datetime, **fields) -> 
         schedule_soon()
 
 
+def job_note(*, job_id: int, reason: str, by=None) -> JobEvent | None:
+    """A JobEvent that changes nothing (from and to the job's current state): what a
+    reader of the job's timeline must know between its state changes, such as the
+    checkpoint an attempt resumed from or the rank that really failed. None if the job
+    is gone."""
+    state = Job.objects.filter(pk=job_id).values_list("state", flat=True).first()
+    if state is None:
+        return None
+    return JobEvent.objects.create(
+        job_id=job_id,
+        from_state=state,
+        to_state=state,
+        reason=reason[:300],
+        actor=by if by is not None and by.pk else None,
+        actor_label=_label(by),
+    )
+
+
 def _audit_moves(moves: list[Move], *, to: str, by, fields: dict) -> None:
     plain = {k: v for k, v in fields.items() if isinstance(v, int | str | bool | type(None))}
     jobs = Job.objects.only("id", "name").in_bulk([m.job_id for m in moves])

@@ -186,9 +186,12 @@ def test_a_killed_nodes_job_resumes_elsewhere_from_its_newest_verified_checkpoin
     assert resume["step"] == newest_on_disk and resume["attempt"] == 2
     resumed_from = Checkpoint.objects.get(job=job, step=newest_on_disk, attempt=1)
     assert resumed_from.offered_at is not None
-    started = job.events.filter(to_state="starting").last()
-    assert started.reason.endswith(f"resuming from {resumed_from.copies.first().location}")
+    started = job.events.filter(from_state="provisioning", to_state="starting").last()
+    assert started.reason.endswith(f"checkpoint offered: {resumed_from.copies.first().location}")
     assert resumed_from.events.filter(reason__startswith="attempt 2 resumed from it").exists()
+    assert job.events.filter(
+        reason=f"attempt 2 resumed from step {newest_on_disk} ({resume['path']})"
+    ).exists()  # the job's own timeline says what the trainer took
     assert reached - resume["step"] <= INTERVAL
     again = _losses(job, 2)
     assert min(again) == newest_on_disk + 1 and max(again) == STEPS

@@ -10,20 +10,23 @@ import json
 import os
 import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from django.conf import settings
 
-from apps.jobs.dispatch import job_dispatch
+from apps.jobs.dispatch import NO_LONGER_RUN, job_dispatch
 from apps.jobs.models import Job, JobEvent, Run, StepMetric
 from apps.jobs.scheduler.run import scheduling_pass
 from tests import factories
-from tests.e2e.conftest import ENDED, tiny_trainer_spec, wait_for, workers_of
+from tests.e2e.conftest import ENDED, agent_ledger, tiny_trainer_spec, wait_for, workers_of
 from tests.e2e.test_command_jobs import _submit
 from workers.agent import exits
+from workers.agent.leftovers import LEFT_BY_PREDECESSOR, process_start_time
 from workers.tasks.fleet import heartbeat_sweep
+from workers.tasks.provisioning import local_nodes_revive, provider_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -108,6 +111,70 @@ def test_a_node_lost_for_good_goes_down_and_its_job_is_requeued(
     assert "lost" in JobEvent.objects.filter(job=job).last().reason
     assert Run.objects.get(job=job).state == "lost"
     assert not job.allocations.filter(ended_at__isnull=True).exists()
+
+
+# A launcher with a worker in a session of its own, as torchrun starts them; both train on.
+LAUNCHER = (
+    "import subprocess, time\n"
+    "subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+    "print('training', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def _tree(pid: int) -> dict[int, int]:
+    """The process and its descendants, each with its start time (which names it for good)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parents[int(entry.name)] = int(
+                (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            )
+        except (ValueError, OSError, IndexError):
+            continue
+    tree, grown = {pid}, True
+    while grown:
+        more = {p for p, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grown = bool(more)
+    return {p: t for p in tree if (t := process_start_time(p)) is not None}
+
+
+def _going(tree: dict[int, int]) -> list[int]:
+    return [p for p, t in tree.items() if process_start_time(p) == t]
+
+
+def test_a_restarted_agent_stops_the_run_its_killed_predecessor_left_and_the_job_is_requeued(
+    local_nodes, e2e_team, api_for, settings
+):
+    pool = factories.make_owned_pool(slug="e2e-successor")
+    (node,) = local_nodes(pool, count=1, gpus=2)
+    api = api_for(factories.make_member(team=e2e_team), scopes=("submit",))
+    job = _running_job(api, e2e_team, ["python3", "-c", LAUNCHER])
+    run = Run.objects.get(job=job)
+    tree = wait_for("the launcher's worker", lambda: len(t := _tree(run.pid)) == 2 and t)
+    os.kill(_agent_pid(node), signal.SIGKILL)  # the agent alone: its run trains on
+    provider, spec = provider_for(node)
+    wait_for("the agent to be gone", lambda: not provider.describe(spec).agent_alive)
+    time.sleep(1)
+    assert _going(tree) == list(tree)  # nothing of the dead agent stops them
+    assert local_nodes_revive() == {"restarted": 1}
+    revived = time.monotonic()
+    wait_for("the old run's processes to be stopped", lambda: not _going(tree), timeout_s=20)
+    assert time.monotonic() - revived < 15  # the new agent's first act, a short grace
+    run = wait_for(
+        "the run to be found lost",
+        lambda: heartbeat_sweep() and (r := Run.objects.get(pk=run.pk)).state == "lost" and r,
+        timeout_s=60,
+        every_s=1.0,
+    )
+    assert run.reason == NO_LONGER_RUN
+    job.refresh_from_db()
+    assert job.state == "pending" and job.restarts == 1
+    assert "was lost" in JobEvent.objects.filter(job=job).last().reason
+    lines = [r for r in agent_ledger(node) if r["run"] == run.pk]
+    assert [r["event"] for r in lines] == ["started", "ended"]
+    assert lines[1]["reason"] == LEFT_BY_PREDECESSOR
 
 
 class _Metadata:

@@ -38,6 +38,7 @@ from workers.agent import config as config_module
 from workers.agent.checkpoints import CheckpointKeeper
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
 from workers.agent.config import AgentConfig
+from workers.agent.leftovers import leftovers_stop
 from workers.agent.runs import Ledger, LogBuffer, Plan, PlanRefused, Run
 from workers.agent.spot import SpotWatch
 
@@ -127,6 +128,7 @@ class Agent:
         log.info("took a token of the node's own; the bootstrap token is retired")
 
     def run(self) -> None:
+        self.leftovers_stop()
         self.register()
         threads = [
             threading.Thread(target=self.outbox.run, args=(self.stopping,), name="outbox"),
@@ -153,6 +155,13 @@ class Agent:
             self._reap()
             self.stopping.wait(0.2)
         self._shutdown(threads)
+
+    def leftovers_stop(self) -> list[int]:
+        """Stop what a previous agent here left running (it was killed, not stopped): its
+        runs are not ours to report; the control plane, hearing nothing of them, marks
+        them lost. Their plans are not started again either."""
+        self.seen.update(record["run"] for record in self.ledger.read())
+        return leftovers_stop(self.ledger, isolation=self.isolation)
 
     def stop(self, *_args) -> None:
         self.stopping.set()
@@ -238,7 +247,7 @@ class Agent:
             self._report(run_id, report)
             return
         self.runs[run_id] = run
-        self.ledger.write("started", run, pid=run.pid)
+        self.ledger.write("started", run, **run.identity())
         self._report(run_id, {"state": "running", "pid": run.pid})
 
     def _reap(self) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path, PurePosixPath
 from workers.agent import isolation
 from workers.agent.exits import ExitWatch
 from workers.agent.isolation import Isolation
+from workers.agent.leftovers import process_start_time
 
 log = logging.getLogger("agent")
 
@@ -134,27 +135,62 @@ class Ledger:
         self.path = path
 
     def write(self, event: str, run: "Run", **extra) -> None:
-        record = {
-            "event": event,
-            "at": time.time(),
-            "run": run.plan.id,
-            "job": run.plan.job_id,
-            "slots": list(run.plan.gpu_slots),
-            **extra,
-        }
+        self._append(
+            {
+                "event": event,
+                "at": time.time(),
+                "run": run.plan.id,
+                "job": run.plan.job_id,
+                "slots": list(run.plan.gpu_slots),
+                **extra,
+            }
+        )
+
+    def close(self, started: dict, **extra) -> None:
+        """The end line of a run this agent did not start (its predecessor did)."""
+        self._append(
+            {
+                "event": "ended",
+                "at": time.time(),
+                **{key: started.get(key) for key in ("run", "job", "slots")},
+                **extra,
+            }
+        )
+
+    def _append(self, record: dict) -> None:
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            with os.fdopen(fd, "a", encoding="utf-8") as out:
-                out.write(json.dumps(record) + "\n")
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "r+", encoding="utf-8") as out:
+                size = os.fstat(fd).st_size
+                # A line an agent was killed in the middle of ends here, not in this one.
+                cut = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+                out.write(("\n" if cut else "") + json.dumps(record) + "\n")
         except OSError as exc:  # the record is for people; the run goes on without it
             log.warning("could not write to %s: %s", self.path, exc)
 
     def read(self) -> list[dict]:
+        """Every whole line; one cut short (the agent killed as it wrote) is passed over."""
         try:
             lines = self.path.read_text(encoding="utf-8").splitlines()
         except FileNotFoundError:
             return []
-        return [json.loads(line) for line in lines if line.strip()]
+        records = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and isinstance(record.get("run"), int):
+                    records.append(record)
+        return records
+
+    def open_runs(self) -> list[dict]:
+        """The start lines of runs whose end line never came."""
+        started: dict[int, dict] = {}
+        for record in self.read():
+            if record.get("event") == "started":
+                started[record["run"]] = record
+            elif record.get("event") == "ended":
+                started.pop(record["run"], None)
+        return list(started.values())
 
 
 def _job_id(data: dict) -> int | None:
@@ -404,6 +440,16 @@ class Run:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
+
+    def identity(self) -> dict:
+        """What names its process for good, for the ledger: a later agent stops it only if
+        the pid still has this start time, and the job's user's leftovers with it."""
+        record = {"pid": self.pid, "pgid": None, "sid": None, "start_time": None, "uid": self.uid}
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                record.update(pgid=os.getpgid(self.pid), sid=os.getsid(self.pid))
+            record["start_time"] = process_start_time(self.pid)
+        return record
 
     def signal(self, signum: int) -> None:
         """Signal the whole process group (torchrun and its workers)."""

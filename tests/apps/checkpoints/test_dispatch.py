@@ -46,7 +46,9 @@ def test_the_first_attempt_starts_fresh_and_the_next_names_the_newest_verified(
     assert _run_json(second)["checkpoint"]["resume_from"] == str(path.resolve())
     job = Job.objects.get(pk=running_job.pk)
     assert job.state == "starting"
-    assert job.events.last().reason.endswith(f"resuming from {path.resolve()}")  # the timeline
+    assert job.events.last().reason.endswith(
+        f"checkpoint offered: {path.resolve()}"
+    )  # the timeline
 
 
 @pytest.mark.django_db

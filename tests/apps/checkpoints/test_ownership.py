@@ -211,12 +211,12 @@ def test_reports_about_another_jobs_directory_are_refused(jobs, event):
     mine, run, keeper = jobs["mine"]
     theirs = CheckpointCopy.objects.get(checkpoint__job=jobs["theirs"][0])
     body = event(mine, theirs)
-    before = (_copies_state(), Checkpoint.objects.count())
+    before = (_copies_state(), Checkpoint.objects.count(), mine.events.count())
 
     report(keeper, run, body)
 
     assert [status for _, status in keeper.outbox.refused] == [403]
-    assert (_copies_state(), Checkpoint.objects.count()) == before
+    assert (_copies_state(), Checkpoint.objects.count(), mine.events.count()) == before
     assert len(_refused(mine)) == 1
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from apps.checkpoints import services
 from apps.checkpoints.models import Checkpoint, CheckpointCopy, CheckpointEvent, StorageSweep
-from apps.jobs.models import Run
+from apps.jobs.models import Job, Run
 from apps.jobs.runconfig import checkpoint_dir
 from tests.apps.checkpoints.conftest import agent_of, commit_event, report, write_checkpoint
 
@@ -210,6 +210,23 @@ def test_the_trainer_refusing_a_copy_on_resume_marks_it_corrupt(running_job):
     )
     checkpoint = Checkpoint.objects.get()
     assert checkpoint.state == "corrupt" and "x is missing" in checkpoint.state_reason
+    note = running_job.events.last()  # the job's timeline says so, without a state change
+    assert note.from_state == note.to_state == "running"
+    assert note.reason == f"attempt 1 rejected the checkpoint at {path.resolve()}: x is missing"
+
+
+def test_the_jobs_timeline_says_which_checkpoint_an_attempt_resumed_from(running_job):
+    run = Run.objects.get(job=running_job)
+    keeper = agent_of(run.node)
+    path, digest = write_checkpoint(_dir(running_job), 10, job=running_job)
+    report(keeper, run, commit_event(path, digest, 10))
+    states = list(running_job.events.values_list("to_state", flat=True))
+    report(keeper, run, {"event": "resume", "step": 10, "path": str(path.resolve())})
+    note = running_job.events.last()
+    assert note.from_state == note.to_state == "running"
+    assert note.reason == f"attempt 1 resumed from step 10 ({path.resolve()})"
+    assert list(running_job.events.values_list("to_state", flat=True)) == [*states, "running"]
+    assert Job.objects.get(pk=running_job.pk).state == "running"
 
 
 def test_a_bad_event_is_a_400_that_names_the_field(running_job):

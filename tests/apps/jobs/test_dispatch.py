@@ -10,7 +10,7 @@ from django.utils import timezone
 from apps.fleet.models import Node, NodeState
 from apps.fleet.services import node_drain, node_transition, nodes_heartbeat_sweep
 from apps.jobs import services
-from apps.jobs.dispatch import job_dispatch, jobs_on_down_nodes, run_report
+from apps.jobs.dispatch import job_dispatch, jobs_on_down_nodes, jobs_on_lost_nodes, run_report
 from apps.jobs.models import Allocation, Job, JobState, Run
 from apps.jobs.scheduler.run import scheduling_pass
 from tests.apps.jobs.conftest import command_spec, trainer_spec
@@ -86,7 +86,7 @@ def test_a_job_that_lost_a_node_resumes_on_the_one_left_with_its_global_batch(
     assert config["checkpoint"]["resume_from"] == CHECKPOINT
     assert job.state == JobState.STARTING
     assert job.events.last().reason == (
-        f"attempt 2: plans for 1 node(s) offered (1 of 2 nodes), resuming from {CHECKPOINT}"
+        f"attempt 2: plans for 1 node(s) offered (1 of 2 nodes); checkpoint offered: {CHECKPOINT}"
     )
 
     detail = api_for(researcher).get(f"/api/v1/jobs/{job.pk}/").json()
@@ -146,3 +146,114 @@ def test_a_job_without_a_range_runs_on_all_its_nodes_as_before(fleet_pool, quota
     assert {run.plan["env"]["CONTROLPLANE_NNODES"] for run in runs} == {"2"}
     assert run_json(runs[0])["layout"]["dp_shard"] == 16
     assert job.events.last().reason == "attempt 1: plans for 2 node(s) offered"
+
+
+# --- what the job's timeline says of failures ---------------------------------------------------
+
+
+def _two_ranks_running(team, researcher) -> tuple[Job, list[Run]]:
+    spec = trainer_spec(
+        team, preset="tiny", nodes=2, layout={"dp_shard": 16}, seq_len=256, global_batch=64
+    )
+    job, _ = services.job_submit(team=team, spec=spec, submitted_by=researcher)
+    scheduling_pass()
+    job = job_dispatch(job_id=job.pk)
+    runs = list(Run.objects.filter(job=job).order_by("node_rank"))
+    for run in runs:
+        run_report(node_id=run.node_id, run_id=run.pk, report={"state": "running", "pid": 7})
+    return Job.objects.get(pk=job.pk), runs
+
+
+def _collective_timeout(run: Run) -> Run:
+    report = {"state": "exited", "exit_code": 1, "status": {"reason": "collective_timeout"}}
+    return run_report(node_id=run.node_id, run_id=run.pk, report=report)
+
+
+def test_a_note_records_something_about_a_job_without_moving_it(
+    fleet_pool, quota, team, researcher
+):
+    job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
+    before = (job.state, job.state_changed_at, job.events.count())
+    note = services.job_note(job_id=job.pk, reason="attempt 1 resumed from step 10 (/x)")
+    job.refresh_from_db()
+    assert (note.from_state, note.to_state) == (job.state, job.state) == ("pending", "pending")
+    assert note.reason == "attempt 1 resumed from step 10 (/x)" and note.actor is None
+    assert (job.state, job.state_changed_at) == before[:2]
+    assert job.events.count() == before[2] + 1
+    assert services.job_note(job_id=10**9, reason="gone") is None
+
+
+def test_a_collective_timeout_is_told_as_a_symptom_and_the_lost_peer_is_named_later(
+    fleet_pool, quota, team, researcher
+):
+    """A node's agent dies: the healthy rank times out first and the job is requeued on
+    it; its peer, found lost afterwards, is the cause, and the timeline says so."""
+    job, (healthy, dead) = _two_ranks_running(team, researcher)
+    _collective_timeout(healthy)
+    job.refresh_from_db()
+    assert job.state == JobState.PENDING and job.restarts == 1
+    assert job.state_reason == (
+        f"requeued: rank 0 on {healthy.node.name} lost its peers (collective timeout) "
+        "(infrastructure)"
+    )
+    assert jobs_on_lost_nodes(node_ids=[dead.node_id]) == []  # already requeued
+    note = job.events.last()
+    assert note.from_state == note.to_state == JobState.PENDING
+    assert note.reason == f"attempt 1: rank 1 on {dead.node.name} was lost: node lost"
+    assert Job.objects.get(pk=job.pk).restarts == 1
+
+
+def test_a_lost_run_is_named_before_a_collective_timeout(fleet_pool, quota, team, researcher):
+    job, (healthy, dead) = _two_ranks_running(team, researcher)
+    # Found lost by a sweep that has not moved its job yet (as runs_stop_for marks runs).
+    Run.objects.filter(pk=dead.pk).update(state="lost", reason="the node's agent no longer runs it")
+    _collective_timeout(healthy)
+    job.refresh_from_db()
+    assert job.state_reason == (
+        f"requeued: rank 1 on {dead.node.name} was lost: the node's agent no longer runs it "
+        "(infrastructure)"
+    )
+
+
+@pytest.mark.parametrize(
+    "report,told",
+    [
+        # Killed by something else (the kernel's OOM killer): the likely cause.
+        ({"state": "exited", "signal": 9}, True),
+        # Stopped by its agent, as the requeue asked: nothing to tell.
+        ({"state": "exited", "signal": 15, "reason": "requeued: rank 0 ..."}, False),
+    ],
+)
+def test_a_peer_ended_by_a_signal_after_the_requeue_is_named_unless_it_was_stopped(
+    fleet_pool, quota, team, researcher, report, told
+):
+    job, (healthy, peer) = _two_ranks_running(team, researcher)
+    _collective_timeout(healthy)
+    events = job.events.count()
+    run_report(node_id=peer.node_id, run_id=peer.pk, report=report)
+    assert job.events.count() == events + told
+    if told:
+        note = job.events.last()
+        assert note.reason == f"attempt 1: rank 1 on {peer.node.name} ended with signal 9"
+        assert note.from_state == note.to_state == JobState.PENDING
+
+
+def test_a_rank_whose_death_the_evidence_shows_is_named_though_its_peers_timed_out(
+    fleet_pool, quota, team, researcher
+):
+    """Rank 1 of node 0 was killed; torchrun's other rank saw the collective time out and
+    the status file says so: the evidence names the death, not the symptom."""
+    job, (first, _) = _two_ranks_running(team, researcher)
+    killed = {"kind": "signal", "signal": 9, "pid": 4321, "rank": 1, "local_rank": 1}
+    report = {
+        "state": "exited",
+        "exit_code": 1,
+        "status": {"reason": "collective_timeout"},
+        "evidence": {**killed, "command": "python"},
+    }
+    run_report(node_id=first.node_id, run_id=first.pk, report=report)
+    job.refresh_from_db()
+    assert job.state_reason == (
+        f"requeued: rank 1 (pid 4321) on {first.node.name} was killed by signal 9 (SIGKILL) "
+        "(infrastructure)"
+    )
