@@ -43,7 +43,11 @@ def nodes_up(stack: Stack, node_ids: list[int], timeout_s: float = 120) -> None:
     """Provision every node not READY (through the API, as ops would) and wait for them."""
     for node_id in node_ids:
         state = checks.node_state(stack, node_id)
-        if state in ("requested", "failed", "down", "drained", "terminated"):
+        if state == "down":  # as ops would: drained (its jobs went when it went DOWN), then up
+            answer = stack.api("POST", f"/api/v1/nodes/{node_id}/drain/", {"reason": "drill"})
+            assert answer.status_code == 200, answer.text
+            state = "drained"
+        if state in ("requested", "failed", "drained"):
             answer = stack.api("POST", f"/api/v1/nodes/{node_id}/provision/")
             assert answer.status_code == 200, answer.text
         elif state == "draining":

@@ -66,12 +66,21 @@ class Burst:
             self.answers[name] = got
         self.answered.release()
 
-    def run(self, *, threads: int = 8, after: int = 0, fault=None) -> dict[str, tuple]:
-        """Submit every name; once `after` have been answered, call `fault()` (in this
-        thread, while the others go on submitting)."""
+    def run(
+        self, *, threads: int = 8, every_s: float = 0.0, after: int = 0, fault=None
+    ) -> dict[str, tuple]:
+        """Submit every name, one every `every_s` at most (so that a fault lands among
+        them); once `after` have been answered, call `fault()` (in this thread, while the
+        others go on submitting)."""
+        start = time.monotonic()
+
+        def paced(n: int, name: str) -> None:
+            time.sleep(max(0.0, start + n * every_s - time.monotonic()))
+            self._one(name)
+
         with ThreadPoolExecutor(threads) as pool:
-            for name in self.names:
-                pool.submit(self._one, name)
+            for n, name in enumerate(self.names):
+                pool.submit(paced, n, name)
             if fault is not None:
                 for _ in range(after):
                     self.answered.acquire()
@@ -162,7 +171,9 @@ def only_on(stack: Stack, *names: str):
     idle between drills, so at once) and undrained after."""
     others = [
         node_id
-        for name, node_id in stack.sql("SELECT name, id FROM fleet_node WHERE state = 'ready'")
+        for name, node_id in stack.sql(
+            "SELECT name, id FROM fleet_node WHERE state IN ('ready', 'busy', 'suspect')"
+        )
         if name not in names
     ]
     for node_id in others:

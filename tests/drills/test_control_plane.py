@@ -23,7 +23,7 @@ def test_gunicorn_stopped_mid_burst(drill, recovered):
         wait_for("gunicorn to answer again", drill.web_answers, timeout_s=60)
         marks["back"] = time.monotonic()
 
-    answers = burst.run(after=20, fault=restart_web)
+    answers = dict(burst.run(every_s=0.1, after=20, fault=restart_web))
     accepted_before = {n: a[1] for n, a in answers.items() if a[0] == 201}
     assert not [a for a in answers.values() if a[0] == 500], answers
     ids = burst.until_all_accepted()
@@ -52,7 +52,7 @@ def test_postgres_restarted_mid_burst(drill, recovered):
         drill.postgres.start()
         marks["up"] = time.monotonic()
 
-    answers = burst.run(after=15, fault=restart_postgres)
+    answers = dict(burst.run(every_s=0.1, after=15, fault=restart_postgres))
     statuses = {a[0] for a in answers.values()}
     assert statuses <= {201, 503}, answers
     assert all(a[2] for a in answers.values() if a[0] == 503), "a 503 without Retry-After"

@@ -95,7 +95,7 @@ def test_a_rank_killed_and_the_newest_checkpoint_truncated(drill, recovered):
         checks.in_state(drill, job_id, "pending", "admitted", "provisioning", "starting")
         requeued = [r for r in _reasons(drill, job_id) if r.startswith("requeued:")]
         assert requeued and "rank 1" in requeued[0] and "signal 9" in requeued[0], requeued
-        newest_step, newest = checkpoints_committed(drill, job_id)[-1]
+        _, newest = checkpoints_committed(drill, job_id)[-1]
         older_step = checkpoints_committed(drill, job_id)[-2][0]
         biggest = max(Path(newest).rglob("*.distcp"), key=lambda p: p.stat().st_size)
         with open(biggest, "r+b") as shard:
@@ -104,7 +104,7 @@ def test_a_rank_killed_and_the_newest_checkpoint_truncated(drill, recovered):
         assert checks.finished(drill, job_id, timeout_s=300)["state"] == "succeeded"
     reasons = _reasons(drill, job_id)
     assert any(f"resumed from step {older_step}" in r for r in reasons), reasons
-    assert any("rejected" in r and f"step-{newest_step}" in r for r in reasons), reasons
+    assert any("rejected" in r and Path(newest).name in r for r in reasons), reasons
     recovered("trainer rank kill -9", back - killed, "kill → job running again")
 
 
