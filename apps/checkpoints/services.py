@@ -46,6 +46,7 @@ from apps.jobs.models import Job, JobKind, JobState, Run
 from apps.jobs.models.jobs import ACTIVE_STATES, FINISHED_STATES
 from apps.jobs.runconfig import checkpoint_dir
 from apps.jobs.services import job_can_manage, job_note
+from controlplane.celery import enqueue_on_commit
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -215,15 +216,7 @@ def _wake(node_ids) -> None:
 
 
 def _s3_soon() -> None:
-    def send():
-        from controlplane.celery import app
-
-        try:
-            app.send_task("checkpoints.verify_s3")
-        except Exception:  # the beat verifies S3 copies anyway
-            log.warning("could not enqueue S3 verification", exc_info=True)
-
-    transaction.on_commit(send)
+    enqueue_on_commit("checkpoints.verify_s3", covered_by="the beat")
 
 
 def _ask(copy: CheckpointCopy, request: str, *, now, prefer: int | None = None) -> None:
@@ -844,9 +837,10 @@ def _resumed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
         .order_by("-id")
         .first()
     )
-    step = event.get("step")
+    # The registry's step where it knows the copy; the trainer's word only where it does not.
+    step = copy.checkpoint.step if copy else event.get("step")
     if not isinstance(step, int) or isinstance(step, bool):
-        step = copy.checkpoint.step if copy else None
+        step = None
     at_step = f" step {step}" if step is not None else ""
     job_note(
         job_id=run.job_id, reason=f"attempt {run.attempt} resumed from{at_step} ({_tail(path)})"

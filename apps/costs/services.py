@@ -52,6 +52,7 @@ from apps.fleet.models import InstanceType, Node, PoolKind
 from apps.fleet.models.nodes import CapacityType
 from controlplane import webhooks
 from controlplane.bulk import insert_rows, update_rows
+from controlplane.celery import enqueue_on_commit
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -892,15 +893,7 @@ def _email(budget: Budget, alerts: list[BudgetAlert]) -> None:
 
 
 def _send_webhooks_soon() -> None:
-    def send():
-        from controlplane.celery import app
-
-        try:
-            app.send_task("costs.deliver_budget_webhooks")
-        except Exception:  # the beat sends them anyway
-            log.warning("could not enqueue budget webhooks", exc_info=True)
-
-    transaction.on_commit(send)
+    enqueue_on_commit("costs.deliver_budget_webhooks", covered_by="the beat")
 
 
 RETRY_DELAYS_S = [30, 120, 600, 1800, 3600, 3 * 3600, 6 * 3600]

@@ -25,6 +25,7 @@ from apps.accounts.secrets import decrypt, encrypt
 from apps.fleet import services as fleet
 from apps.fleet.models import GONE_STATES, Gpu, GpuHealth, Node, NodeState
 from controlplane.bulk import update_rows
+from controlplane.celery import enqueue_on_commit
 from controlplane.errors import ApplicationError
 from controlplane.exactcache import ExactCache
 
@@ -322,16 +323,7 @@ def version_older(version: str, than: str) -> bool:
 
 def _upgrade_soon(node_id: int) -> None:
     """Once this commits, ask a worker to put the shipped agent on the node (when idle)."""
-
-    def send():
-        from controlplane.celery import app
-
-        try:
-            app.send_task("fleet.agent_upgrade", args=[node_id])
-        except Exception:  # the next registration asks again
-            log.warning("could not enqueue the agent upgrade of node %s", node_id, exc_info=True)
-
-    transaction.on_commit(send)
+    enqueue_on_commit("fleet.agent_upgrade", node_id, covered_by="the next registration")
 
 
 def node_progress(*, node: Node, step: str, percent: int, message: str) -> None:

@@ -216,7 +216,7 @@ def burst_nodes_request(
     fleet.capacity_changed()
     outcome.node_ids = sorted(n.pk for n in made)
     for node_id in outcome.node_ids:
-        _provision_on_commit(node_id)
+        fleet.provision_soon(node_id)
     jobs = sorted({n.burst_job_id for n in made})
     log.info("burst: %d node(s) requested for jobs %s", len(made), jobs)
     return outcome
@@ -226,18 +226,6 @@ def _warn_once(key: str, message: str, every_s: int = 600) -> None:
     """A warning about a pool's settings, at most once per period (passes run every 30 s)."""
     if cache.add(key, 1, timeout=every_s):
         log.warning(message)
-
-
-def _provision_on_commit(node_id: int) -> None:
-    def send():
-        from controlplane.celery import app
-
-        try:
-            app.send_task("fleet.provision", args=[node_id])
-        except Exception:  # the cloud sweep re-drives requested nodes whose task went missing
-            log.warning("could not enqueue provisioning of node %s", node_id, exc_info=True)
-
-    transaction.on_commit(send)
 
 
 @transaction.atomic

@@ -32,6 +32,7 @@ from apps.fleet.models.nodes import GONE_STATES, CapacityType, Provider
 from apps.fleet.selectors import CAPACITY_CACHE_KEY
 from controlplane.bulk import InArray, update_logged
 from controlplane.cache import best_effort
+from controlplane.celery import enqueue_on_commit
 from controlplane.errors import ApplicationError
 
 S = NodeState
@@ -131,16 +132,7 @@ def _check_pool_instance_types(*, gpu_type: str, kind: str, instance_types) -> N
 
 def provision_soon(node_id: int) -> None:
     """Once this transaction commits, ask a worker to bring the node up (fleet.provision)."""
-
-    def send():
-        from controlplane.celery import app
-
-        try:
-            app.send_task("fleet.provision", args=[node_id])
-        except Exception:  # the node stays REQUESTED; ops can ask again (nodes/{id}/provision/)
-            log.warning("could not enqueue provisioning of node %s", node_id, exc_info=True)
-
-    transaction.on_commit(send)
+    enqueue_on_commit("fleet.provision", node_id, covered_by="the provisioning sweeps")
 
 
 def capacity_changed() -> None:

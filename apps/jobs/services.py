@@ -41,6 +41,7 @@ from apps.tuning import services as tuning
 from controlplane import webhooks
 from controlplane.bulk import InArray, update_logged
 from controlplane.cache import best_effort
+from controlplane.celery import enqueue_on_commit
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -735,16 +736,7 @@ def _owe_webhook_calls(job_ids: list[int], *, now: dt.datetime) -> None:
         ]
     if rows:
         WebhookDelivery.objects.bulk_create(rows)
-        transaction.on_commit(_send_webhooks_soon)
-
-
-def _send_webhooks_soon() -> None:
-    from controlplane.celery import app
-
-    try:
-        app.send_task("jobs.deliver_webhooks")
-    except Exception:  # the beat sends them anyway
-        log.warning("could not enqueue webhook deliveries", exc_info=True)
+        enqueue_on_commit("jobs.deliver_webhooks", covered_by="the beat")
 
 
 def webhook_deliveries_send(*, now: dt.datetime | None = None, limit: int = 100) -> dict:

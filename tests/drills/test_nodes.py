@@ -76,7 +76,9 @@ def test_agent_killed_and_started_again(drill, recovered):
         assert checks.finished(drill, job_id, timeout_s=300)["state"] == "succeeded"
     lost = run_of(drill, job_id, attempt=1)
     assert lost["state"] == "lost", lost
-    assert any(r.startswith("requeued:") and "local-1" in r for r in _reasons(drill, job_id))
+    reasons = _reasons(drill, job_id)
+    assert any(r.startswith("requeued:") and "local-1" in r for r in reasons), reasons
+    assert any(r.startswith("attempt 2 resumed from step") for r in reasons), reasons
     recovered("agent kill -9, started again", back - killed, "kill → job running again")
     recovered("agent restart: old run stopped", stopped, "kill → predecessor's processes gone")
 
@@ -174,6 +176,7 @@ def test_an_ssh_node_lost_in_a_two_node_job(drill, recovered):
         assert checks.finished(drill, job_id, timeout_s=300)["state"] == "succeeded"
     reasons = _reasons(drill, job_id)
     assert any(victim_name in r and "lost" in r for r in reasons), reasons
+    assert any(r.startswith("attempt 2 resumed from step") for r in reasons), reasons
     recovered("SSH node lost mid-job", back - died, "death → job running on the node left")
 
 

@@ -98,7 +98,9 @@ def test_a_node_lost_for_good_goes_down_and_its_job_is_requeued(
     (node,) = local_nodes(pool, count=1, gpus=2)
     api = api_for(factories.make_member(team=e2e_team), scopes=("submit",))
     job = _running_job(api, e2e_team, ["python3", "-c", POLITE])
-    os.killpg(_agent_pid(node), signal.SIGKILL)  # the machine is gone: agent and job
+    # The machine is gone: its agent, and its job (whose processes are a session of their own).
+    os.killpg(_agent_pid(node), signal.SIGKILL)
+    os.killpg(Run.objects.get(job=job).pid, signal.SIGKILL)
     wait_for(
         "the node to be down",
         lambda: heartbeat_sweep() and _node_state(node) == "down",

@@ -23,6 +23,7 @@ from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
 from controlplane.bulk import InArray, fetch_rows, insert_rows, int_array
 from controlplane.cache import best_effort
+from controlplane.celery import enqueue_on_commit
 
 log = logging.getLogger(__name__)
 
@@ -343,8 +344,7 @@ def decisions_apply(decisions: plain.Decisions, ctx: ReadContext) -> Applied:
     _apply_reasons(decisions.waits, ctx, applied)
     _advance_usage(ctx)
     if applied.placed:
-        placed = list(applied.placed)
-        transaction.on_commit(lambda: _dispatch_soon(placed))
+        _dispatch_soon(list(applied.placed))
     return applied
 
 
@@ -352,17 +352,14 @@ DISPATCH_BATCH = 200  # job ids one dispatch message carries
 
 
 def _dispatch_soon(job_ids: list[int], batch: int = DISPATCH_BATCH) -> None:
-    """Hand the placed jobs to dispatch in one message (the reconcile sweep covers a lost
-    one): up to `batch` ids straight to `jobs.dispatch`, more to `jobs.dispatch_many`,
-    which splits them into batches for the workers (dispatch_batches_send), so a pass
-    that placed thousands of jobs waits for one message to the broker, not twenty."""
-    from controlplane.celery import app
-
+    """Once the pass commits, hand the placed jobs to dispatch in one message: up to
+    `batch` ids straight to `jobs.dispatch`, more to `jobs.dispatch_many`, which splits
+    them into batches for the workers (dispatch_batches_send), so a pass that placed
+    thousands of jobs waits for one message to the broker, not twenty."""
     task = "jobs.dispatch" if len(job_ids) <= batch else "jobs.dispatch_many"
-    try:
-        app.send_task(task, args=[job_ids], argsrepr=_ids_repr(job_ids))
-    except Exception:
-        log.warning("could not enqueue dispatch of %d jobs", len(job_ids), exc_info=True)
+    enqueue_on_commit(
+        task, job_ids, covered_by="the re-dispatch sweep", argsrepr=_ids_repr(job_ids)
+    )
 
 
 def dispatch_batches_send(job_ids: list[int], batch: int = DISPATCH_BATCH) -> int:

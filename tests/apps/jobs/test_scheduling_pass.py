@@ -383,7 +383,9 @@ def _broker_messages() -> list[tuple[str, list[int], str]]:
     return found
 
 
-def test_placed_jobs_reach_the_broker_in_one_message_then_in_batches_of_ids():
+def test_placed_jobs_reach_the_broker_in_one_message_then_in_batches_of_ids(
+    django_capture_on_commit_callbacks,
+):
     """What the dispatch hand-off puts on the real broker: a pass that placed more jobs
     than one batch sends one fan-out message with every id, and the fan-out task sends
     every id once, in batches, each message with a short argsrepr rather than its ids.
@@ -395,7 +397,8 @@ def test_placed_jobs_reach_the_broker_in_one_message_then_in_batches_of_ids():
     with app.connection_for_write() as connection:
         connection.SimpleQueue("celery").clear()  # what earlier tests' passes handed over
     ids = list(range(10_001, 10_451))
-    _dispatch_soon(ids, batch=200)
+    with django_capture_on_commit_callbacks(execute=True):
+        _dispatch_soon(ids, batch=200)
     assert _broker_messages() == [("jobs.dispatch_many", ids, "[450 job ids from 10001]")]
 
     assert dispatch_batches_send(ids, batch=200) == 3
@@ -409,12 +412,15 @@ def test_placed_jobs_reach_the_broker_in_one_message_then_in_batches_of_ids():
     assert sorted(len(args) for _, args, _ in _broker_messages()) == [50, 200, 200]
 
 
-def test_a_pass_that_placed_one_batch_or_fewer_sends_the_dispatch_itself():
+def test_a_pass_that_placed_one_batch_or_fewer_sends_the_dispatch_itself(
+    django_capture_on_commit_callbacks,
+):
     from controlplane.celery import app
 
     with app.connection_for_write() as connection:
         connection.SimpleQueue("celery").clear()
-    _dispatch_soon([7, 8, 9], batch=200)
+    with django_capture_on_commit_callbacks(execute=True):
+        _dispatch_soon([7, 8, 9], batch=200)
     assert _broker_messages() == [("jobs.dispatch", [7, 8, 9], "[3 job ids from 7]")]
 
 
