@@ -180,6 +180,12 @@ def only_on(stack: Stack, *names: str):
         answer = stack.api("POST", f"/api/v1/nodes/{node_id}/drain/", {"reason": "drill"})
         assert answer.status_code == 200, answer.text
     try:
+        left = stack.sql(
+            "SELECT name, state FROM fleet_node WHERE state IN ('ready', 'busy') "
+            "AND NOT name = ANY(%s)",
+            list(names),
+        )
+        assert not left, f"nodes still taking work: {left}"
         yield node_ids(stack, *names)
     finally:
         for node_id in others:
