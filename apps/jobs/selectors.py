@@ -531,6 +531,14 @@ def job_log_tail(*, job: Job, limit: int = 200) -> list[dict]:
     ]
 
 
+def run_on_node(*, node_id: int, run_id: int) -> Run | None:
+    """The run, if it is on this node (what a node's agent may report on), with its job,
+    team and node."""
+    return (
+        Run.objects.select_related("job__team", "node").filter(pk=run_id, node_id=node_id).first()
+    )
+
+
 def job_runs(*, job: Job) -> list[Run]:
     """Every attempt's runs, newest attempt first, with their nodes."""
     return list(job.runs.select_related("node").order_by("-attempt", "node_rank"))

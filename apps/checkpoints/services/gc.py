@@ -20,7 +20,13 @@ from apps.checkpoints.models import (
     StorageSweep,
 )
 from apps.checkpoints.selectors import retention_policy
-from apps.checkpoints.services.agent_input import _clean, _finite, _instant, _layout, invalid_input
+from apps.checkpoints.services.agent_input import (
+    clean_text,
+    finite_or_none,
+    instant_or,
+    invalid_input,
+    layout_of,
+)
 from apps.checkpoints.services.ownership import _own, _refusal_record
 from apps.checkpoints.services.states import (
     READER_STATES,
@@ -136,11 +142,11 @@ def copy_deletion_record(
         _move_copy(copy, S.DELETED, why, actor=actor, now=now)
         copy.error = ""
     elif outcome == "elsewhere":
-        _move_copy(copy, S.MISSING, _clean(message) or "not at its path", actor=actor, now=now)
-        copy.error = _clean(message)
+        _move_copy(copy, S.MISSING, clean_text(message) or "not at its path", actor=actor, now=now)
+        copy.error = clean_text(message)
     else:
         copy.attempts = min(copy.attempts + 1, 1000)
-        copy.error = _clean(message or "the deletion failed")
+        copy.error = clean_text(message or "the deletion failed")
         copy.retry_after = now + _backoff(copy.attempts)
         copy.requested_at = now
     copy.save()
@@ -269,7 +275,7 @@ def sweep_record(*, node_id: int, sweep_id: int, report: dict) -> StorageSweep:
             copy.save()
             _settle(copy.checkpoint, "a sweep did not find a copy", actor=actor, now=now)
     removed = report.get("removed") if isinstance(report.get("removed"), list) else []
-    removed = [_clean(x, 200) for x in removed[:1000]]
+    removed = [clean_text(x, 200) for x in removed[:1000]]
     sweep.reported_at = now
     sweep.result = {
         "entries": len(entries),
@@ -281,7 +287,7 @@ def sweep_record(*, node_id: int, sweep_id: int, report: dict) -> StorageSweep:
         "refused": len(refused),
     }
     if report.get("problem"):
-        sweep.result["problem"] = _clean(report["problem"], 300)
+        sweep.result["problem"] = clean_text(report["problem"], 300)
     sweep.save(update_fields=["reported_at", "result"])
     if refused:
         _refusal_record(
@@ -289,7 +295,7 @@ def sweep_record(*, node_id: int, sweep_id: int, report: dict) -> StorageSweep:
             own.refuses(refused[0]),
             sweep=sweep.pk,
             refused=len(refused),
-            location=_clean(refused[0], 300),
+            location=clean_text(refused[0], 300),
         )
     return sweep
 
@@ -313,12 +319,12 @@ def _adopt(job: Job, entry: dict, *, node_id: int, actor: str, now) -> Checkpoin
         step=step,
         manifest_sha256=entry["manifest_sha256"],
         world_size=number("world_size", 2**31 - 1) or 1,
-        layout=_layout(entry.get("layout")),
+        layout=layout_of(entry.get("layout")),
         size_bytes=number("size_bytes", 2**63 - 1),
         files=number("files", 2**31 - 1),
-        loss=_finite(entry.get("loss")),
+        loss=finite_or_none(entry.get("loss")),
         node_id=node_id,
-        committed_at=_instant(entry.get("time"), now),
+        committed_at=instant_or(entry.get("time"), now),
         state=C.COMMITTED,
         state_reason="found on storage by a sweep: its report never arrived",
     )

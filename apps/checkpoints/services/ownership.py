@@ -17,7 +17,6 @@ from apps.checkpoints.models import (
     CopyRequest,
     S3Destination,
 )
-from apps.checkpoints.services.agent_input import _text
 from apps.checkpoints.services.states import (
     COPY_MOVES,
     S,
@@ -161,7 +160,8 @@ class NotOwned(ApplicationError):
 
 
 def _place(event: dict, name: str, own: Own) -> str:
-    value = _text(event, name)
+    """The place the checked line names in `name`, if the job owns it; refused otherwise."""
+    value = event[name]
     why = own.refuses(value)
     if why:
         raise NotOwned(f"event.{name}", value, why)

@@ -13,15 +13,7 @@ from apps.checkpoints.models import (
     CopyRequest,
 )
 from apps.checkpoints.services.agent_input import (
-    _clean,
-    _digest,
-    _finite,
-    _instant,
-    _integer,
-    _layout,
-    _storable,
-    _text,
-    invalid_input,
+    clean_text,
 )
 from apps.checkpoints.services.ownership import (
     NotOwned,
@@ -46,18 +38,13 @@ from apps.checkpoints.services.states import (
 )
 from apps.jobs.models import Run
 from apps.jobs.services import job_note
-from controlplane.errors import ApplicationError
 
 # --- what the agents report: the trainer's checkpoint lines ------------------------------------
 
 
-def checkpoint_event_record(*, node_id: int, run_id: int, event: dict) -> dict:
-    """One of the trainer's checkpoint lines, as the node's agent relays it."""
-    run = Run.objects.select_related("job__team", "node").filter(pk=run_id, node_id=node_id).first()
-    if run is None:
-        raise ApplicationError("No such run on this node.", code="not_found", status=404)
-    if not isinstance(event, dict):
-        raise invalid_input("event", "A JSON object.")
+def checkpoint_event_record(*, run: Run, report: dict) -> dict:
+    """One of the trainer's checkpoint lines, as the run's node's agent relays it, checked
+    (apps/checkpoints/api/reports.py); `report["event"]` says which kind."""
     handler = {
         "checkpoint": _committed,
         "checkpoint_copy": _copied,
@@ -65,15 +52,13 @@ def checkpoint_event_record(*, node_id: int, run_id: int, event: dict) -> dict:
         "checkpoint_rejected": _rejected,
         "checkpoint_fetched": _fetched,
         "resume": _resumed,
-    }.get(event.get("event"))
-    if handler is None:
-        return {"ignored": True}
+    }[report["event"]]
     actor = f"agent:{run.node.name}"
     own = _own([run.job])[run.job_id]
     for tries in range(3):  # two agents racing on one path: the loser reads the winner's row
         try:
             with transaction.atomic():
-                return handler(run, event, own=own, actor=actor, now=timezone.now())
+                return handler(run, report, own=own, actor=actor, now=timezone.now())
         except IntegrityError:
             if tries == 2:
                 raise
@@ -82,7 +67,7 @@ def checkpoint_event_record(*, node_id: int, run_id: int, event: dict) -> dict:
                 run.job,
                 refused.why,
                 run=run.pk,
-                event=event.get("event"),
+                event=report["event"],
                 field=refused.field,
                 location=refused.location[:300],
             )
@@ -91,12 +76,9 @@ def checkpoint_event_record(*, node_id: int, run_id: int, event: dict) -> dict:
 
 
 def _committed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
-    step = _integer(event, "step", maximum=2**31 - 1)
-    digest = _digest(event)
+    step, digest = event["step"], event["manifest_sha256"]
     path = _place(event, "path", own)
-    replaced = event.get("replaced")
-    if isinstance(replaced, str) and 0 < len(replaced) <= 1024 and _storable(replaced):
-        replaced = _place(event, "replaced", own)
+    replaced = event["replaced"] and _place(event, "replaced", own)
     kind = storage_kind()
     place = _placed(kind, run.node_id)
     checkpoint, created = Checkpoint.objects.get_or_create(
@@ -106,14 +88,14 @@ def _committed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
         defaults={
             "team_id": run.job.team_id,
             "attempt": run.attempt,
-            "world_size": _integer(event, "world_size", default=1, maximum=2**31 - 1),
-            "layout": _layout(event.get("layout")),
-            "size_bytes": _integer(event, "size_bytes", default=0),
-            "files": _integer(event, "files", default=0, maximum=2**31 - 1),
-            "loss": _finite(event.get("loss")),
+            "world_size": event["world_size"],
+            "layout": event["layout"],
+            "size_bytes": event["size_bytes"],
+            "files": event["files"],
+            "loss": event["loss"],
             "node_id": run.node_id,
             "s3_expected": _s3_wanted_by(run),
-            "committed_at": _instant(event.get("time"), now),
+            "committed_at": event["time"] or now,
             "state": C.COMMITTED,
             "state_reason": f"committed by attempt {run.attempt}",
         },
@@ -128,7 +110,7 @@ def _committed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
     for other in _lock_copies(
         _present_at(run.job_id, kind, place, path).exclude(checkpoint=checkpoint)
     ):
-        if isinstance(replaced, str) and 0 < len(replaced) <= 1024 and _storable(replaced):
+        if replaced:
             other.location = replaced
             other.save(update_fields=["location"])
             _note(
@@ -199,7 +181,7 @@ def _s3_copy(checkpoint: Checkpoint, uri: str, state: str, *, actor: str, now, e
         copy = CheckpointCopy(checkpoint=checkpoint, kind=CopyKind.S3, location=uri, state=state)
     elif state == S.FAILED and copy.state == S.COMMITTED:
         copy.state = S.FAILED
-    copy.error = _clean(error)
+    copy.error = clean_text(error)
     if state == S.COMMITTED:
         _ask(copy, CopyRequest.VERIFY, now=now)
     copy.save()
@@ -219,12 +201,8 @@ def _s3_copy(checkpoint: Checkpoint, uri: str, state: str, *, actor: str, now, e
 
 
 def _copied(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
-    step = _integer(event, "step", maximum=2**31 - 1)
-    uri = _text(event, "uri")
-    if not uri.startswith("s3://"):
-        raise invalid_input("event.uri", "An s3:// URI.")
     uri = _place(event, "uri", own)
-    checkpoint = _of_step(run, step)
+    checkpoint = _of_step(run, event["step"])
     if checkpoint is None:
         return {"ignored": True}
     copy = _s3_copy(checkpoint, uri, S.COMMITTED, actor=actor, now=now)
@@ -233,18 +211,15 @@ def _copied(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
 
 
 def _copy_failed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
-    step = _integer(event, "step", maximum=2**31 - 1)
-    uri = _text(event, "uri")
-    if not uri.startswith("s3://"):
+    if not event["uri"].startswith("s3://"):
         return {"ignored": True}
     uri = _place(event, "uri", own)
-    checkpoint = _of_step(run, step)
+    checkpoint = _of_step(run, event["step"])
     if checkpoint is None:
         return {"ignored": True}
-    message = _clean(event.get("message") or "the upload failed", 250)
-    tries = _integer(event, "attempts", default=1, maximum=1000)
-    if tries > 1:
-        message = f"{message} (tried {tries} times)"
+    message = event["message"]
+    if event["attempts"] > 1:
+        message = f"{message} (tried {event['attempts']} times)"
     copy = _s3_copy(checkpoint, uri, S.FAILED, actor=actor, now=now, error=message)
     _settle(checkpoint, "its S3 copy failed", actor=actor, now=now)
     return {"checkpoint": checkpoint.pk, "copy": copy.pk}
@@ -262,7 +237,7 @@ def _copy_at(run: Run, path: str):
 
 def _rejected(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
     path = _place(event, "path", own)
-    reason = _clean(event.get("reason") or "it did not verify", 250)
+    reason = event["reason"]
     job_note(
         job_id=run.job_id,
         reason=f"attempt {run.attempt} rejected the checkpoint at {_tail(path)}: {reason}",
@@ -285,14 +260,14 @@ def _tail(path: str) -> str:
 
 def _fetched(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
     path = _place(event, "path", own)
-    if event.get("uri") is not None:
+    if event["uri"] is not None:
         _place(event, "uri", own)
-    digest = event.get("manifest_sha256")
+    digest = event["manifest_sha256"]
     checkpoint = (
         Checkpoint.objects.filter(job_id=run.job_id, manifest_sha256=digest)
         .exclude(state=C.DELETED)
         .first()
-        if isinstance(digest, str)
+        if digest is not None
         else None
     )
     if checkpoint is None:
@@ -306,9 +281,7 @@ def _fetched(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
         )
         _ask(copy, CopyRequest.VERIFY, now=now, prefer=run.node_id)
         copy.save()
-        _note(
-            checkpoint, f"fetched from {event.get('uri', 'S3')} to {path}", actor=actor, copy=copy
-        )
+        _note(checkpoint, f"fetched from {event['uri'] or 'S3'} to {path}", actor=actor, copy=copy)
         if checkpoint.state == C.DELETING:
             _delete_copy(copy, "its checkpoint is being deleted", actor=actor, now=now)
     _settle(checkpoint, "fetched", actor=actor, now=now)
@@ -324,9 +297,7 @@ def _resumed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
         .first()
     )
     # The registry's step where it knows the copy; the trainer's word only where it does not.
-    step = copy.checkpoint.step if copy else event.get("step")
-    if not isinstance(step, int) or isinstance(step, bool):
-        step = None
+    step = copy.checkpoint.step if copy else event["step"]
     at_step = f" step {step}" if step is not None else ""
     job_note(
         job_id=run.job_id, reason=f"attempt {run.attempt} resumed from{at_step} ({_tail(path)})"

@@ -14,7 +14,7 @@ from apps.checkpoints.models import (
     CopyKind,
     CopyRequest,
 )
-from apps.checkpoints.services.agent_input import _clean
+from apps.checkpoints.services.agent_input import clean_text
 from apps.checkpoints.services.states import (
     S,
     _actor,
@@ -70,9 +70,9 @@ def copy_verification_record(
     else:
         to = S.MISSING if missing else S.CORRUPT
         _move_copy(
-            copy, to, _clean(problem) or "it does not match the manifest", actor=actor, now=now
+            copy, to, clean_text(problem) or "it does not match the manifest", actor=actor, now=now
         )
-        copy.error = _clean(problem)
+        copy.error = clean_text(problem)
     copy.request, copy.request_node_id, copy.requested_at = CopyRequest.NONE, None, None
     copy.attempts, copy.retry_after = 0, None
     copy.save()
@@ -86,7 +86,7 @@ def copy_request_retry(*, copy_id: int, message: str) -> None:
     """The control plane could not reach an S3 copy now: tried again after a while."""
     copy = _locked_copy(copy_id)
     copy.attempts = min(copy.attempts + 1, 1000)
-    copy.error = _clean(message)
+    copy.error = clean_text(message)
     copy.retry_after = timezone.now() + _backoff(copy.attempts)
     copy.save(update_fields=["attempts", "error", "retry_after"])
 
