@@ -615,3 +615,12 @@ def job_cost(*, job: Job):
         candidate_pool_ids=pool_ids,
         spot_allowed=job.spot_allowed,
     )
+
+
+def job_nodes_held(*, job_id: int) -> list[int]:
+    """The nodes the job holds now, in the order dispatch ranks them (rank 0 first)."""
+    return list(
+        Allocation.objects.filter(job_id=job_id, ended_at__isnull=True)
+        .order_by("node__rack_id", "node__name")
+        .values_list("node_id", flat=True)
+    )

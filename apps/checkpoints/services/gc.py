@@ -36,7 +36,6 @@ from apps.checkpoints.services.states import (
     _actor,
     _ask,
     _delete_copy,
-    _live,
     _lock_copies,
     _locked_copy,
     _move_copy,
@@ -48,6 +47,7 @@ from apps.checkpoints.services.states import (
     storage_kind,
 )
 from apps.checkpoints.services.verification import _answered_by, _answerer, _backoff, _may_manage
+from apps.fleet.selectors import nodes_among
 from apps.jobs.models import Job, JobKind, Run
 from apps.jobs.models.jobs import ACTIVE_STATES, FINISHED_STATES
 from apps.jobs.runconfig import checkpoint_dir
@@ -448,7 +448,7 @@ def finished_jobs_sweep(*, now: dt.datetime | None = None, limit: int = 100) -> 
         # Node-local: only the last attempt's writer holds the directory; shared: any writer.
         if storage_kind() == CopyKind.NODE_LOCAL:
             writers = writers[:1]
-        live = _live(writers)
+        live = nodes_among(node_ids=writers, states=READER_STATES)
         node_id = next((n for n in writers if n in live), None)
         if node_id is None:
             continue  # nobody reaches it now: asked again on a later pass

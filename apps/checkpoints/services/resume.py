@@ -17,8 +17,9 @@ from apps.checkpoints.models import (
 )
 from apps.checkpoints.services.gc import _sweep_ask
 from apps.checkpoints.services.ownership import _own, s3_copy_settings
-from apps.checkpoints.services.states import C, S, _actor, _ask, _job_nodes, _locked_copy, _note
+from apps.checkpoints.services.states import C, S, _actor, _ask, _locked_copy, _note
 from apps.jobs.models import Job, JobKind, JobState, Run
+from apps.jobs.selectors import job_nodes_held
 
 # --- resume ------------------------------------------------------------------------------------
 
@@ -57,7 +58,7 @@ def checkpoint_resume_prepare(*, job_id: int, now: dt.datetime | None = None) ->
     if job is None or job.kind != JobKind.TRAINER:
         return ResumePlan()
     s3 = s3_copy_settings(job)
-    nodes = _job_nodes(job.pk)
+    nodes = job_nodes_held(job_id=job.pk)
     if job.state != JobState.ADMITTED or not nodes:
         return ResumePlan(s3=s3)
     head = nodes[0]

@@ -17,7 +17,9 @@ from apps.checkpoints.models import (
     CopyState,
 )
 from apps.checkpoints.selectors import agent_idle
-from apps.fleet.models import Node, NodeState
+from apps.fleet.models import NodeState
+from apps.fleet.selectors import nodes_among, pool_node_among
+from apps.jobs.selectors import job_nodes_held
 from controlplane.celery import enqueue_on_commit
 from controlplane.errors import ApplicationError
 
@@ -137,24 +139,6 @@ def _note(checkpoint: Checkpoint, reason: str, *, actor: str, copy=None) -> None
 # --- who can reach a copy --------------------------------------------------------------------
 
 
-def _live(node_ids) -> set[int]:
-    ids = {i for i in node_ids if i}
-    if not ids:
-        return set()
-    return set(
-        Node.objects.filter(pk__in=ids, state__in=READER_STATES).values_list("pk", flat=True)
-    )
-
-
-def _job_nodes(job_id: int) -> list[int]:
-    """The nodes the job holds now, in the order dispatch ranks them (rank 0 first)."""
-    return list(
-        Node.objects.filter(allocations__job_id=job_id, allocations__ended_at__isnull=True)
-        .order_by("rack_id", "name")
-        .values_list("pk", flat=True)
-    )
-
-
 def _reader(copy: CheckpointCopy, *, prefer: int | None = None) -> int | None:
     """The node whose agent should check or delete this copy (None: the control plane, for S3,
     or nobody reachable now)."""
@@ -163,23 +147,13 @@ def _reader(copy: CheckpointCopy, *, prefer: int | None = None) -> int | None:
     if copy.kind == CopyKind.NODE_LOCAL:
         return copy.node_id
     checkpoint = copy.checkpoint
-    order = [prefer, checkpoint.node_id, *_job_nodes(checkpoint.job_id)]
-    live = _live(order)
+    order = [prefer, checkpoint.node_id, *job_nodes_held(job_id=checkpoint.job_id)]
+    live = nodes_among(node_ids=order, states=READER_STATES)
     for node_id in order:
         if node_id in live:
             return node_id
     # Shared storage: any node of the writer's pool mounts it too.
-    pool_id = Node.objects.filter(pk=checkpoint.node_id).values_list("pool_id", flat=True).first()
-    if pool_id is not None:
-        other = (
-            Node.objects.filter(pool_id=pool_id, state__in=READER_STATES)
-            .order_by("pk")
-            .values_list("pk", flat=True)
-            .first()
-        )
-        if other is not None:
-            return other
-    return None
+    return pool_node_among(node_id=checkpoint.node_id, states=READER_STATES)
 
 
 def _wake(node_ids) -> None:

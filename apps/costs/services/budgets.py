@@ -216,9 +216,6 @@ def _send_webhooks_soon() -> None:
     enqueue_on_commit("costs.deliver_budget_webhooks", covered_by="the beat")
 
 
-RETRY_DELAYS_S = [30, 120, 600, 1800, 3600, 3 * 3600, 6 * 3600]
-
-
 @dataclass(frozen=True)
 class WebhookCall:
     alert_id: int
@@ -264,13 +261,13 @@ def budget_webhook_result(
     now = now or timezone.now()
     alert = BudgetAlert.objects.get(pk=alert_id)
     attempts = alert.webhook_attempts + 1
-    if status is not None and 200 <= status < 300:
-        state, next_at = WebhookState.DELIVERED, None
-    elif attempts > len(RETRY_DELAYS_S):
-        state, next_at = WebhookState.FAILED, None
+    next_at = None if webhooks.answered(status) else webhooks.next_attempt(attempts, now)
+    if webhooks.answered(status):
+        state = WebhookState.DELIVERED
+    elif next_at is None:
+        state = WebhookState.FAILED
     else:
         state = WebhookState.PENDING
-        next_at = now + dt.timedelta(seconds=RETRY_DELAYS_S[attempts - 1])
     BudgetAlert.objects.filter(pk=alert_id).update(
         webhook_state=state,
         webhook_attempts=attempts,
