@@ -9,6 +9,7 @@ from apps.fleet.models import (
     GONE_STATES,
     Gpu,
     GpuHealth,
+    InstanceType,
     Node,
     NodePool,
     NodeState,
@@ -208,3 +209,11 @@ def pool_node_among(*, node_id: int | None, states) -> int | None:
 
 def node_name(*, node_id: int) -> str:
     return Node.objects.values_list("name", flat=True).get(pk=node_id)
+
+
+def pool_slugs(*, pool_ids) -> dict[int, str]:
+    return dict(NodePool.objects.filter(pk__in=pool_ids).values_list("id", "slug"))
+
+
+def instance_type_names(*, type_ids) -> dict[int, str]:
+    return dict(InstanceType.objects.filter(pk__in=type_ids).values_list("id", "name"))

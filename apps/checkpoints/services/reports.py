@@ -39,8 +39,6 @@ from apps.checkpoints.services.states import (
 from apps.jobs.models import Run
 from apps.jobs.services import job_note
 
-# --- what the agents report: the trainer's checkpoint lines ------------------------------------
-
 
 def checkpoint_event_record(*, run: Run, report: dict) -> dict:
     """One of the trainer's checkpoint lines, as the run's node's agent relays it, checked

@@ -21,8 +21,6 @@ from apps.checkpoints.services.states import C, S, _actor, _ask, _locked_copy, _
 from apps.jobs.models import Job, JobKind, JobState, Run
 from apps.jobs.selectors import job_nodes_held
 
-# --- resume ------------------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class ResumePlan:

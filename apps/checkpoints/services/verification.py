@@ -29,8 +29,6 @@ from apps.fleet.selectors import node_name
 from apps.jobs.services import job_can_manage
 from controlplane.errors import ApplicationError
 
-# --- verification --------------------------------------------------------------------------------
-
 
 def _answerer(node_id: int | None) -> str:
     """Who answered a request: a node's agent, or (S3) the control plane."""

@@ -9,8 +9,7 @@ from django.conf import settings
 from django.db.models import Min, QuerySet, Sum
 from django.utils import timezone
 
-from apps.accounts.models import Team
-from apps.accounts.selectors import roles_of
+from apps.accounts.selectors import roles_of, team_slugs
 from apps.costs.models import (
     DailySpend,
     JobDailySpend,
@@ -26,10 +25,7 @@ from apps.costs.selectors.prices import (
     projection_for,
     rate_now,
 )
-from apps.fleet.models import (
-    InstanceType,
-    NodePool,
-)
+from apps.fleet.selectors import instance_type_names, pool_slugs
 
 # --- a job's cost ---------------------------------------------------------------------------
 
@@ -176,13 +172,13 @@ GROUPS = {
 def _labels(group_by: str, keys) -> dict:
     keys = set(keys)
     if group_by == "team":
-        names = dict(Team.objects.filter(pk__in=keys).values_list("id", "slug"))
+        names = team_slugs(team_ids=keys)
         return {k: names.get(k, IDLE_LABEL if k == 0 else f"team {k}") for k in keys}
     if group_by == "pool":
-        names = dict(NodePool.objects.filter(pk__in=keys).values_list("id", "slug"))
+        names = pool_slugs(pool_ids=keys)
         return {k: names.get(k, f"pool {k}") for k in keys}
     if group_by == "instance_type":
-        names = dict(InstanceType.objects.filter(pk__in=keys).values_list("id", "name"))
+        names = instance_type_names(type_ids=keys)
         return {k: names.get(k, "owned (none)" if k == 0 else f"type {k}") for k in keys}
     return {k: CAPACITY_LABELS.get(k, k) for k in keys}
 

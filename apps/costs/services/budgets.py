@@ -11,8 +11,9 @@ from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from apps.accounts.models import Membership, Team, TeamRole
+from apps.accounts.models import Team
 from apps.accounts.secrets import decrypt, encrypt
+from apps.accounts.selectors import team_admin_emails
 from apps.accounts.services import (
     audit_record,
     snapshot,
@@ -30,9 +31,6 @@ from controlplane.celery import enqueue_on_commit
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
-
-
-# --- budgets -------------------------------------------------------------------------------
 
 
 def _check_webhook_url(url: str) -> None:
@@ -129,10 +127,7 @@ def budget_delete(*, budget: Budget, by) -> None:
 
 
 def _recipients(budget: Budget) -> list[str]:
-    admins = Membership.objects.filter(team_id=budget.team_id, role=TeamRole.ADMIN).exclude(
-        user__email=""
-    )
-    addresses = [m.user.email for m in admins.select_related("user")]
+    addresses = team_admin_emails(team_id=budget.team_id)
     addresses += [a.strip() for a in budget.notify_emails.split(",") if a.strip()]
     return sorted(set(addresses))
 

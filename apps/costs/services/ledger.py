@@ -35,8 +35,6 @@ from apps.fleet.models import Node
 from controlplane.bulk import insert_rows, update_rows
 from controlplane.errors import ApplicationError
 
-# --- metering ------------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class Held:

@@ -26,8 +26,6 @@ from apps.fleet.models import InstanceType, Node, PoolKind
 from apps.fleet.models.nodes import CapacityType
 from controlplane.errors import ApplicationError
 
-# --- the price book ------------------------------------------------------------------------
-
 
 def _nodes_priced_by(price) -> Q:
     """The nodes whose rate a price-book row sets."""
