@@ -45,6 +45,20 @@ class RefusedAddress(ValueError):
     pass
 
 
+def attempt(url: str, key: bytes, payload: dict) -> tuple[int | None, str]:
+    """One call: the HTTP status (None where nothing answered) and what went wrong, for the
+    outbox's record (jobs' and budget alerts' webhooks alike)."""
+    try:
+        return send(url, key, payload), ""
+    except (OSError, RefusedAddress, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"[:300]
+
+
+def answered(status: int | None) -> bool:
+    """The receiver took the call (a 2xx); anything else is tried again later."""
+    return status is not None and 200 <= status < 300
+
+
 # RFC 3986's characters of a path, query or fragment, and of the user information.
 _URI_PART = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*")
 _USERINFO = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:]|%[0-9A-Fa-f]{2})*")

@@ -203,3 +203,13 @@ def quota_limits(*, team_id: int) -> dict[str, int]:
 
 def team_forget(team_id: int) -> None:
     _teams.forget([str(team_id)])
+
+
+def team_slugs(*, team_ids) -> dict[int, str]:
+    return dict(Team.objects.filter(pk__in=team_ids).values_list("id", "slug"))
+
+
+def team_admin_emails(*, team_id: int) -> list[str]:
+    """The addresses of the team's admins who have one."""
+    admins = Membership.objects.filter(team_id=team_id, role=TeamRole.ADMIN).exclude(user__email="")
+    return [m.user.email for m in admins.select_related("user")]

@@ -9,6 +9,7 @@ from apps.fleet.models import (
     GONE_STATES,
     Gpu,
     GpuHealth,
+    InstanceType,
     Node,
     NodePool,
     NodeState,
@@ -183,3 +184,36 @@ def pools_capacity(*, cached: bool = False) -> list[PoolCapacity]:
     if cached:
         best_effort.set(CAPACITY_CACHE_KEY, out, settings.CAPACITY_CACHE_S)
     return out
+
+
+def nodes_among(*, node_ids, states) -> set[int]:
+    """Those of these nodes that are in one of `states`."""
+    ids = {i for i in node_ids if i}
+    if not ids:
+        return set()
+    return set(Node.objects.filter(pk__in=ids, state__in=states).values_list("pk", flat=True))
+
+
+def pool_node_among(*, node_id: int | None, states) -> int | None:
+    """The first node (by id) of `node_id`'s pool that is in one of `states`, or None."""
+    pool_id = Node.objects.filter(pk=node_id).values_list("pool_id", flat=True).first()
+    if pool_id is None:
+        return None
+    return (
+        Node.objects.filter(pool_id=pool_id, state__in=states)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+        .first()
+    )
+
+
+def node_name(*, node_id: int) -> str:
+    return Node.objects.values_list("name", flat=True).get(pk=node_id)
+
+
+def pool_slugs(*, pool_ids) -> dict[int, str]:
+    return dict(NodePool.objects.filter(pk__in=pool_ids).values_list("id", "slug"))
+
+
+def instance_type_names(*, type_ids) -> dict[int, str]:
+    return dict(InstanceType.objects.filter(pk__in=type_ids).values_list("id", "name"))

@@ -531,6 +531,14 @@ def job_log_tail(*, job: Job, limit: int = 200) -> list[dict]:
     ]
 
 
+def run_on_node(*, node_id: int, run_id: int) -> Run | None:
+    """The run, if it is on this node (what a node's agent may report on), with its job,
+    team and node."""
+    return (
+        Run.objects.select_related("job__team", "node").filter(pk=run_id, node_id=node_id).first()
+    )
+
+
 def job_runs(*, job: Job) -> list[Run]:
     """Every attempt's runs, newest attempt first, with their nodes."""
     return list(job.runs.select_related("node").order_by("-attempt", "node_rank"))
@@ -606,4 +614,13 @@ def job_cost(*, job: Job):
         held=held,
         candidate_pool_ids=pool_ids,
         spot_allowed=job.spot_allowed,
+    )
+
+
+def job_nodes_held(*, job_id: int) -> list[int]:
+    """The nodes the job holds now, in the order dispatch ranks them (rank 0 first)."""
+    return list(
+        Allocation.objects.filter(job_id=job_id, ended_at__isnull=True)
+        .order_by("node__rack_id", "node__name")
+        .values_list("node_id", flat=True)
     )

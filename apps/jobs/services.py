@@ -755,17 +755,13 @@ def webhook_deliveries_send(*, now: dt.datetime | None = None, limit: int = 100)
         )
     counts = {"delivered": 0, "retrying": 0, "failed": 0}
     for delivery in WebhookDelivery.objects.select_related("webhook").filter(pk__in=due):
-        status, error = None, ""
-        try:
-            status = webhooks.send(
-                delivery.webhook.url,
-                decrypt(delivery.webhook.signing_key).encode(),
-                delivery.payload,
-            )
-        except (OSError, webhooks.RefusedAddress, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"[:300]
+        status, error = webhooks.attempt(
+            delivery.webhook.url,
+            decrypt(delivery.webhook.signing_key).encode(),
+            delivery.payload,
+        )
         attempts = delivery.attempts + 1
-        if status is not None and 200 <= status < 300:
+        if webhooks.answered(status):
             changes = {"state": WebhookDelivery.State.DELIVERED, "delivered_at": timezone.now()}
             counts["delivered"] += 1
         else:
@@ -777,6 +773,6 @@ def webhook_deliveries_send(*, now: dt.datetime | None = None, limit: int = 100)
                 changes = {"next_attempt_at": retry_at}
                 counts["retrying"] += 1
         WebhookDelivery.objects.filter(pk=delivery.pk).update(
-            attempts=attempts, last_status=status, last_error=error or "", **changes
+            attempts=attempts, last_status=status, last_error=error, **changes
         )
     return counts

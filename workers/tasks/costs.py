@@ -123,11 +123,7 @@ def deliver_budget_webhooks() -> dict:
 
     counts: dict[str, int] = {}
     for call in budget_webhooks_claim():
-        status, error = None, ""
-        try:
-            status = webhooks.send(call.url, call.key, call.payload)
-        except (OSError, webhooks.RefusedAddress, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        status, error = webhooks.attempt(call.url, call.key, call.payload)
         state = budget_webhook_result(alert_id=call.alert_id, status=status, error=error)
         counts[state] = counts.get(state, 0) + 1
     return counts

@@ -4,7 +4,10 @@ only on its own runs and answers only what it was asked. The protocol is describ
 workers/agent/checkpoints.py."""
 
 from apps.checkpoints import selectors, services
+from apps.checkpoints.api.reports import checkpoint_report_parse
 from apps.fleet.api.agent import agent_endpoint
+from apps.jobs.selectors import run_on_node
+from controlplane.errors import ApplicationError
 
 
 @agent_endpoint("POST")
@@ -12,9 +15,13 @@ def events(request, identity, body):
     run_id = body.get("run")
     if isinstance(run_id, bool) or not isinstance(run_id, int) or not 0 < run_id < 2**63:
         raise services.invalid_input("run", "The run's id.")
-    return services.checkpoint_event_record(
-        node_id=identity.node_id, run_id=run_id, event=body.get("event")
-    )
+    run = run_on_node(node_id=identity.node_id, run_id=run_id)
+    if run is None:
+        raise ApplicationError("No such run on this node.", code="not_found", status=404)
+    report = checkpoint_report_parse(body.get("event"))
+    if report is None:
+        return {"ignored": True}
+    return services.checkpoint_event_record(run=run, report=report)
 
 
 @agent_endpoint("GET")

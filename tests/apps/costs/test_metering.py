@@ -22,6 +22,7 @@ from apps.costs.models import (
     UsageEntry,
 )
 from apps.costs.money import NANOS, to_nanos
+from apps.costs.services import ledger
 from apps.fleet.models import Node
 from tests.apps.costs.conftest import (
     Allocations,
@@ -423,7 +424,7 @@ def test_a_metering_run_killed_half_way_and_run_again_neither_skips_nor_counts_t
     allocations = Allocations([(n.pk, 100 + i, 1, 8, at(0), None) for i, n in enumerate(nodes)])
     meter(allocations, until=at(1), batch_size=2)
 
-    real = services._rollups_add
+    real = ledger._rollups_add
     calls = {"n": 0}
 
     def dies_in_the_second_batch(sums):
@@ -432,10 +433,10 @@ def test_a_metering_run_killed_half_way_and_run_again_neither_skips_nor_counts_t
         if calls["n"] == 2:
             raise SystemExit("worker killed")
 
-    monkeypatch.setattr(services, "_rollups_add", dies_in_the_second_batch)
+    monkeypatch.setattr(ledger, "_rollups_add", dies_in_the_second_batch)
     with pytest.raises(SystemExit):
         meter(allocations, until=at(2), batch_size=2)
-    monkeypatch.setattr(services, "_rollups_add", real)
+    monkeypatch.setattr(ledger, "_rollups_add", real)
     marks = dict(MeterMark.objects.values_list("node_id", "metered_until"))
     assert sorted(marks.values()) == [at(1), at(1), at(2), at(2)]  # one batch committed
 

@@ -8,6 +8,7 @@ import pytest
 
 from apps.accounts import services as accounts
 from apps.checkpoints import services
+from apps.checkpoints.api.reports import checkpoint_report_parse
 from apps.checkpoints.models import Checkpoint
 from apps.fleet import services as fleet
 from apps.fleet.models import Node
@@ -55,7 +56,7 @@ def test_an_ssh_nodes_agent_checks_and_deletes_its_own_checkpoints(
 
         path, digest = write_checkpoint(Path(checkpoint_dir(job)), 10, job=job)
         services.checkpoint_event_record(
-            node_id=node.pk, run_id=run.pk, event=commit_event(path, digest, 10)
+            run=run, report=checkpoint_report_parse(commit_event(path, digest, 10))
         )
         checkpoint = Checkpoint.objects.get(job=job)
         assert checkpoint.copies.get().kind == "node_local"
