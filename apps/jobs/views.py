@@ -14,6 +14,8 @@ from django.views.decorators.http import require_POST
 from apps.accounts.models import GPU_TYPES, Team
 from apps.accounts.selectors import roles_of, teams_visible_to
 from apps.jobs import selectors, services, specs
+from apps.jobs.api.serializers import JobSubmitSerializer
+from apps.jobs.api.views import submit_request
 from apps.jobs.forms import SubmitForm
 from apps.jobs.models import Placement
 from apps.jobs.models.jobs import FINISHED_STATES
@@ -163,19 +165,26 @@ def queue_csv(request):
 
 @login_required
 def submit(request):
+    """The API's submit road (its serializer, then its service) for the form's spec."""
     form = SubmitForm(request.POST or None, user=request.user)
     if request.method == "POST" and form.is_valid():
-        try:
-            job, _ = services.job_submit(
-                team=form.cleaned_data["team"], spec=form.to_spec(), submitted_by=request.user
-            )
-        except ApplicationError as exc:
-            for field, problems in (exc.details or {"__all__": [exc.message]}).items():
-                for problem in problems:
-                    form.add_error(None, f"{field}: {problem}" if field != "__all__" else problem)
+        body = JobSubmitSerializer(data=form.to_spec())
+        if not body.is_valid():
+            form.add_spec_errors(body.errors)
         else:
-            messages.success(request, f"Job {job.pk} submitted.")
-            return redirect("jobs:detail", job_id=job.pk)
+            try:
+                job, _ = submit_request(
+                    user=request.user, spec=dict(body.validated_data), idempotency_key=""
+                )
+            except ApplicationError as exc:
+                for field, problems in (exc.details or {"__all__": [exc.message]}).items():
+                    for problem in problems:
+                        form.add_error(
+                            None, f"{field}: {problem}" if field != "__all__" else problem
+                        )
+            else:
+                messages.success(request, f"Job {job.pk} submitted.")
+                return redirect("jobs:detail", job_id=job.pk)
     layouts, problem = _layouts_for(request.POST or request.GET)
     return render(
         request,

@@ -314,6 +314,32 @@ def test_a_bad_layout_shows_the_error_and_makes_no_job(client, fleet_pool, quota
     assert not Job.objects.exists()
 
 
+def field_errors(html: str, name: str) -> list[str]:
+    """The errors shown beside one field of the Submit form."""
+    start = html.index(f'name="{name}"')
+    end = html.find('<div class="field', start)
+    return re.findall(r'<span class="field-error">([^<]*)</span>', html[start:end])
+
+
+def test_the_forms_spec_is_checked_by_the_apis_serializer_its_errors_on_the_fields(
+    client, fleet_pool, quota, team, researcher
+):
+    response = logged_in(client, researcher).post(
+        "/jobs/submit/",
+        form_data(team, gpus=128, gpus_per_node=65, time_limit_hours="0.001", steps=-1),
+    )
+
+    assert response.status_code == 400  # the layouts part says the counts are refused too
+    html = response.content.decode()
+    assert field_errors(html, "gpus_per_node") == ["Ensure this value is less than or equal to 64."]
+    assert field_errors(html, "time_limit_hours") == [
+        "Ensure this value is greater than or equal to 60."
+    ]
+    assert field_errors(html, "steps") == ["Ensure this value is greater than or equal to 1."]
+    assert 'class="form-errors"' not in html
+    assert not Job.objects.exists()
+
+
 def test_a_viewer_gets_no_team_to_submit_for(client, fleet_pool, quota, team, viewer):
     html = logged_in(client, viewer).get("/jobs/submit/").content.decode()
 
