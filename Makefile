@@ -80,9 +80,8 @@ format: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python -m bench.fleet
 
-# Job submissions through the API under gunicorn, loaded by Debian's wrk (PostgreSQL).
+# Job submissions through the API under gunicorn (PostgreSQL): open loop, then closed loop.
 bench-api: $(VENV)/.installed
-	@command -v wrk >/dev/null || ( apt-get update -qq && apt-get install -y -qq wrk >/dev/null )
 	$(BIN)/python -m bench.api
 
 # 10 million ledger rows loaded with COPY, then the finance queries timed (bench/costs.py);
