@@ -80,9 +80,8 @@ format: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python -m bench.fleet
 
-# Job submissions through the API under gunicorn, loaded by Debian's wrk (PostgreSQL).
+# Job submissions through the API under gunicorn (PostgreSQL): open loop, then closed loop.
 bench-api: $(VENV)/.installed
-	@command -v wrk >/dev/null || ( apt-get update -qq && apt-get install -y -qq wrk >/dev/null )
 	$(BIN)/python -m bench.api
 
 # 10 million ledger rows loaded with COPY, then the finance queries timed (bench/costs.py);
@@ -90,7 +89,7 @@ bench-api: $(VENV)/.installed
 bench-costs: $(VENV)/.installed
 	$(BIN)/python -m bench.costs
 
-# 10,000 node agents heartbeating every 10 s under gunicorn (open loop, issue 5);
+# 10,000 node agents heartbeating every 10 s under gunicorn (open loop);
 # needs DATABASE_URL (PostgreSQL) and REDIS_URL. BENCH_SECONDS shortens it.
 bench-heartbeats: $(VENV)/.installed
 	@command -v wrk >/dev/null || ( apt-get update -qq && apt-get install -y -qq wrk >/dev/null )
@@ -109,7 +108,7 @@ bench-trainer:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m bench.trainer $(BENCH_ARGS); \
 	else $(MAKE) --no-print-directory install && $(BIN)/python -m bench.trainer $(BENCH_ARGS); fi
 
-# The trainer's scaling over every GPU of one host, per layout (issue 9); on the CPU, the same
+# The trainer's scaling over every GPU of one host, per layout; on the CPU, the same
 # layouts with gloo and 8 processes on the small preset (a check, not a figure).
 bench-scaling:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m bench.trainer --scaling $(BENCH_ARGS); \

@@ -1,59 +1,61 @@
-"""Sustained job submissions through the REST API, as CI pipelines make them.
+"""The submit road as CI pipelines use it: POST /api/v1/jobs/ through gunicorn.
 
-gunicorn serves the control plane on 127.0.0.1 against a scratch PostgreSQL
-database (DATABASE_URL's server, database `controlplane_bench`, dropped after);
-Debian's `wrk` posts job specs with a service account's bearer token for
-BENCH_SECONDS (20) over BENCH_CONNECTIONS (16) connections. There is no throughput
-goal: CI pipelines submit a few jobs a minute, and more web processes behind a load
-balancer serve more.
+gunicorn serves the control plane on 127.0.0.1 against a scratch PostgreSQL database
+(DATABASE_URL's server; its database if the name ends in `bench`, else
+`controlplane_bench`; dropped after), and a service account's bearer token posts job
+specs from threads of this process:
 
-Set REDIS_URL too to measure the production set-up (Redis as the cache), and
-BENCH_GUNICORN_ARGS to try other gunicorn settings (e.g. `--worker-class gthread
---threads 1`). The same run measures the server's floor, a 404 that runs no view and
-no query, so figures from a noisy machine can be read as a ratio.
+- open loop: one web process, BENCH_RATE (100) submissions a second on a fixed schedule
+  for BENCH_SECONDS (30); latency counts from each one's scheduled time, so a slow answer
+  delays none after it, and the jobs in the database are counted (lost = sent - made);
+- closed loop: 1, 2 and 4 web processes (BENCH_PROCESSES), each with as many clients as
+  twice its processes posting back to back for BENCH_CLOSED_SECONDS (10): how throughput
+  grows with processes.
 
-The line before the last says how many ms of CPU each submit cost gunicorn, PostgreSQL,
-Redis and wrk (from /proc during the submits).
+Set REDIS_URL too to measure the production set-up (Redis as the cache).
 
-Last line: `api: submits_per_s=<n> p99_ms=<n> floor_404_per_s=<n> ratio=<x> cpu_ms=<x>`.
+Last line: `api: open_loop_per_s=<n> p99_ms=<x> lost=<n> closed_loop_per_s=<x>
+processes=<n>` (the closed loop's figures for the most processes; the line before has
+each count's).
 """
 
+import contextlib
+import http.client
 import json
 import os
 import platform
-import re
-import resource
-import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
-from bench import cpu, interpreter_ms
+from bench import interpreter_ms
 
 ROOT = Path(__file__).resolve().parents[1]
-SECONDS = int(os.environ.get("BENCH_SECONDS", "20"))
-CONNECTIONS = int(os.environ.get("BENCH_CONNECTIONS", "16"))
-WORKERS = int(os.environ.get("BENCH_WORKERS", str(2 * (os.cpu_count() or 1))))
+RATE = int(os.environ.get("BENCH_RATE", "100"))
+SECONDS = int(os.environ.get("BENCH_SECONDS", "30"))
+CLOSED_SECONDS = int(os.environ.get("BENCH_CLOSED_SECONDS", "10"))
+PROCESSES = [int(n) for n in os.environ.get("BENCH_PROCESSES", "1,2,4").split(",")]
 PORT = int(os.environ.get("BENCH_PORT", "8147"))
-
-LUA = """
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer %(token)s"
-wrk.body = [[%(body)s]]
-"""
+PATH = "/api/v1/jobs/"
 
 
 def bench_database_url() -> str:
     base = os.environ.get("DATABASE_URL", "")
     if not base.startswith(("postgres://", "postgresql://")):
         sys.exit("bench.api measures on PostgreSQL: set DATABASE_URL (postgres://...)")
-    return urlunparse(urlparse(base)._replace(path="/controlplane_bench"))
+    parsed = urlparse(base)
+    name = parsed.path.strip("/")
+    return urlunparse(
+        parsed._replace(path="/" + (name if name.endswith("bench") else "controlplane_bench"))
+    )
 
 
 def run(args, env, **kwargs):
@@ -61,9 +63,8 @@ def run(args, env, **kwargs):
 
 
 def main() -> None:
-    if not shutil.which("wrk"):
-        sys.exit("bench.api needs wrk: apt-get install wrk")
     url = bench_database_url()
+    name = urlparse(url).path.strip("/")
     speed = interpreter_ms()
     var = Path(tempfile.mkdtemp(prefix="controlplane-bench-"))
     env = {
@@ -76,10 +77,9 @@ def main() -> None:
         "CONTROLPLANE_VAR_DIR": str(var),
         "DJANGO_SETTINGS_MODULE": "controlplane.settings",
     }
-    parsed = urlparse(url)
-    admin = urlunparse(parsed._replace(path="/postgres"))
+    admin = urlunparse(urlparse(url)._replace(path="/postgres"))
     python = sys.executable
-    run([python, "-c", _DROP_CREATE, admin], env)
+    run([python, "-c", _DROP_CREATE, admin, name], env)
     try:
         run([python, "manage.py", "migrate", "-v0"], env)
         run([python, "manage.py", "createcachetable"], env)
@@ -95,98 +95,118 @@ def main() -> None:
                 "resources": {"gpu_type": "H100", "gpus": 8},
                 "placement": {"where": "owned"},
             }
-        )
-        script = var / "submit.lua"
-        script.write_text(LUA % {"token": token, "body": body})
-        server = subprocess.Popen(
+        ).encode()
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+
+        def jobs() -> int:
+            return int(run([python, "-c", _COUNT], env, capture_output=True, text=True).stdout)
+
+        with _server(env, processes=1):
+            before = jobs()
+            latencies, refused = _open_loop(body, headers)
+            lost = RATE * SECONDS - (jobs() - before)
+        closed = {}
+        for processes in PROCESSES:
+            with _server(env, processes=processes):
+                closed[processes] = _closed_loop(body, headers, clients=2 * processes)
+    finally:
+        run([python, "-c", _DROP, admin, name], env)
+    p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) > 1 else float("nan")
+    print(
+        f"python {platform.python_version()}, {os.cpu_count()} CPUs (sum(range(10**6)) in "
+        f"{speed:.1f} ms); open loop {RATE}/s for {SECONDS} s on 1 web process: "
+        f"p50 {statistics.median(latencies):.1f} ms, p99 {p99:.1f} ms, non-2xx {refused}; cache: "
+        f"{'Redis' if os.environ.get('REDIS_URL') else 'database'}"
+    )
+    print(
+        "closed loop, submits per second by web processes: "
+        + ", ".join(f"{n}: {rate:.0f}" for n, rate in closed.items())
+    )
+    most = max(closed)
+    print(
+        f"api: open_loop_per_s={RATE} p99_ms={p99:.1f} lost={lost} "
+        f"closed_loop_per_s={closed[most]:.0f} processes={most}"
+    )
+
+
+class _server:
+    """gunicorn with this many sync worker processes, for the length of a with block."""
+
+    def __init__(self, env, *, processes: int):
+        self.env, self.processes = env, processes
+
+    def __enter__(self):
+        gunicorn = str(Path(sys.executable).with_name("gunicorn"))
+        self.process = subprocess.Popen(
             [
-                str(Path(python).with_name("gunicorn")),
+                gunicorn,
                 "controlplane.wsgi:application",
                 "--bind",
                 f"127.0.0.1:{PORT}",
                 "--workers",
-                str(WORKERS),
+                str(self.processes),
                 "--log-level",
                 "warning",
-                *os.environ.get("BENCH_GUNICORN_ARGS", "").split(),
             ],
-            env=env,
+            env=self.env,
             cwd=ROOT,
         )
-        try:
-            _wait_for(f"http://127.0.0.1:{PORT}/healthz")
-            # The floor: what this server answers per second when no view runs (a 404),
-            # measured in the same run, since the machine is shared and noisy.
-            floor = _wrk(f"http://127.0.0.1:{PORT}/no-such-page", seconds=max(3, SECONDS // 4))
-            # Where the submits' CPU goes: the server, PostgreSQL, Redis and wrk itself.
-            before, wrk_before = _serving_cpu_s(server.pid), _children_cpu_s()
-            result = _wrk(f"http://127.0.0.1:{PORT}/api/v1/jobs/", script=script)
-            after = _serving_cpu_s(server.pid)
-            used = {name: seconds - before[name] for name, seconds in after.items()}
-            used["wrk"] = _children_cpu_s() - wrk_before
-        finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(timeout=30)
-        print(result)
-        made = int(run([python, "-c", _COUNT], env, capture_output=True, text=True).stdout)
+        _wait_for(f"http://127.0.0.1:{PORT}/healthz")
+        return self
+
+    def __exit__(self, *exc):
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=30)
+
+
+def _post(body: bytes, headers: dict) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", PORT, timeout=30)
+    try:
+        connection.request("POST", PATH, body=body, headers=headers)
+        response = connection.getresponse()
+        response.read()
+        return response.status
     finally:
-        run([python, "-c", _DROP, admin], env)
-        shutil.rmtree(var, ignore_errors=True)
-    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", result).group(1))
-    floor_rate = float(re.search(r"Requests/sec:\s+([\d.]+)", floor).group(1))
-    p99 = _ms(re.search(r"99%\s+([\d.]+\w+)", result).group(1))
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", result)
-    answered = int(re.search(r"(\d+) requests in", result).group(1))
-    per_submit = {name: 1000 * seconds / max(1, answered) for name, seconds in used.items()}
-    cpu_ms = sum(per_submit.values())
-    print(
-        f"python {platform.python_version()}, {os.cpu_count()} CPUs (sum(range(10**6)) in "
-        f"{speed:.1f} ms), gunicorn {WORKERS} "
-        f"workers, {CONNECTIONS} connections, {SECONDS} s; jobs made: {made}; "
-        f"non-2xx: {errors.group(1) if errors else 0}; cache: "
-        f"{'Redis' if os.environ.get('REDIS_URL') else 'database'}; a 404 (no view, no "
-        f"query) answers {floor_rate:.0f}/s on the same server"
-    )
-    print(
-        "CPU per submit: "
-        + ", ".join(f"{name} {ms:.2f} ms" for name, ms in per_submit.items())
-        + f"; {cpu_ms:.2f} ms in all"
-    )
-    print(
-        f"api: submits_per_s={rate:.0f} p99_ms={p99:.1f} "
-        f"floor_404_per_s={floor_rate:.0f} ratio={rate / floor_rate:.2f} cpu_ms={cpu_ms:.2f}"
-    )
+        connection.close()
 
 
-def _wrk(url: str, *, script: Path | None = None, seconds: int = SECONDS) -> str:
-    args = ["wrk", "--latency", "-t", "2", "-c", str(CONNECTIONS), "-d", f"{seconds}s"]
-    if script is not None:
-        args += ["-s", str(script)]
-    return subprocess.run([*args, url], capture_output=True, text=True, check=True).stdout
+def _open_loop(body: bytes, headers: dict) -> tuple[list[float], int]:
+    """Each submission sent at its scheduled time; its latency counted from that time."""
+    start = time.monotonic() + 0.5
+    latencies, refused = [], 0
+    lock = threading.Lock()
+
+    def send(i: int) -> None:
+        nonlocal refused
+        due = start + i / RATE
+        time.sleep(max(0.0, due - time.monotonic()))
+        try:
+            ok = 200 <= _post(body, headers) < 300
+        except OSError:
+            ok = False
+        with lock:
+            latencies.append(1000 * (time.monotonic() - due))
+            refused += not ok
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        list(pool.map(send, range(RATE * SECONDS)))
+    return latencies, refused
 
 
-def _serving_cpu_s(server_pid: int) -> dict[str, float]:
-    """CPU seconds used so far by what serves a submit: gunicorn's master and workers,
-    every PostgreSQL process (its backends, those that have exited through the
-    postmaster, and the WAL writer the commits wait on), and Redis when it is the cache."""
-    groups = {
-        "gunicorn": [server_pid, *cpu.children(server_pid)],
-        "PostgreSQL": cpu.named("postgres"),
-    }
-    if os.environ.get("REDIS_URL"):
-        groups["Redis"] = [cpu.redis_pid(os.environ["REDIS_URL"])]
-    return {name: sum(cpu.process_cpu_s(pids)) for name, pids in groups.items()}
+def _closed_loop(body: bytes, headers: dict, *, clients: int) -> float:
+    """Submissions per second from clients that each post again as soon as answered."""
+    end = time.monotonic() + CLOSED_SECONDS
+    counts = [0] * clients
 
+    def client(n: int) -> None:
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError):  # a refused connection counts as no submit
+                counts[n] += 200 <= _post(body, headers) < 300
 
-def _children_cpu_s() -> float:
-    """CPU seconds of this process's children that have exited and been waited for (wrk)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _ms(text: str) -> float:
-    value, unit = re.match(r"([\d.]+)(\w+)", text).groups()
-    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        list(pool.map(client, range(clients)))
+    return sum(counts) / (time.monotonic() - started)
 
 
 def _wait_for(url: str, timeout_s: float = 60) -> None:
@@ -203,13 +223,13 @@ def _wait_for(url: str, timeout_s: float = 60) -> None:
 _DROP_CREATE = """
 import sys, psycopg
 with psycopg.connect(sys.argv[1], autocommit=True) as c:
-    c.execute("DROP DATABASE IF EXISTS controlplane_bench")
-    c.execute("CREATE DATABASE controlplane_bench")
+    c.execute(f'DROP DATABASE IF EXISTS "{sys.argv[2]}"')
+    c.execute(f'CREATE DATABASE "{sys.argv[2]}"')
 """
 _DROP = """
 import sys, psycopg
 with psycopg.connect(sys.argv[1], autocommit=True) as c:
-    c.execute("DROP DATABASE IF EXISTS controlplane_bench WITH (FORCE)")
+    c.execute(f'DROP DATABASE IF EXISTS "{sys.argv[2]}" WITH (FORCE)')
 """
 _SEED = """
 import django; django.setup()

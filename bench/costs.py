@@ -10,7 +10,7 @@ once), then times:
     csv_rows_per_s     the ledger CSV of one week streamed through the page's view
     meter_ms           one metering run over the 10,000 nodes for 5 minutes (the incremental path)
 
-Goals (issue 8): month_by_team_ms ≤ 200, csv_rows_per_s ≥ 100,000.
+Goals: month_by_team_ms ≤ 200, csv_rows_per_s ≥ 100,000.
 Last line: `costs: rows=<n> month_by_team_ms=<n> csv_rows_per_s=<n>`.
 """
 

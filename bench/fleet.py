@@ -1,6 +1,6 @@
 """Fleet benchmarks: the heartbeat sweep at the design size, and what a token costs a request.
 
-Goals (ARCHITECTURE.md, "Scale to design for"): 10,000 nodes swept in one pass of
+Goals (the scale the fleet is designed for): 10,000 nodes swept in one pass of
 bulk queries, well inside the sweep interval; token authentication a small
 fraction of a slow password hash (the reason tokens are SHA-256, not PBKDF2).
 

@@ -1,4 +1,4 @@
-"""Heartbeats from 10,000 node agents against the real web server (issue 5, "Speed").
+"""Heartbeats from 10,000 node agents against the real web server.
 
 Set-up: a scratch PostgreSQL database on DATABASE_URL's server
 (`controlplane_bench_heartbeats`, dropped after); Redis database BENCH_REDIS_DB (14)

@@ -4,7 +4,7 @@
 (1 to 512 GPUs, every priority class, quotas set). Times the first pass over the
 empty fleet (placements_per_s = jobs placed ÷ that pass's time, read and write
 included), then ten steady passes (BENCH_PASSES) with 1% of the running jobs
-finishing between passes (pass_ms = their median). Goal (issue 3): pass_ms ≤ 1000 and
+finishing between passes (pass_ms = their median). Goal: pass_ms ≤ 1000 and
 placements_per_s ≥ 5000. Run with DATABASE_URL set to measure on PostgreSQL.
 
 The passes run as in a Celery worker that is up (worker_warm_up): the cache and

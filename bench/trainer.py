@@ -1,4 +1,4 @@
-"""The bundled trainer against the baseline a user would pick, on one GPU (issue 6, "Speed").
+"""The bundled trainer against the baseline a user would pick, on one GPU.
 
 Both train the `1b` preset's shape (hidden 2048, 22 layers, 32 heads sharing 4
 KV heads, FFN 5632, vocabulary 32,000) on sequences of 2048 with the same batch,
@@ -21,7 +21,7 @@ reports the fastest:
     trainer: tokens_per_s=<n> baseline_tokens_per_s=<n> ratio=<x> mfu=<x>
              peak_mem_gib=<n> layout=<...>     (on one line)
 
-`--scaling` (issue 9) trains each of --presets (default `1b,8b`) on every GPU of
+`--scaling` trains each of --presets (default `1b,8b`) on every GPU of
 the host under torchrun, once per layout: FSDP over all of them, HSDP (2
 replicas), FSDP × TP (TP 2 and 4) and PP 2 × FSDP, with --batch sequences per
 GPU per step (the global batch grows with the GPUs), and on one GPU alone as

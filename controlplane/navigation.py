@@ -1,5 +1,6 @@
-"""The main navigation; a section whose app has not landed yet is shown as not available, and
-one the user may not enter (Django's admin, for users who are not staff) is not shown."""
+"""The main navigation; a section whose page does not resolve (its app not installed) is
+shown as not available, and one the user may not enter (Django's admin, for users who are
+not staff) is not shown."""
 
 from django.urls import NoReverseMatch, reverse
 

@@ -1,4 +1,4 @@
-"""The arrows of ARCHITECTURE.md: which packages may import which."""
+"""The arrows of the README's "Design": which packages may import which."""
 
 import ast
 import sys

@@ -38,7 +38,7 @@ from controlplane.errors import ApplicationError
 S = NodeState
 log = logging.getLogger(__name__)
 
-# Which moves the node state machine allows (ARCHITECTURE.md, "State machines").
+# Which moves the node state machine allows (README, "Design": the state machines).
 NODE_TRANSITIONS: dict[str, set[str]] = {
     S.REQUESTED: {S.PROVISIONING, S.FAILED, S.TERMINATING},
     S.PROVISIONING: {S.AWAITING_HOST_KEY, S.BOOTSTRAPPING, S.FAILED, S.TERMINATING},

@@ -1,7 +1,7 @@
 """Parts of a job's detail that apps above jobs provide, without jobs importing them.
 
 An app registers a provider when it is ready (AppConfig.ready), and the API's jobs/{id}/
-asks it for its part: checkpoints sit above jobs (ARCHITECTURE.md), so this is how a
+asks it for its part: checkpoints sit above jobs (README, "Design"), so this is how a
 job's detail shows its checkpoints. A part nobody provides is null.
 """
 

@@ -8,7 +8,10 @@ from controlplane.filters import ChoicesFilter, IdFilter, InstantFilter
 
 
 class JobFilterSet(filters.FilterSet):
+    """The API's job list, the Queue and the History (the pages filter by team slug)."""
+
     team_id = IdFilter(field_name="team_id")
+    team = filters.CharFilter(field_name="team__slug")
     state = ChoicesFilter(choices=JobState.choices, method="_in_states")
     user = filters.CharFilter(field_name="submitted_by__username")
     since = InstantFilter(field_name="submitted_at", lookup_expr="gte")

@@ -1,44 +1,72 @@
-"""The Submit page's form: a person's view of the job spec, turned into the API's spec."""
+"""The Submit page's form: a person's view of the job spec, turned into the API's spec.
+
+The form reads types only; the spec it makes goes through the API's submit serializer
+and service, whose errors land back on the form's fields (errors_from_spec)."""
 
 from django import forms
 
 from apps.accounts.models import GPU_TYPES, Team
 from apps.accounts.selectors import roles_of
 from apps.jobs.models import Placement, PriorityClass
-from apps.jobs.specs import MAX_GPUS_PER_NODE
 from workers.trainer.presets import PRESETS
 
 GPU_COUNTS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
+# Where an error on a spec field (its path in the API's spec) is shown on the form.
+SPEC_FIELDS = {
+    "name": "name",
+    "team": "team",
+    "priority": "priority",
+    "time_limit_s": "time_limit_hours",
+    "resources.gpu_type": "gpu_type",
+    "resources.gpus": "gpus",
+    "resources.nodes": "gpus",
+    "resources.gpus_per_node": "gpus_per_node",
+    "resources.layout": "layout",
+    "placement.where": "placement",
+    "placement.spot": "spot",
+    "trainer.preset": "preset",
+    "trainer.dataset": "dataset",
+    "trainer.steps": "steps",
+    "trainer.global_batch": "global_batch",
+    "trainer.seq_len": "seq_len",
+    "command.argv": "argv",
+    "command.path": "code_path",
+}
+
 
 class SubmitForm(forms.Form):
-    name = forms.CharField(max_length=100)
+    name = forms.CharField()
     team = forms.ModelChoiceField(queryset=Team.objects.none())
     kind = forms.ChoiceField(
         choices=[("trainer", "Bundled trainer"), ("command", "Custom command")],
         initial="trainer",
     )
-    preset = forms.ChoiceField(choices=[(p, p) for p in PRESETS], initial="tiny", required=False)
-    gpu_type = forms.ChoiceField(choices=GPU_TYPES, initial="H100")
-    gpus = forms.TypedChoiceField(choices=[(n, n) for n in GPU_COUNTS], coerce=int, initial=8)
-    gpus_per_node = forms.IntegerField(min_value=1, max_value=MAX_GPUS_PER_NODE, initial=8)
-    layout = forms.CharField(
-        max_length=40, required=False, help_text="dp_replicate × dp_shard × tp × pp"
+    preset = forms.CharField(
+        widget=forms.Select(choices=[(p, p) for p in PRESETS]), initial="tiny", required=False
     )
-    priority = forms.ChoiceField(choices=PriorityClass.choices, initial=PriorityClass.NORMAL)
-    placement = forms.ChoiceField(choices=Placement.choices, initial=Placement.OWNED_THEN_CLOUD)
+    gpu_type = forms.CharField(widget=forms.Select(choices=GPU_TYPES), initial="H100")
+    gpus = forms.IntegerField(widget=forms.Select(choices=[(n, n) for n in GPU_COUNTS]), initial=8)
+    gpus_per_node = forms.IntegerField(initial=8)
+    layout = forms.CharField(required=False, help_text="dp_replicate × dp_shard × tp × pp")
+    priority = forms.CharField(
+        widget=forms.Select(choices=PriorityClass.choices), initial=PriorityClass.NORMAL
+    )
+    placement = forms.CharField(
+        widget=forms.Select(choices=Placement.choices), initial=Placement.OWNED_THEN_CLOUD
+    )
     spot = forms.BooleanField(required=False, label="Spot allowed")
-    time_limit_hours = forms.DecimalField(min_value=0.1, max_value=720, initial=4)
-    dataset = forms.CharField(max_length=1024, initial="synthetic", required=False)
-    steps = forms.IntegerField(min_value=1, max_value=10_000_000, initial=1000, required=False)
-    global_batch = forms.IntegerField(min_value=1, max_value=1_000_000, initial=64, required=False)
-    seq_len = forms.IntegerField(min_value=1, max_value=1_048_576, initial=512, required=False)
+    time_limit_hours = forms.DecimalField(max_digits=12, initial=4)
+    dataset = forms.CharField(initial="synthetic", required=False)
+    steps = forms.IntegerField(initial=1000, required=False)
+    global_batch = forms.IntegerField(initial=64, required=False)
+    seq_len = forms.IntegerField(initial=512, required=False)
     argv = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 3}),
         required=False,
         help_text="One argument per line (no shell).",
     )
-    code_path = forms.CharField(max_length=1024, required=False, label="Code path")
+    code_path = forms.CharField(required=False, label="Code path")
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
@@ -59,19 +87,15 @@ class SubmitForm(forms.Form):
             )
         return value
 
-    def nodes_and_per_node(self) -> tuple[int, int]:
-        gpus = self.cleaned_data["gpus"]
-        per_node = min(self.cleaned_data["gpus_per_node"], gpus)
-        return max(gpus // per_node, 1), per_node
-
     def to_spec(self) -> dict:
-        """The same spec the API takes, so both go through one set of rules."""
+        """The body the API takes, so both go through one set of rules."""
         data = self.cleaned_data
-        nodes, per_node = self.nodes_and_per_node()
+        gpus = data["gpus"]
+        per_node = min(data["gpus_per_node"], gpus)
         resources = {
             "gpu_type": data["gpu_type"],
-            "gpus": data["gpus"],
-            "nodes": nodes,
+            "gpus": gpus,
+            "nodes": max(gpus // per_node, 1) if per_node > 0 else 1,
             "gpus_per_node": per_node,
         }
         if data.get("layout"):
@@ -79,6 +103,7 @@ class SubmitForm(forms.Form):
             resources["layout"] = {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "pp": pp}
         spec = {
             "name": data["name"],
+            "team": data["team"].pk,
             "priority": data["priority"],
             "time_limit_s": int(data["time_limit_hours"] * 3600),
             "resources": resources,
@@ -96,3 +121,29 @@ class SubmitForm(forms.Form):
             argv = [line.strip() for line in (data.get("argv") or "").splitlines() if line.strip()]
             spec["command"] = {"argv": argv, "path": data.get("code_path") or ""}
         return spec
+
+    def add_spec_errors(self, errors: dict, path: str = "") -> None:
+        """The submit serializer's errors (nested by the spec's shape) on the fields that
+        made them; one with no such field at the top, named by its path."""
+        for key, problems in errors.items():
+            # DRF files an error on a whole part under "non_field_errors": the part's own.
+            where = path if key == "non_field_errors" else ".".join(filter(None, [path, key]))
+            if isinstance(problems, dict):
+                self.add_spec_errors(problems, where)
+                continue
+            if isinstance(problems, list) and problems and isinstance(problems[0], dict):
+                for index, item in enumerate(problems):
+                    self.add_spec_errors(item, f"{where}.{index}")
+                continue
+            field = _form_field(where)
+            for problem in problems if isinstance(problems, list) else [problems]:
+                self.add_error(field, problem if field or not where else f"{where}: {problem}")
+
+
+def _form_field(path: str) -> str | None:
+    """The form field an error at this spec path belongs on: the path's, or its parent's."""
+    while path:
+        if path in SPEC_FIELDS:
+            return SPEC_FIELDS[path]
+        path = path.rpartition(".")[0]
+    return None

@@ -64,13 +64,10 @@ QUEUE_COLUMNS = (
 )
 
 
-def _active(*, state: str = "", team: str = "") -> QuerySet[Job]:
-    jobs = Job.objects.live().filter(state__in=ACTIVE_STATES)
-    if state:
-        jobs = jobs.filter(state=state)
-    if team:
-        jobs = jobs.filter(team__slug=team)
-    return jobs.order_by("queued_at", "id")
+def _active(jobs: QuerySet[Job] | None) -> QuerySet[Job]:
+    """The active ones of these jobs (of every job if none are given), in queue order."""
+    jobs = Job.objects.all() if jobs is None else jobs
+    return jobs.live().filter(state__in=ACTIVE_STATES).order_by("queued_at", "id")
 
 
 def _queue_order() -> dict[int, int]:
@@ -132,22 +129,22 @@ def _in_queue_order(ids, position: dict[int, int]) -> list[int]:
     return sorted(ids, key=lambda i: (position.get(i) is None, position.get(i, 0)))
 
 
-def queue_for(*, user, state: str = "", team: str = "") -> list[dict]:
+def queue_for(*, user, jobs: QuerySet[Job] | None = None) -> list[dict]:
     """Every active job, in queue order; other teams' jobs as anonymous rows.
 
     An anonymous row says only team, GPUs, state, priority and estimated start:
     no name, spec, logs or cost.
     """
     position = _queue_order()
-    rows = _queue_rows(_active(state=state, team=team), user=user, position=position)
+    rows = _queue_rows(_active(jobs), user=user, position=position)
     return [rows[job_id] for job_id in _in_queue_order(rows, position)]
 
 
-def queue_ids(*, state: str = "", team: str = "") -> tuple[list[int], dict[int, int]]:
+def queue_ids(*, jobs: QuerySet[Job] | None = None) -> tuple[list[int], dict[int, int]]:
     """Every active job's id in queue order, and the pending jobs' places: the pages' order,
     read without reading the rows (a queue at design size is 50,000 jobs)."""
     position = _queue_order()
-    ids = _active(state=state, team=team).values_list("id", flat=True)
+    ids = _active(jobs).values_list("id", flat=True)
     return _in_queue_order(ids, position), position
 
 
@@ -157,10 +154,10 @@ def queue_rows(ids: list[int], *, user, position: dict[int, int]) -> list[dict]:
     return [rows[job_id] for job_id in ids if job_id in rows]
 
 
-def queue_page(*, user, state: str = "", team: str = "", page, per_page: int) -> Page:
+def queue_page(*, user, jobs: QuerySet[Job] | None = None, page, per_page: int) -> Page:
     """One page of queue_for's rows: every active job's id is ordered, only the page's
     rows are read whole."""
-    ids, position = queue_ids(state=state, team=team)
+    ids, position = queue_ids(jobs=jobs)
     shown = Paginator(ids, per_page).get_page(page)
     shown.object_list = queue_rows(shown.object_list, user=user, position=position)
     return shown
@@ -194,15 +191,14 @@ HISTORY_COLUMNS = (
 )
 
 
-def job_history(*, user, state: str = "", team: str = "") -> QuerySet:
-    """The finished jobs (succeeded, failed, cancelled) of the user's teams as rows, the
-    latest to finish first: what `sacct` shows a Slurm user."""
-    jobs = jobs_visible_to(user=user).filter(state__in=FINISHED_STATES)
-    if state:
-        jobs = jobs.filter(state=state)
-    if team:
-        jobs = jobs.filter(team__slug=team)
-    return jobs.order_by(F("finished_at").desc(nulls_last=True), "-id").values(*HISTORY_COLUMNS)
+def job_history(*, jobs: QuerySet[Job]) -> QuerySet:
+    """The finished ones (succeeded, failed, cancelled) of these jobs (jobs_visible_to a
+    user, filtered) as rows, the latest to finish first: what `sacct` shows a Slurm user."""
+    return (
+        jobs.filter(state__in=FINISHED_STATES)
+        .order_by(F("finished_at").desc(nulls_last=True), "-id")
+        .values(*HISTORY_COLUMNS)
+    )
 
 
 def history_row(row: dict) -> dict:

@@ -7,6 +7,7 @@ from decimal import Decimal
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
+from django.db.models import QuerySet
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
@@ -14,8 +15,11 @@ from django.views.decorators.http import require_POST
 from apps.accounts.models import GPU_TYPES, Team
 from apps.accounts.selectors import roles_of, teams_visible_to
 from apps.jobs import selectors, services, specs
+from apps.jobs.api.serializers import JobSubmitSerializer
+from apps.jobs.api.views import submit_request
+from apps.jobs.filtersets import JobFilterSet
 from apps.jobs.forms import SubmitForm
-from apps.jobs.models import Placement
+from apps.jobs.models import Job, Placement
 from apps.jobs.models.jobs import FINISHED_STATES
 from controlplane import charts
 from controlplane.errors import ApplicationError
@@ -39,7 +43,15 @@ QUEUE_COLUMNS = [
 
 
 def _filters(request) -> dict[str, str]:
+    """The filters' chosen values, for the page to show them."""
     return {"state": request.GET.get("state", ""), "team": request.GET.get("team", "")}
+
+
+def _filtered(request, jobs: QuerySet[Job]) -> QuerySet[Job]:
+    """These jobs through JobFilterSet with the page's filters; a value it refuses (a state
+    there is none of) matches nothing."""
+    chosen = JobFilterSet(request.GET, queryset=jobs)
+    return chosen.qs if chosen.is_valid() else jobs.none()
 
 
 @login_required
@@ -47,7 +59,10 @@ def queue(request):
     filters = _filters(request)
     # A page at a time: a queue of 50,000 jobs is not one page (the CSV has every row).
     page = selectors.queue_page(
-        user=request.user, **filters, page=request.GET.get("page"), per_page=QUEUE_PAGE_SIZE
+        user=request.user,
+        jobs=_filtered(request, Job.objects.all()),
+        page=request.GET.get("page"),
+        per_page=QUEUE_PAGE_SIZE,
     )
     rows = page.object_list
     team_ids = dict(
@@ -93,18 +108,17 @@ HISTORY_COLUMNS = [
 ]
 
 
-def _history_filters(request) -> dict[str, str]:
-    """The History's filters; a state that is not a finished one matches nothing."""
-    state = request.GET.get("state", "")
-    if state and state not in FINISHED_STATES:
-        state = "none"  # no job is in that state and in the history
-    return {"state": state, "team": request.GET.get("team", "")}
+def _history(request) -> QuerySet:
+    """The History's rows: the user's finished jobs, through the page's filters."""
+    return selectors.job_history(
+        jobs=_filtered(request, selectors.jobs_visible_to(user=request.user))
+    )
 
 
 @login_required
 def history(request):
-    filters = _history_filters(request)
-    page = Paginator(selectors.job_history(user=request.user, **filters), HISTORY_PAGE_SIZE)
+    filters = _filters(request)
+    page = Paginator(_history(request), HISTORY_PAGE_SIZE)
     page = page.get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
@@ -126,10 +140,7 @@ def history(request):
 
 @login_required
 def history_csv(request):
-    rows = (
-        selectors.history_row(row)
-        for row in selectors.job_history(user=request.user, **_history_filters(request))
-    )
+    rows = (selectors.history_row(row) for row in _history(request))
     return csv_response(
         "history.csv",
         HISTORY_COLUMNS,
@@ -155,7 +166,7 @@ def history_csv(request):
 
 @login_required
 def queue_csv(request):
-    rows = selectors.queue_for(user=request.user, **_filters(request))
+    rows = selectors.queue_for(user=request.user, jobs=_filtered(request, Job.objects.all()))
     return csv_response(
         "queue.csv", QUEUE_COLUMNS, ([row.get(c, "") for c in QUEUE_COLUMNS] for row in rows)
     )
@@ -163,19 +174,26 @@ def queue_csv(request):
 
 @login_required
 def submit(request):
+    """The API's submit road (its serializer, then its service) for the form's spec."""
     form = SubmitForm(request.POST or None, user=request.user)
     if request.method == "POST" and form.is_valid():
-        try:
-            job, _ = services.job_submit(
-                team=form.cleaned_data["team"], spec=form.to_spec(), submitted_by=request.user
-            )
-        except ApplicationError as exc:
-            for field, problems in (exc.details or {"__all__": [exc.message]}).items():
-                for problem in problems:
-                    form.add_error(None, f"{field}: {problem}" if field != "__all__" else problem)
+        body = JobSubmitSerializer(data=form.to_spec())
+        if not body.is_valid():
+            form.add_spec_errors(body.errors)
         else:
-            messages.success(request, f"Job {job.pk} submitted.")
-            return redirect("jobs:detail", job_id=job.pk)
+            try:
+                job, _ = submit_request(
+                    user=request.user, spec=dict(body.validated_data), idempotency_key=""
+                )
+            except ApplicationError as exc:
+                for field, problems in (exc.details or {"__all__": [exc.message]}).items():
+                    for problem in problems:
+                        form.add_error(
+                            None, f"{field}: {problem}" if field != "__all__" else problem
+                        )
+            else:
+                messages.success(request, f"Job {job.pk} submitted.")
+                return redirect("jobs:detail", job_id=job.pk)
     layouts, problem = _layouts_for(request.POST or request.GET)
     return render(
         request,

@@ -1,7 +1,7 @@
 """The node agent: registers, heartbeats, runs the control plane's run plans, relays logs.
 
 Copied to every node by bootstrap and run there as `python3 -m workers.agent`
-from the node directory. Standard library only (ARCHITECTURE.md): nodes have
+from the node directory. Standard library only (README, "Design"): nodes have
 no Django and may have no third-party packages at all.
 """
 

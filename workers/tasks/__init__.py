@@ -1,4 +1,4 @@
-"""Celery tasks: thin, each one calls a service in apps/ (ARCHITECTURE.md).
+"""Celery tasks: thin, each one calls a service in apps/ (README, "Design").
 
 Imported by the Celery app on start; every module here registers its tasks by name.
 """

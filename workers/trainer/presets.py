@@ -1,12 +1,12 @@
 """Model presets as plain data: the trainer builds them, the control plane validates against them.
 
-No torch here (ARCHITECTURE.md): the web and worker images import this module to
+No torch here (README, "Design"): the web and worker images import this module to
 check a job's layout (tp divides heads and KV heads, pp divides layers).
 
 `8b` and `70b` have the shapes Meta published with the Llama 3.1 weights
 (layers, model width, heads, KV heads, FFN width, a 128,256-token vocabulary).
 `1b` is the 1.1-billion-parameter shape the trainer's benchmark measures
-(issue 6, bench/trainer.py): 22 layers of width 2048, 32 heads sharing 4 KV
+(bench/trainer.py): 22 layers of width 2048, 32 heads sharing 4 KV
 heads, FFN 5632, a 32,000-token vocabulary and sequences of 2048. `tiny` and
 `small` are ours, for CPU tests and demos.
 """

@@ -2,7 +2,6 @@
 
 import uuid
 
-from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
@@ -11,6 +10,7 @@ from apps.accounts.models import GPU_TYPES
 from apps.fleet.models.catalogue import InstanceType
 from apps.fleet.models.pools import NodePool
 from apps.fleet.models.sites import Rack
+from controlplane.events import StateChange
 
 
 class NodeState(models.TextChoices):
@@ -178,10 +178,9 @@ class Node(models.Model):
         return self.name
 
 
-class NodeEvent(models.Model):
+class NodeEvent(StateChange):
     """One state change of a node: append-only."""
 
-    id = models.BigAutoField(primary_key=True)
     # No foreign-key constraint in the database: the scheduler's first pass over a fleet
     # writes one event per node it starts using (10,000), each checked at commit. Every
     # writer is a service that has just locked the node's row; Django's CASCADE removes a
@@ -189,21 +188,8 @@ class NodeEvent(models.Model):
     node = models.ForeignKey(
         Node, on_delete=models.CASCADE, related_name="events", db_constraint=False
     )
-    at = models.DateTimeField(auto_now_add=True, db_index=True)
     from_state = models.CharField(max_length=20, choices=NodeState.choices, blank=True)
     to_state = models.CharField(max_length=20, choices=NodeState.choices)
-    reason = models.CharField(max_length=300)
-    # Indexed only where a person acted (Meta): the system's events, most of them, are
-    # never looked up by actor and need not pay for the index.
-    actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL,
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="+",
-        db_index=False,
-    )
-    actor_label = models.CharField(max_length=150)
 
     class Meta:
         ordering = ["-at", "-id"]

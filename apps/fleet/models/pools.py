@@ -115,7 +115,7 @@ class NodePool(models.Model):
         help_text="Shared: a node holds several teams' jobs only while its agent runs each "
         "job as its own user.",
     )
-    # Until nodes report theirs (a later issue), the pool says which NCCL settings fit.
+    # Nodes do not report their network: the pool says which NCCL settings fit.
     fabric = models.CharField(
         max_length=20,
         choices=Fabric.choices,

@@ -1,5 +1,6 @@
 """API views for jobs, the queue and reservations."""
 
+from django.http import QueryDict
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import generics, mixins, status, viewsets
 from rest_framework.decorators import action
@@ -10,6 +11,7 @@ from apps.accounts.selectors import team_for_submission
 from apps.jobs import selectors, services
 from apps.jobs.api import serializers as s
 from apps.jobs.filtersets import JobFilterSet, ReservationFilterSet
+from apps.jobs.models import Job
 from apps.jobs.models.jobs import FINISHED_STATES, jobs_note_last_pass
 from controlplane.api import ServiceViewSet, reject_unstorable_text
 from controlplane.errors import ApplicationError
@@ -176,7 +178,10 @@ class QueueView(generics.ListAPIView):
     def list(self, request, *args, **kwargs):
         query = s.QueueQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        ids, position = selectors.queue_ids(**query.validated_data)
+        wanted = QueryDict(mutable=True)
+        wanted.update(query.validated_data)
+        jobs = JobFilterSet(wanted, queryset=Job.objects.all()).qs
+        ids, position = selectors.queue_ids(jobs=jobs)
         page = self.paginate_queryset(ids)
         rows = selectors.queue_rows(page, user=request.user, position=position)
         return self.get_paginated_response(self.get_serializer(rows, many=True).data)

@@ -10,6 +10,7 @@ from django.db.models import Q
 from apps.accounts.models import GPU_TYPES
 from apps.jobs.scheduler.snapshot import BEYOND_DEPTH
 from controlplane.cache import best_effort
+from controlplane.events import StateChange
 
 ANY_GPU = "ANY"
 JOB_GPU_TYPES = [*GPU_TYPES, (ANY_GPU, "Any")]
@@ -305,10 +306,9 @@ class JobWait(models.Model):
         return f"job {self.job_id}: {self.reason}"
 
 
-class JobEvent(models.Model):
+class JobEvent(StateChange):
     """One state change of a job: append-only."""
 
-    id = models.BigAutoField(primary_key=True)
     # No foreign-key constraint in the database: events are written with the job they
     # record (a submission inserts both in one statement; a pass writes 4,000 at once for
     # jobs it has locked), and jobs are deleted only through Django, whose CASCADE
@@ -316,21 +316,7 @@ class JobEvent(models.Model):
     job = models.ForeignKey(
         Job, on_delete=models.CASCADE, related_name="events", db_constraint=False
     )
-    at = models.DateTimeField(auto_now_add=True, db_index=True)
-    from_state = models.CharField(max_length=20, blank=True)
     to_state = models.CharField(max_length=20, choices=JobState.choices)
-    reason = models.CharField(max_length=300)
-    # Indexed only where a person acted (Meta): the scheduler's events, most of them,
-    # are never looked up by actor and need not pay for the index.
-    actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL,
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="+",
-        db_index=False,
-    )
-    actor_label = models.CharField(max_length=150)
 
     class Meta:
         ordering = ["at", "id"]

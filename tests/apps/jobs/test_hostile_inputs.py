@@ -1,4 +1,4 @@
-"""Hostile submissions and job output (issue 29): counts that would make the layout search
+"""Hostile submissions and job output: counts that would make the layout search
 spin, variables a job's `env` may not set, names that are not text, JSON nested past Python's
 limit. Each is a quick 400 in the API's error shape and on the Submit page, and writes nothing.
 """

@@ -104,7 +104,9 @@ def test_the_queue_is_shown_a_page_at_a_time_with_its_filters_kept(
         html = client.get("/jobs/", {"team": "alpha", "page": page}).content.decode()
         shown += [int(i) for i in re.findall(r'<tr data-job="(\d+)"', html)]
     # Each job on exactly one page, in the order of the whole queue.
-    assert shown == [row["id"] for row in queue_for(user=researcher, team="alpha")]
+    assert shown == [
+        row["id"] for row in queue_for(user=researcher, jobs=Job.objects.filter(team__slug="alpha"))
+    ]
     assert len(set(shown)) == 5
     assert client.get("/jobs/", {"page": "junk"}).status_code == 200  # the first page
 
@@ -311,6 +313,32 @@ def test_a_bad_layout_shows_the_error_and_makes_no_job(client, fleet_pool, quota
     assert response.status_code == 200
     errors = element_text(response.content.decode(), "form-errors")
     assert "resources.layout.tp" in errors and "4 heads" in errors
+    assert not Job.objects.exists()
+
+
+def field_errors(html: str, name: str) -> list[str]:
+    """The errors shown beside one field of the Submit form."""
+    start = html.index(f'name="{name}"')
+    end = html.find('<div class="field', start)
+    return re.findall(r'<span class="field-error">([^<]*)</span>', html[start:end])
+
+
+def test_the_forms_spec_is_checked_by_the_apis_serializer_its_errors_on_the_fields(
+    client, fleet_pool, quota, team, researcher
+):
+    response = logged_in(client, researcher).post(
+        "/jobs/submit/",
+        form_data(team, gpus=128, gpus_per_node=65, time_limit_hours="0.001", steps=-1),
+    )
+
+    assert response.status_code == 400  # the layouts part says the counts are refused too
+    html = response.content.decode()
+    assert field_errors(html, "gpus_per_node") == ["Ensure this value is less than or equal to 64."]
+    assert field_errors(html, "time_limit_hours") == [
+        "Ensure this value is greater than or equal to 60."
+    ]
+    assert field_errors(html, "steps") == ["Ensure this value is greater than or equal to 1."]
+    assert 'class="form-errors"' not in html
     assert not Job.objects.exists()
 
 
