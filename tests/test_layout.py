@@ -58,3 +58,94 @@ def test_the_agent_uses_the_standard_library_only(path):
 def test_providers_agent_and_trainer_do_not_import_django(path):
     for name in imports_of(path):
         assert not name.startswith(("django", "rest_framework", "apps")), f"{path}: {name}"
+
+
+# --- import cycles ---------------------------------------------------------------------
+
+# Cycles that must stay, each with why. (Imports under `if TYPE_CHECKING:` never run and do
+# not count.)
+CYCLES_ALLOWED: dict[frozenset[str], str] = {}
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {}
+    for top in ("apps", "controlplane", "workers"):
+        for path in python_files(top):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _run_time_nodes(tree: ast.AST):
+    """Every node of the tree but what sits under `if TYPE_CHECKING:`."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            yield from (n for child in node.orelse for n in [child, *_run_time_nodes(child)])
+            continue
+        yield node
+        yield from _run_time_nodes(node)
+
+
+def module_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports, at the top or inside functions alike."""
+
+    def known(dotted: str) -> str | None:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _run_time_nodes(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(known(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            found.update(known(f"{base}.{alias.name}") for alias in node.names)
+    return found - {None, name}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected parts of the import graph with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            part = []
+            while (top := stack.pop()) != module:
+                part.append(top)
+            if part:
+                cycles.append(frozenset([module, *part]))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycles_among_the_projects_modules():
+    modules = project_modules()
+    graph = {name: module_imports(name, path, modules) for name, path in modules.items()}
+    cycles = [sorted(c) for c in import_cycles(graph) if c not in CYCLES_ALLOWED]
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_cycle_finder_finds_a_loop_of_three():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [frozenset("abc")]

@@ -42,6 +42,7 @@ from apps.jobs.models import (
 )
 from apps.jobs.models.jobs import FINISHED_STATES, STARTED_STATES, STOPPING_STATES
 from apps.jobs.specs import NCCL_ENV_PREFIXES
+from apps.jobs.transitions import allocations_runs_ended, job_note, job_transition, runs_stop_for
 from apps.tuning.services import nccl_environments_render
 from controlplane.errors import ApplicationError
 
@@ -67,8 +68,6 @@ MAX_LINE = 16 * 1024
 
 
 def _transition(job: Job, to: str, reason: str, **fields) -> Job:
-    from apps.jobs.services import job_transition
-
     return job_transition(job=job, to=to, reason=reason, by=None, **fields)
 
 
@@ -450,8 +449,6 @@ def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
     run.save()
     _job_follows(run.job_id, changed=run)
     if run.state not in OPEN_RUN_STATES:
-        from apps.jobs.services import allocations_runs_ended
-
         # Its process is gone: GPUs its job already let go of are free now.
         allocations_runs_ended(allocation_ids=[run.allocation_id], now=now)
     return run
@@ -545,8 +542,6 @@ def _late_cause_note(job: Job, runs: list[Run]) -> None:
     for run in over:
         # A signal the agent sent says why (the stop it was asked for); any other is news.
         if run.state == R.LOST or _killed(run) or (run.signal and not run.reason):
-            from apps.jobs.services import job_note
-
             job_note(job_id=job.pk, reason=f"attempt {run.attempt}: {_describe_exit(run)}")
 
 
@@ -614,28 +609,6 @@ def _requeue(job: Job, reason: str) -> Job:
 
 def _runs_stop(job: Job, *, reason: str) -> int:
     return runs_stop_for(job_ids=[job.pk], reasons={job.pk: reason})
-
-
-def runs_stop_for(*, job_ids: list[int], reasons: dict[int, str]) -> int:
-    """Ask the agents to stop the jobs' open runs (they see it on their next poll); runs
-    never started are dropped. Returns the runs asked to stop. Called by every job state
-    change that stops or leaves its GPUs (apps/jobs/services.py jobs_move)."""
-    from apps.jobs.services import allocations_runs_ended
-
-    now = timezone.now()
-    by_reason: dict[str, list[int]] = {}
-    for job_id in job_ids:
-        by_reason.setdefault(reasons.get(job_id, "")[:300], []).append(job_id)
-    asked, dropped = 0, []
-    for reason, ids in by_reason.items():
-        planned = Run.objects.filter(job_id__in=ids, state=R.PLANNED)
-        dropped += planned.values_list("allocation_id", flat=True)
-        planned.update(state=R.LOST, reason=reason, ended_at=now)
-        asked += Run.objects.filter(
-            job_id__in=ids, state=R.RUNNING, stop_requested_at__isnull=True
-        ).update(stop_requested_at=now, stop_reason=reason)
-    allocations_runs_ended(allocation_ids=dropped, now=now)
-    return asked
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -885,8 +858,6 @@ def _run_lose(run_id: int) -> bool:
     run.state, run.reason, run.ended_at = R.LOST, NO_LONGER_RUN, now
     run.save(update_fields=["state", "reason", "ended_at"])
     _job_follows(run.job_id, changed=run)
-    from apps.jobs.services import allocations_runs_ended
-
     allocations_runs_ended(allocation_ids=[run.allocation_id], now=now)
     return True
 
@@ -916,8 +887,6 @@ def jobs_on_lost_nodes(*, node_ids: list[int]) -> list[int]:
                 run.state, run.reason = R.LOST, "node lost"
             _late_cause_note(job, found)
             if job.state in FINISHED_STATES or job.state in (J.PENDING, J.HELD):
-                from apps.jobs.services import allocations_runs_ended
-
                 # The node is gone, and its processes with it.
                 allocations_runs_ended(allocation_ids=allocations, now=timezone.now())
                 continue

@@ -20,6 +20,7 @@ from workers.providers import errors
 from workers.providers.bundle import Bundle
 from workers.providers.local import LocalConfig, LocalNodeSpec, LocalProvider
 from workers.providers.ssh import SshConfig, SshNodeSpec, SshProvider
+from workers.tasks.aws_nodes import aws_provider_for
 from workers.tasks.locks import single_flight
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ def provider_for(node):
             ),
         )
     if node.provider == "aws":
-        from workers.tasks.cloud import aws_provider_for
-
         return aws_provider_for(node)
     raise errors.ConfigurationError(f"provider {node.provider!r} is provisioned elsewhere")
 
