@@ -1,6 +1,7 @@
 """The arrows of ARCHITECTURE.md: which packages may import which."""
 
 import ast
+import importlib
 import sys
 from pathlib import Path
 
@@ -149,3 +150,68 @@ def test_no_import_cycles_among_the_projects_modules():
 def test_the_cycle_finder_finds_a_loop_of_three():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [frozenset("abc")]
+
+
+# --- an app reads another's rows through that app's selectors and services -----------------
+
+# Modules that import another app's model classes, each with why. (Choices, constants and
+# validators from another app's models are not rows and do not count; nor do the models'
+# own foreign keys.)
+MODEL_IMPORTS_ALLOWED: dict[str, str] = {
+    "apps/fleet/management/commands/demo_fleet.py": "the demo seeds teams and users itself",
+    "apps/jobs/api/serializers.py": "a reservation's nodes are a DRF related field",
+    "apps/jobs/forms.py": "the Submit form's team is a model choice field",
+    "apps/jobs/scheduler/apply.py": "the pass locks the nodes it places on with its writes",
+    "apps/jobs/scheduler/read.py": "the pass reads the whole fleet in a few raw queries",
+}
+MODEL_IMPORTS_ALLOWED.update(
+    (
+        str(path.relative_to(ROOT)),
+        "apps/checkpoints and apps/costs: their reads are moved in their own split",
+    )
+    for app in ("checkpoints", "costs")
+    for path in python_files(f"apps/{app}")
+)
+
+
+MODELS = ("models", "models.py")
+
+
+def foreign_model_imports(path: Path) -> list[str]:
+    """`module.Name` for each model class this module imports, at run time, from another
+    app's models."""
+    from django.db import models
+
+    app = path.relative_to(ROOT / "apps").parts[0]
+    found = []
+    for node in _run_time_nodes(ast.parse(path.read_text(), filename=str(path))):
+        if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0):
+            continue
+        parts = node.module.split(".")
+        if parts[0] != "apps" or parts[1] == app or parts[2:3] != ["models"]:
+            continue
+        module = importlib.import_module(node.module)
+        for alias in node.names:
+            value = getattr(module, alias.name, None)
+            if isinstance(value, type) and issubclass(value, models.Model):
+                found.append(f"{node.module}.{alias.name}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        p
+        for p in python_files("apps")
+        if not set(p.relative_to(ROOT / "apps").parts[1:2]) & set(MODELS)
+    ],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_an_app_reads_another_apps_rows_through_its_selectors(path):
+    relative = str(path.relative_to(ROOT))
+    found = foreign_model_imports(path)
+    if relative in MODEL_IMPORTS_ALLOWED:
+        split = relative.startswith(("apps/checkpoints/", "apps/costs/"))
+        assert found or split, f"{relative} is allowed what it no longer does"
+        return
+    assert not found, f"{relative} imports {found}: read them through the owning app's selectors"

@@ -7,6 +7,7 @@ from django.db.models import Count, Prefetch, Q, QuerySet
 
 from apps.fleet.models import (
     GONE_STATES,
+    SCHEDULABLE_STATES,
     Gpu,
     GpuHealth,
     Node,
@@ -183,3 +184,26 @@ def pools_capacity(*, cached: bool = False) -> list[PoolCapacity]:
     if cached:
         best_effort.set(CAPACITY_CACHE_KEY, out, settings.CAPACITY_CACHE_S)
     return out
+
+
+def node_names(*, node_ids) -> dict[int, str]:
+    """Node names by id, in name order."""
+    return dict(Node.objects.filter(pk__in=node_ids).values_list("pk", "name"))
+
+
+def nodes_by_rack(*, node_ids) -> list[Node]:
+    """The nodes, rack by rack and by name within a rack: the order ranks are given in."""
+    return list(Node.objects.filter(pk__in=node_ids).order_by("rack_id", "name"))
+
+
+def pool_names(*, pool_ids) -> dict[int, str]:
+    return dict(NodePool.objects.filter(pk__in=pool_ids).values_list("pk", "name"))
+
+
+def schedulable_node_gpus(*, pool_ids) -> list[tuple[int, int, int]]:
+    """(node id, pool id, GPU count) of the nodes the scheduler may place on in these pools."""
+    return list(
+        Node.objects.filter(pool_id__in=pool_ids, state__in=SCHEDULABLE_STATES).values_list(
+            "id", "pool_id", "gpu_count"
+        )
+    )

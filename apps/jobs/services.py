@@ -12,9 +12,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from apps.accounts.models import TeamSecret
 from apps.accounts.secrets import decrypt, encrypt
-from apps.accounts.selectors import quota_limits, roles_of
+from apps.accounts.selectors import quota_limits, roles_of, team_secret_names
 from apps.accounts.services import audit_record, snapshot
 from apps.costs import selectors as costs
 from apps.costs.money import money_text
@@ -123,11 +122,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
     _check_cost(spec, team, resources, pool_ids, errors)
     wanted_secrets = set(spec.get("secrets") or [])
     if wanted_secrets:
-        known = set(
-            TeamSecret.objects.filter(team=team, name__in=wanted_secrets).values_list(
-                "name", flat=True
-            )
-        )
+        known = team_secret_names(team_id=team.pk, names=wanted_secrets)
         for name in sorted(wanted_secrets - known):
             errors.add("secrets", f"{team.slug} has no secret named {name}.")
     errors.raise_if_any()
