@@ -1,6 +1,6 @@
 """The AWS provider bound to node rows: `aws_provider_for(node)` is what
 provisioning.provider_for answers for an aws node, the AWS provider wrapped so that a
-launch records its instance on the node, and the node's agent token stays the one its
+launch is one at a time, and the node's agent token stays the one its
 user data carries."""
 
 from django.conf import settings
@@ -22,31 +22,29 @@ def aws_config(region: str = "") -> AwsConfig:
     )
 
 
+def launch_record(*, node_id: int, description: NodeDescription) -> None:
+    """Write what a provider said it launched onto the node (owned nodes launch nothing)."""
+    from apps.fleet.cloud import cloud_node_launched
+
+    if description.instance_id:
+        cloud_node_launched(
+            node_id=node_id,
+            instance_id=description.instance_id,
+            capacity_type=str(description.capacity_type or "") or None,
+            launched_at=description.launch_time,
+            address=description.address,
+        )
+
+
 class AwsNodeProvider:
-    """The AWS provider for one node row, with the bookkeeping the fleet needs."""
+    """The AWS provider as provisioning calls every provider: one launch of a node at a
+    time, and the agent started by the instance's user data. It answers plain data and
+    writes no rows; provisioning records what it launched (launch_record)."""
 
     kind = "aws"
 
-    def __init__(self, provider: AwsProvider, node_id: int):
+    def __init__(self, provider: AwsProvider):
         self.provider = provider
-        self.node_id = node_id
-
-    def _node(self):
-        from apps.fleet.models import Node
-
-        return Node.objects.get(pk=self.node_id)
-
-    def _record(self, description: NodeDescription) -> None:
-        from apps.fleet.cloud import cloud_node_launched
-
-        if description.instance_id:
-            cloud_node_launched(
-                node_id=self.node_id,
-                instance_id=description.instance_id,
-                capacity_type=str(description.capacity_type or "") or None,
-                launched_at=description.launch_time,
-                address=description.address,
-            )
 
     def create(self, spec: AwsNodeSpec, *, progress: Progress | None = None) -> NodeDescription:
         # Two workers on one node (a re-drive beside a retry) launch one at a time; the
@@ -56,9 +54,7 @@ class AwsNodeProvider:
                 raise errors.ProvisioningFailed(
                     "Another worker is launching this node now.", retryable=True
                 )
-            description = self.provider.create(spec, progress=progress)
-        self._record(description)
-        return description
+            return self.provider.create(spec, progress=progress)
 
     def bootstrap(
         self,
@@ -71,9 +67,7 @@ class AwsNodeProvider:
         """Wait for the instance to run; its user data starts the agent, which registers
         with the user data's bootstrap token. (The bundle's token, which provisioning
         issues for every provider, never reaches an instance.)"""
-        report = self.provider.bootstrap(spec, progress=progress)
-        self._record(self.provider.describe(spec))
-        return report
+        return self.provider.bootstrap(spec, progress=progress)
 
     def describe(self, spec: AwsNodeSpec) -> NodeDescription:
         return self.provider.describe(spec)
@@ -116,4 +110,4 @@ def aws_provider_for(node) -> tuple[AwsNodeProvider, AwsNodeSpec]:
         instance_profile=pool.instance_profile,
         node_token=agents.node_bootstrap_token(node=node),
     )
-    return AwsNodeProvider(AwsProvider(aws_config(pool.region)), node.pk), spec
+    return AwsNodeProvider(AwsProvider(aws_config(pool.region))), spec
