@@ -124,7 +124,7 @@ def build(rng: random.Random) -> None:
 
 def finish_some(rng: random.Random, fraction: float) -> int:
     from apps.jobs.models import Job, JobState
-    from apps.jobs.services import allocations_release
+    from apps.jobs.transitions import allocations_release
 
     running = list(Job.objects.filter(state=JobState.ADMITTED).values_list("id", flat=True))
     done = rng.sample(running, max(1, int(len(running) * fraction))) if running else []

@@ -1,5 +1,5 @@
 """Calling a WSGI application as gunicorn would, for the short roads' tests
-(controlplane/shortroads.py): Django's own application beside the road in front of it."""
+(apps/fleet/api/shortroad.py): Django's own application beside the road in front of it."""
 
 import contextlib
 import io

@@ -17,6 +17,7 @@ from apps.accounts.models import (
     TeamRole,
     TeamSecret,
 )
+from apps.accounts.secrets import decrypt
 from controlplane.exactcache import ExactCache
 
 User = get_user_model()
@@ -213,3 +214,20 @@ def team_admin_emails(*, team_id: int) -> list[str]:
     """The addresses of the team's admins who have one."""
     admins = Membership.objects.filter(team_id=team_id, role=TeamRole.ADMIN).exclude(user__email="")
     return [m.user.email for m in admins.select_related("user")]
+
+
+def team_secret_names(*, team_id: int, names) -> set[str]:
+    """Those of `names` the team has a secret by."""
+    return set(
+        TeamSecret.objects.filter(team_id=team_id, name__in=names).values_list("name", flat=True)
+    )
+
+
+def team_secret_values(*, team_id: int, names) -> dict[str, str]:
+    """The team's secrets by these names, decrypted: for the runs that were given them."""
+    stored = TeamSecret.objects.filter(team_id=team_id, name__in=names)
+    return {secret.name: decrypt(secret.ciphertext) for secret in stored}
+
+
+def team_ids_by_slug(*, slugs) -> dict[str, int]:
+    return dict(Team.objects.filter(slug__in=slugs).values_list("slug", "id"))

@@ -7,6 +7,7 @@ from django.db.models import Count, Prefetch, Q, QuerySet
 
 from apps.fleet.models import (
     GONE_STATES,
+    SCHEDULABLE_STATES,
     Gpu,
     GpuHealth,
     InstanceType,
@@ -207,13 +208,32 @@ def pool_node_among(*, node_id: int | None, states) -> int | None:
     )
 
 
-def node_name(*, node_id: int) -> str:
-    return Node.objects.values_list("name", flat=True).get(pk=node_id)
-
-
 def pool_slugs(*, pool_ids) -> dict[int, str]:
     return dict(NodePool.objects.filter(pk__in=pool_ids).values_list("id", "slug"))
 
 
 def instance_type_names(*, type_ids) -> dict[int, str]:
     return dict(InstanceType.objects.filter(pk__in=type_ids).values_list("id", "name"))
+
+
+def node_names(*, node_ids) -> dict[int, str]:
+    """Node names by id."""
+    return dict(Node.objects.filter(pk__in=node_ids).values_list("pk", "name"))
+
+
+def nodes_by_rack(*, node_ids) -> list[Node]:
+    """The nodes, rack by rack and by name within a rack: the order ranks are given in."""
+    return list(Node.objects.filter(pk__in=node_ids).order_by("rack_id", "name"))
+
+
+def pool_names(*, pool_ids) -> dict[int, str]:
+    return dict(NodePool.objects.filter(pk__in=pool_ids).values_list("pk", "name"))
+
+
+def schedulable_node_gpus(*, pool_ids) -> list[tuple[int, int, int]]:
+    """(node id, pool id, GPU count) of the nodes the scheduler may place on in these pools."""
+    return list(
+        Node.objects.filter(pool_id__in=pool_ids, state__in=SCHEDULABLE_STATES).values_list(
+            "id", "pool_id", "gpu_count"
+        )
+    )

@@ -10,23 +10,24 @@ PENDING, up to its restart limit. A job that must stop (cancel, preemption, time
 limit) asks its runs to stop, and ends when the last one has.
 """
 
+from __future__ import annotations
+
 import datetime as dt
-import json
 import logging
-import math
 import re
 import secrets
 import signal
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Max
 from django.utils import timezone
 
-from apps.accounts.models import TeamSecret
-from apps.accounts.secrets import decrypt
+from apps.accounts.selectors import team_secret_values
 from apps.fleet.agents import agent_runs_held
-from apps.fleet.models import GONE_STATES, Node, NodeState
+from apps.fleet.models import GONE_STATES, NodeState
+from apps.fleet.selectors import node_names, nodes_by_rack
 from apps.jobs.models import (
     OPEN_RUN_STATES,
     Allocation,
@@ -41,9 +42,13 @@ from apps.jobs.models import (
     StepMetric,
 )
 from apps.jobs.models.jobs import FINISHED_STATES, STARTED_STATES, STOPPING_STATES
-from apps.jobs.specs import NCCL_ENV_PREFIXES
+from apps.jobs.trainer_lines import int_or_none, rank_environment, step_metric
+from apps.jobs.transitions import allocations_runs_ended, job_note, job_transition, runs_stop_for
 from apps.tuning.services import nccl_environments_render
 from controlplane.errors import ApplicationError
+
+if TYPE_CHECKING:
+    from apps.fleet.models import Node
 
 log = logging.getLogger(__name__)
 J = JobState
@@ -67,8 +72,6 @@ MAX_LINE = 16 * 1024
 
 
 def _transition(job: Job, to: str, reason: str, **fields) -> Job:
-    from apps.jobs.services import job_transition
-
     return job_transition(job=job, to=to, reason=reason, by=None, **fields)
 
 
@@ -256,7 +259,7 @@ def job_dispatch(
             a.node_id: a
             for a in Allocation.objects.filter(job=job, ended_at__isnull=True, release_wanted=False)
         }
-        nodes = list(Node.objects.filter(pk__in=held).order_by("rack_id", "name"))
+        nodes = nodes_by_rack(node_ids=list(held))
         # The attempt runs on the nodes it was given: all of job.nodes, or, for a job with a
         # node range, as few as min_nodes when the scheduler could place no more.
         nnodes = len(nodes)
@@ -325,8 +328,7 @@ def job_dispatch(
 def _secret_values(job: Job, names: list[str]) -> dict[str, str]:
     if not names:
         return {}
-    stored = TeamSecret.objects.filter(team_id=job.team_id, name__in=names)
-    return {secret.name: decrypt(secret.ciphertext) for secret in stored}
+    return team_secret_values(team_id=job.team_id, names=names)
 
 
 MAX_RUNS_HELD = 256
@@ -380,12 +382,8 @@ def _run_of(node_id: int, run_id: int, *, lock: bool = False) -> Run:
     return run
 
 
-def _int_or_none(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _int_within(value, low: int, high: int) -> int | None:
-    number = _int_or_none(value)
+    number = int_or_none(value)
     return number if number is not None and low <= number <= high else None
 
 
@@ -427,11 +425,11 @@ def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
     state = report.get("state")
     now = timezone.now()
     if state == "running" and run.state == R.PLANNED:
-        run.state, run.pid, run.started_at = R.RUNNING, _int_or_none(report.get("pid")), now
+        run.state, run.pid, run.started_at = R.RUNNING, int_or_none(report.get("pid")), now
     elif state in ("exited", "refused") and run.state in OPEN_RUN_STATES:
         run.state = R.EXITED if state == "exited" else R.REFUSED
-        run.exit_code = _int_or_none(report.get("exit_code"))
-        run.signal = _int_or_none(report.get("signal"))
+        run.exit_code = int_or_none(report.get("exit_code"))
+        run.signal = int_or_none(report.get("signal"))
         run.reason = str(report.get("reason") or "")[:300]
         # Said outright by the agent (never read from a job's output): the node, not the
         # job, kept the run from starting.
@@ -450,15 +448,13 @@ def run_report(*, node_id: int, run_id: int, report: dict) -> Run:
     run.save()
     _job_follows(run.job_id, changed=run)
     if run.state not in OPEN_RUN_STATES:
-        from apps.jobs.services import allocations_runs_ended
-
         # Its process is gone: GPUs its job already let go of are free now.
         allocations_runs_ended(allocation_ids=[run.allocation_id], now=now)
     return run
 
 
 def _describe_exit(run: Run) -> str:
-    node = Node.objects.filter(pk=run.node_id).values_list("name", flat=True).first()
+    node = node_names(node_ids=[run.node_id]).get(run.node_id)
     if run.state == R.LOST:
         return f"rank {run.node_rank} on {node} was lost: {run.reason}"
     if run.state == R.REFUSED:
@@ -515,7 +511,7 @@ def _describe_failure(run: Run) -> str:
     unless the rank's own death is what the run's evidence shows."""
     if not _collective_timeout(run) or _killed(run):
         return _describe_exit(run)
-    node = Node.objects.filter(pk=run.node_id).values_list("name", flat=True).first()
+    node = node_names(node_ids=[run.node_id]).get(run.node_id)
     return f"rank {run.node_rank} on {node} lost its peers (collective timeout)"
 
 
@@ -545,8 +541,6 @@ def _late_cause_note(job: Job, runs: list[Run]) -> None:
     for run in over:
         # A signal the agent sent says why (the stop it was asked for); any other is news.
         if run.state == R.LOST or _killed(run) or (run.signal and not run.reason):
-            from apps.jobs.services import job_note
-
             job_note(job_id=job.pk, reason=f"attempt {run.attempt}: {_describe_exit(run)}")
 
 
@@ -616,28 +610,6 @@ def _runs_stop(job: Job, *, reason: str) -> int:
     return runs_stop_for(job_ids=[job.pk], reasons={job.pk: reason})
 
 
-def runs_stop_for(*, job_ids: list[int], reasons: dict[int, str]) -> int:
-    """Ask the agents to stop the jobs' open runs (they see it on their next poll); runs
-    never started are dropped. Returns the runs asked to stop. Called by every job state
-    change that stops or leaves its GPUs (apps/jobs/services.py jobs_move)."""
-    from apps.jobs.services import allocations_runs_ended
-
-    now = timezone.now()
-    by_reason: dict[str, list[int]] = {}
-    for job_id in job_ids:
-        by_reason.setdefault(reasons.get(job_id, "")[:300], []).append(job_id)
-    asked, dropped = 0, []
-    for reason, ids in by_reason.items():
-        planned = Run.objects.filter(job_id__in=ids, state=R.PLANNED)
-        dropped += planned.values_list("allocation_id", flat=True)
-        planned.update(state=R.LOST, reason=reason, ended_at=now)
-        asked += Run.objects.filter(
-            job_id__in=ids, state=R.RUNNING, stop_requested_at__isnull=True
-        ).update(stop_requested_at=now, stop_reason=reason)
-    allocations_runs_ended(allocation_ids=dropped, now=now)
-    return asked
-
-
 # --- output ----------------------------------------------------------------------------------
 
 
@@ -702,107 +674,14 @@ def run_logs_append(*, node_id: int, run_id: int, lines: list, dropped: int = 0)
     except IntegrityError:  # pragma: no cover (ignore_conflicts covers duplicates)
         log.warning("log lines of run %s not stored", run_id, exc_info=True)
     printed = [r for r in rows if r.stream == "stdout"]
-    metrics = [m for m in (_step_metric(run, r) for r in printed) if m]
+    metrics = [m for m in (step_metric(run, r) for r in printed) if m]
     if metrics:
         StepMetric.objects.bulk_create(metrics, ignore_conflicts=True)
-    environments = [e for e in (_rank_environment(run, r) for r in printed) if e]
+    environments = [e for e in (rank_environment(run, r) for r in printed) if e]
     if environments:
         # The first report of a rank counts: a second one (a forged or repeated line) is dropped.
         RankEnvironment.objects.bulk_create(environments, ignore_conflicts=True)
     return len(rows)
-
-
-STEP_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_gib")
-
-
-def trainer_event(text: str) -> dict | None:
-    """A line the bundled trainer printed for us: a JSON object with an "event" key."""
-    if not text.startswith("{") or '"event"' not in text[:40]:
-        return None
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):  # a job prints what it likes
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("event"), str) else None
-
-
-def _step_metric(run: Run, line: LogLine) -> StepMetric | None:
-    """The trainer's per-step line, `{"event":"step","step":12,"loss":3.1,...}`."""
-    data = trainer_event(line.text)
-    if data is None or data["event"] != "step":
-        return None
-    step = data.get("step")
-    if not isinstance(step, int) or not 0 <= step < 2**31:
-        return None
-
-    def number(name):
-        value = data.get(name)
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return float(value) if ok and math.isfinite(value) else None
-
-    return StepMetric(
-        job_id=run.job_id,
-        attempt=run.attempt,
-        step=step,
-        at=line.at,
-        **{name: number(name) for name in STEP_FIELDS},
-    )
-
-
-MAX_RANK_VARIABLES = 256
-_VARIABLE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,127}\Z")
-
-
-def _storable(value) -> bool:
-    """A string PostgreSQL's JSON keeps: no NUL, no lone surrogate (both parse from escapes)."""
-    if not isinstance(value, str) or "\x00" in value:
-        return False
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _rank_environment(run: Run, line: LogLine) -> RankEnvironment | None:
-    """A rank's `{"event":"env","rank":3,"local_rank":1,"node_rank":1,"env":{...}}`: kept only
-    when the rank, local rank and node rank fit the job's world and `env` is a mapping of
-    names to strings; of it, only NCCL, PyTorch-NCCL and EFA variables."""
-    data = trainer_event(line.text)
-    if data is None or data["event"] != "env":
-        return None
-    job = run.job
-    rank, local_rank, node_rank = (
-        _int_or_none(data.get(key)) for key in ("rank", "local_rank", "node_rank")
-    )
-    env = data.get("env")
-    if not (
-        rank is not None
-        and 0 <= rank < job.nodes * job.gpus_per_node
-        and local_rank is not None
-        and 0 <= local_rank < job.gpus_per_node
-        and node_rank is not None
-        and 0 <= node_rank < job.nodes
-        and isinstance(env, dict)
-        and len(env) <= MAX_RANK_VARIABLES
-        and all(_storable(value) for value in env.values())
-    ):
-        return None
-    kept = {
-        name: value
-        for name, value in sorted(env.items())
-        if _VARIABLE_NAME.match(name) and name.startswith(NCCL_ENV_PREFIXES)
-    }
-    return RankEnvironment(
-        job_id=run.job_id,
-        run=run,
-        attempt=run.attempt,
-        rank=rank,
-        local_rank=local_rank,
-        node_rank=node_rank,
-        env=kept,
-        reported_at=line.at,
-    )
 
 
 def log_lines_delete_old(*, now: dt.datetime | None = None, batch: int = 10_000) -> int:
@@ -885,8 +764,6 @@ def _run_lose(run_id: int) -> bool:
     run.state, run.reason, run.ended_at = R.LOST, NO_LONGER_RUN, now
     run.save(update_fields=["state", "reason", "ended_at"])
     _job_follows(run.job_id, changed=run)
-    from apps.jobs.services import allocations_runs_ended
-
     allocations_runs_ended(allocation_ids=[run.allocation_id], now=now)
     return True
 
@@ -916,16 +793,11 @@ def jobs_on_lost_nodes(*, node_ids: list[int]) -> list[int]:
                 run.state, run.reason = R.LOST, "node lost"
             _late_cause_note(job, found)
             if job.state in FINISHED_STATES or job.state in (J.PENDING, J.HELD):
-                from apps.jobs.services import allocations_runs_ended
-
                 # The node is gone, and its processes with it.
                 allocations_runs_ended(allocation_ids=allocations, now=timezone.now())
                 continue
-            names = ", ".join(
-                Node.objects.filter(pk__in=node_ids, allocations__job=job)
-                .values_list("name", flat=True)
-                .distinct()
-            )
+            held = Allocation.objects.filter(job=job, node_id__in=node_ids).values_list("node_id")
+            names = ", ".join(sorted(node_names(node_ids=held).values()))
             _requeue(job, f"node {names or 'lost'} lost")
             requeued.append(job_id)
     return requeued

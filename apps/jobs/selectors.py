@@ -9,8 +9,7 @@ from django.db.models import Count, F, Q, QuerySet, Subquery, Sum
 from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
 from apps.costs.selectors import projection_for
-from apps.fleet.models import SCHEDULABLE_STATES, Node, NodePool
-from apps.fleet.selectors import pools_capacity
+from apps.fleet.selectors import pool_names, pools_capacity, schedulable_node_gpus
 from apps.jobs import specs
 from apps.jobs.models import (
     Allocation,
@@ -292,12 +291,10 @@ def submission_outlook(
         .order_by()
     )
     fitting: dict[int, int] = dict.fromkeys(pool_ids, 0)
-    for node_id, pool_id, gpu_count in Node.objects.filter(
-        pool_id__in=pool_ids, state__in=SCHEDULABLE_STATES
-    ).values_list("id", "pool_id", "gpu_count"):
+    for node_id, pool_id, gpu_count in schedulable_node_gpus(pool_ids=pool_ids):
         if gpu_count - held.get(node_id, 0) >= gpus_per_node:
             fitting[pool_id] += 1
-    names = dict(NodePool.objects.filter(pk__in=pool_ids).values_list("pk", "name"))
+    names = pool_names(pool_ids=pool_ids)
     pools = [
         PoolOutlook(
             name=names.get(pool_id, capacity[pool_id].slug),

@@ -1,100 +1,45 @@
-"""Writes for jobs: submit, cancel, hold, release, requeue, and the scheduler's apply step."""
+"""Writes for jobs: submit, cancel, hold, release, requeue, reservations and webhooks; the
+state changes themselves go through apps/jobs/transitions.py."""
 
 import datetime as dt
 import hashlib
 import json
 import logging
 import secrets
-import time
-from collections import defaultdict
-from dataclasses import dataclass
 from decimal import Decimal
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from apps.accounts.models import TeamSecret
 from apps.accounts.secrets import decrypt, encrypt
-from apps.accounts.selectors import quota_limits, roles_of
-from apps.accounts.services import audit_record, audit_record_many, snapshot
+from apps.accounts.selectors import quota_limits, roles_of, team_secret_names
+from apps.accounts.services import audit_record, snapshot
 from apps.costs import selectors as costs
 from apps.costs.money import money_text
-from apps.fleet import services as fleet
 from apps.fleet.selectors import pools_capacity
 from apps.jobs import specs
 from apps.jobs.models import (
-    OPEN_RUN_STATES,
-    Allocation,
     Job,
     JobEvent,
     JobKind,
     JobState,
-    JobWait,
     Reservation,
-    Run,
     Webhook,
     WebhookDelivery,
 )
-from apps.jobs.models.jobs import FINISHED_STATES, HOLDING_STATES, NOT_STARTED_STATES
+from apps.jobs.models.jobs import NOT_STARTED_STATES
+from apps.jobs.transitions import actor_label, job_transition, schedule_soon
 from apps.tuning import services as tuning
 from controlplane import webhooks
-from controlplane.bulk import InArray, update_logged
-from controlplane.cache import best_effort
-from controlplane.celery import enqueue_on_commit
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
 J = JobState
 
-JOB_TRANSITIONS: dict[str, set[str]] = {
-    J.PENDING: {J.HELD, J.ADMITTED, J.CANCELLED},
-    J.HELD: {J.PENDING, J.CANCELLED},
-    J.ADMITTED: {J.PROVISIONING, J.PENDING, J.CANCELLED, J.FAILED},
-    J.PROVISIONING: {J.STARTING, J.PENDING, J.STOPPING, J.FAILED},
-    J.STARTING: {J.RUNNING, J.PENDING, J.PREEMPTING, J.STOPPING, J.FAILED},
-    J.RUNNING: {J.SUCCEEDED, J.FAILED, J.PREEMPTING, J.STOPPING, J.PENDING},
-    J.PREEMPTING: {J.PENDING, J.FAILED},
-    J.STOPPING: {J.CANCELLED, J.FAILED},
-    J.SUCCEEDED: set(),
-    J.FAILED: {J.PENDING},
-    J.CANCELLED: {J.PENDING},
-}
-
-
-def _label(by) -> str:
-    return by.get_username() if by is not None else "scheduler"
-
 
 def _deny(message: str) -> ApplicationError:
     return ApplicationError(message, code="permission_denied", status=403)
-
-
-_asked_at = [float("-inf")]  # when this process last asked for a pass (monotonic seconds)
-
-
-def schedule_soon() -> None:
-    """Ask for a scheduling pass after this transaction commits, coalescing bursts.
-
-    A thousand submits inside the coalescing window send one task, not a thousand:
-    the shared cache coalesces across processes, and each process skips even the
-    cache while its own request is still pending (the beat covers any gap).
-    """
-
-    def send():
-        now = time.monotonic()
-        if now - _asked_at[0] < settings.SCHEDULE_COALESCE_S / 2:
-            return
-        _asked_at[0] = now
-        if best_effort.add("jobs:schedule:queued", 1, timeout=settings.SCHEDULE_COALESCE_S):
-            from controlplane.celery import app
-
-            try:
-                app.send_task("jobs.schedule", countdown=settings.SCHEDULE_COALESCE_S)
-            except Exception:  # the beat runs the pass anyway; a submit must not fail
-                log.warning("could not enqueue a scheduling pass", exc_info=True)
-
-    transaction.on_commit(send)
 
 
 def budget_left(*, team) -> bool:
@@ -176,11 +121,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
     _check_cost(spec, team, resources, pool_ids, errors)
     wanted_secrets = set(spec.get("secrets") or [])
     if wanted_secrets:
-        known = set(
-            TeamSecret.objects.filter(team=team, name__in=wanted_secrets).values_list(
-                "name", flat=True
-            )
-        )
+        known = team_secret_names(team_id=team.pk, names=wanted_secrets)
         for name in sorted(wanted_secrets - known):
             errors.add("secrets", f"{team.slug} has no secret named {name}.")
     errors.raise_if_any()
@@ -221,7 +162,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
                 to_state=J.PENDING,
                 reason="submitted",
                 actor=job.submitted_by,
-                actor_label=_label(submitted_by),
+                actor_label=actor_label(submitted_by),
             )
             audit_record(
                 actor=submitted_by, action="job.submit", obj=job, after=snapshot(job), team=team
@@ -313,143 +254,11 @@ def _can_manage(by, job: Job) -> bool:
     return job_can_manage(user=by, team_id=job.team_id, submitted_by_id=job.submitted_by_id)
 
 
-@dataclass(frozen=True)
-class Move:
-    """One job's step in a state change: its id, its team, the state it leaves, and why."""
-
-    job_id: int
-    team_id: int
-    came_from: str
-    reason: str
-
-
-def jobs_move(*, moves: list[Move], to: str, by, now: dt.datetime, **fields) -> None:
-    """The one road every job state change takes: for one job (job_transition) and for
-    the scheduler's thousands (placements, preemptions) alike.
-
-    The jobs are locked by the caller and each is allowed to go to `to`. Writes the
-    state, one JobEvent per job, the audit rows, and the change's side effects: runs
-    asked to stop, GPUs released (once each run there has ended), waiting reasons
-    dropped, webhooks owed, a scheduling pass asked for. Admissions (the scheduler's
-    placements) are recorded by their JobEvents alone, without audit rows: a first pass
-    admits thousands; the audit log keeps what takes something from someone.
-    """
-    if not moves:
-        return
-    values = {
-        "state": to,
-        "state_changed_at": now,
-        "finished_at": now if to in FINISHED_STATES else None,
-        **fields,
-    }
-    if to == J.PENDING:
-        values["pool"] = None
-    actor_id = by.pk if by is not None and by.pk else None
-    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for move in moves:
-        groups[(move.came_from, move.reason[:300])].append(move.job_id)
-    for (came_from, reason), job_ids in groups.items():
-        # The state and its JobEvents in one statement on PostgreSQL (update_logged).
-        update_logged(
-            Job.objects.filter(InArray("id", job_ids)),
-            {**values, "state_reason": reason},
-            log=JobEvent,
-            log_fields=("job", "at", "from_state", "to_state", "reason", "actor", "actor_label"),
-            log_values=(now, came_from, to, reason, actor_id, _label(by)),
-        )
-    ids = [move.job_id for move in moves]
-    waiting = [m.job_id for m in moves if to == J.PENDING or m.came_from == J.PENDING]
-    if waiting:
-        JobWait.objects.filter(InArray("job_id", waiting)).delete()  # an old wait says nothing now
-    if not (to == J.ADMITTED and by is None):
-        _audit_moves(moves, to=to, by=by, fields=fields)
-    leaving = (
-        [m.job_id for m in moves if m.came_from in HOLDING_STATES]
-        if to not in HOLDING_STATES
-        else []
-    )
-    stopping = ids if to in (J.STOPPING, J.PREEMPTING) else leaving
-    if stopping:
-        from apps.jobs.dispatch import runs_stop_for
-
-        runs_stop_for(job_ids=stopping, reasons={m.job_id: m.reason for m in moves})
-    if leaving:
-        allocations_release(job_ids=leaving, now=now)
-    if to in FINISHED_STATES:
-        _owe_webhook_calls(ids, now=now)
-    if to in (J.PENDING, J.CANCELLED, J.FAILED, J.SUCCEEDED):
-        schedule_soon()
-
-
-def job_note(*, job_id: int, reason: str, by=None) -> JobEvent | None:
-    """A JobEvent that changes nothing (from and to the job's current state): what a
-    reader of the job's timeline must know between its state changes, such as the
-    checkpoint an attempt resumed from or the rank that really failed. None if the job
-    is gone."""
-    state = Job.objects.filter(pk=job_id).values_list("state", flat=True).first()
-    if state is None:
-        return None
-    return JobEvent.objects.create(
-        job_id=job_id,
-        from_state=state,
-        to_state=state,
-        reason=reason[:300],
-        actor=by if by is not None and by.pk else None,
-        actor_label=_label(by),
-    )
-
-
-def _audit_moves(moves: list[Move], *, to: str, by, fields: dict) -> None:
-    plain = {k: v for k, v in fields.items() if isinstance(v, int | str | bool | type(None))}
-    jobs = Job.objects.only("id", "name").in_bulk([m.job_id for m in moves])
-    by_team: dict[int, list] = defaultdict(list)
-    for move in moves:
-        by_team[move.team_id].append(
-            (
-                jobs[move.job_id],
-                {"state": move.came_from},
-                {"state": to, "state_reason": move.reason[:300], **plain},
-            )
-        )
-    for team_id, changes in by_team.items():
-        audit_record_many(actor=by, action=f"job.{to}", changes=changes, team_id=team_id)
-
-
-def moves_allowed(rows, *, to: str) -> tuple[list[Move], list[tuple[int, str]]]:
-    """Split locked (job id, team id, state, reason) rows into the moves `to` allows and the
-    (job id, state) of those it does not."""
-    allowed, refused = [], []
-    for job_id, team_id, state, reason in rows:
-        if to in JOB_TRANSITIONS[state]:
-            allowed.append(Move(job_id, team_id, state, reason))
-        else:
-            refused.append((job_id, state))
-    return allowed, refused
-
-
-@transaction.atomic
-def job_transition(*, job: Job, to: str, reason: str, by, **fields) -> Job:
-    """Move one job to `to` (jobs_move), or answer 409 if its state does not allow it."""
-    state, team_id = (
-        Job.objects.select_for_update().filter(pk=job.pk).values_list("state", "team_id").get()
-    )
-    moves, refused = moves_allowed([(job.pk, team_id, state, reason)], to=to)
-    if refused:
-        raise ApplicationError(
-            f"Job {job.pk} is {state}; it cannot go to {to}.",
-            code="invalid_transition",
-            details={"state": [f"{state} → {to} is not allowed."]},
-            status=409,
-        )
-    jobs_move(moves=moves, to=to, by=by, now=timezone.now(), **fields)
-    return Job.objects.get(pk=job.pk)
-
-
 def job_cancel(*, job: Job, by, reason: str = "") -> Job:
     """Cancel: a waiting or not yet started job at once; a running one stops keeping its work."""
     if by is not None and not _can_manage(by, job):
         raise _deny("Only the submitter, the team's admins and ops cancel a job.")
-    why = reason.strip() or f"cancelled by {_label(by)}"
+    why = reason.strip() or f"cancelled by {actor_label(by)}"
     current = Job.objects.get(pk=job.pk).state
     if current in (J.PENDING, J.HELD) or current in NOT_STARTED_STATES:
         return job_transition(job=job, to=J.CANCELLED, reason=why, by=by)
@@ -459,87 +268,24 @@ def job_cancel(*, job: Job, by, reason: str = "") -> Job:
 def job_hold(*, job: Job, by) -> Job:
     if by is not None and not _can_manage(by, job):
         raise _deny("Only the submitter, the team's admins and ops hold a job.")
-    return job_transition(job=job, to=J.HELD, reason=f"held by {_label(by)}", by=by)
+    return job_transition(job=job, to=J.HELD, reason=f"held by {actor_label(by)}", by=by)
 
 
 def job_release(*, job: Job, by) -> Job:
     if by is not None and not _can_manage(by, job):
         raise _deny("Only the submitter, the team's admins and ops release a job.")
-    return job_transition(job=job, to=J.PENDING, reason=f"released by {_label(by)}", by=by)
+    return job_transition(job=job, to=J.PENDING, reason=f"released by {actor_label(by)}", by=by)
 
 
 def job_requeue(*, job: Job, by, reason: str = "") -> Job:
     """Send a job back to the queue: a finished one runs again; a running one checkpoints first."""
     if by is not None and not _can_manage(by, job):
         raise _deny("Only the submitter, the team's admins and ops requeue a job.")
-    why = reason.strip() or f"requeued by {_label(by)}"
+    why = reason.strip() or f"requeued by {actor_label(by)}"
     current = Job.objects.get(pk=job.pk).state
     if current in (J.STARTING, J.RUNNING):
         return job_transition(job=job, to=J.PREEMPTING, reason=why, by=by)
     return job_transition(job=job, to=J.PENDING, reason=why, by=by)
-
-
-# --- allocations ----------------------------------------------------------------------
-
-
-def allocations_release(*, job_ids: list[int], now: dt.datetime) -> None:
-    """The jobs no longer want their GPUs. An allocation with no run of it still open ends
-    now; one whose run is still there ends when that run does (allocations_runs_ended),
-    so its GPUs are never handed to another job while its processes live. Nodes left
-    without work become READY (or DRAINED)."""
-    open_ids = list(
-        Allocation.objects.filter(InArray("job_id", job_ids), ended_at__isnull=True).values_list(
-            "id", flat=True
-        )
-    )
-    if not open_ids:
-        return
-    busy = _with_open_runs(open_ids)
-    if busy:
-        Allocation.objects.filter(InArray("id", sorted(busy))).update(release_wanted=True)
-    _allocations_end([a for a in open_ids if a not in busy], now=now)
-
-
-def allocations_runs_ended(*, allocation_ids, now: dt.datetime) -> None:
-    """Runs on these allocations ended: end the ones their jobs let go of with no run left."""
-    wanted = list(
-        Allocation.objects.filter(
-            InArray("id", sorted(set(allocation_ids) - {None})),
-            ended_at__isnull=True,
-            release_wanted=True,
-        ).values_list("id", flat=True)
-    )
-    if not wanted:
-        return
-    busy = _with_open_runs(wanted)
-    _allocations_end([a for a in wanted if a not in busy], now=now)
-
-
-def _with_open_runs(allocation_ids: list[int]) -> set[int]:
-    """Those of the allocations a run of which may still have a process."""
-    return set(
-        Run.objects.filter(
-            InArray("allocation_id", allocation_ids), state__in=OPEN_RUN_STATES
-        ).values_list("allocation_id", flat=True)
-    )
-
-
-def _allocations_end(allocation_ids: list[int], *, now: dt.datetime) -> None:
-    if not allocation_ids:
-        return
-    node_ids = list(
-        Allocation.objects.filter(InArray("id", allocation_ids))
-        .values_list("node_id", flat=True)
-        .distinct()
-    )
-    Allocation.objects.filter(InArray("id", allocation_ids)).update(ended_at=now)
-    still_busy = set(
-        Allocation.objects.filter(InArray("node_id", node_ids), ended_at__isnull=True).values_list(
-            "node_id", flat=True
-        )
-    )
-    fleet.nodes_work_ended(node_ids=node_ids, still_busy=still_busy)
-    schedule_soon()  # GPUs came free
 
 
 # --- reservations ---------------------------------------------------------------------
@@ -598,7 +344,7 @@ def jobs_reconcile(*, now: dt.datetime | None = None) -> dict[str, int]:
 
     A preempted job whose checkpoint never came back within PREEMPTION_GRACE_S is
     requeued (its last committed checkpoint still stands); a stopping one is
-    cancelled. Broker redelivery alone would not do this (ARCHITECTURE.md).
+    cancelled. Broker redelivery alone would not do this (README, "Design").
     """
     now = now or timezone.now()
     cutoff = now - dt.timedelta(seconds=settings.PREEMPTION_GRACE_S)
@@ -713,30 +459,6 @@ def webhook_delete(*, webhook: Webhook, by) -> None:
             before={"url": webhook.url},
         )
         webhook.delete()
-
-
-def _owe_webhook_calls(job_ids: list[int], *, now: dt.datetime) -> None:
-    jobs = list(Job.objects.select_related("team").filter(InArray("id", job_ids)))
-    hooks = list(Webhook.objects.filter(team_id__in={j.team_id for j in jobs}, active=True))
-    rows = []
-    for job in jobs:
-        payload = {
-            "job": job.pk,
-            "uuid": str(job.uuid),
-            "name": job.name,
-            "team": job.team.slug,
-            "state": job.state,
-            "reason": job.state_reason,
-            "finished_at": now.isoformat(),
-        }
-        rows += [
-            WebhookDelivery(webhook=hook, job=job, payload=payload, next_attempt_at=now)
-            for hook in hooks
-            if hook.team_id == job.team_id and hook.job_id in (None, job.pk)
-        ]
-    if rows:
-        WebhookDelivery.objects.bulk_create(rows)
-        enqueue_on_commit("jobs.deliver_webhooks", covered_by="the beat")
 
 
 def webhook_deliveries_send(*, now: dt.datetime | None = None, limit: int = 100) -> dict:

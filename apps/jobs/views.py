@@ -12,8 +12,8 @@ from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from apps.accounts.models import GPU_TYPES, Team
-from apps.accounts.selectors import roles_of, teams_visible_to
+from apps.accounts.models import GPU_TYPES
+from apps.accounts.selectors import roles_of, team_ids_by_slug, teams_visible_to
 from apps.jobs import selectors, services, specs
 from apps.jobs.api.serializers import JobSubmitSerializer
 from apps.jobs.api.views import submit_request
@@ -65,9 +65,7 @@ def queue(request):
         per_page=QUEUE_PAGE_SIZE,
     )
     rows = page.object_list
-    team_ids = dict(
-        Team.objects.filter(slug__in={r["team"] for r in rows}).values_list("slug", "id")
-    )
+    team_ids = team_ids_by_slug(slugs={r["team"] for r in rows})
     for row in rows:
         row["can_cancel"] = not row["anonymous"] and services.job_can_manage(
             user=request.user,

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 def cpctl(live_server, token, *args):
     env = {**os.environ, "CPCTL_URL": live_server.url, "CPCTL_TOKEN": token}
     return subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", *args],
+        [sys.executable, "-m", "cpctl", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -55,7 +56,7 @@ def test_the_api_saying_no_is_exit_1_with_its_message(live_server, researcher):
 def test_no_server_is_exit_2():
     env = {**os.environ, "CPCTL_URL": "http://127.0.0.1:9", "CPCTL_TOKEN": "x"}
     result = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", "whoami"],
+        [sys.executable, "-m", "cpctl", "whoami"],
         env=env,
         capture_output=True,
         text=True,
@@ -77,7 +78,7 @@ def test_a_spec_file_that_cannot_be_read_is_exit_2_with_its_problem(text, proble
         spec.write_text(text)
     env = {**os.environ, "CPCTL_URL": "http://127.0.0.1:9", "CPCTL_TOKEN": "x"}
     result = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", "submit", str(spec)],
+        [sys.executable, "-m", "cpctl", "submit", str(spec)],
         env=env,
         capture_output=True,
         text=True,
@@ -102,7 +103,7 @@ def test_ctrl_c_is_exit_130_without_a_traceback():
             "CPCTL_TOKEN": "x",
         }
         waiting = subprocess.Popen(
-            [sys.executable, "-m", "controlplane.cli", "whoami"],
+            [sys.executable, "-m", "cpctl", "whoami"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -119,7 +120,7 @@ def test_ctrl_c_is_exit_130_without_a_traceback():
 
 
 def test_a_date_like_yaml_value_stays_a_string(tmp_path):
-    from controlplane.cli import _load_spec
+    from cpctl.cli import _load_spec
 
     spec = tmp_path / "job.yml"
     spec.write_text("name: 2026-12-01\nteam: ml\nplacement: {spot: yes}\n")
@@ -150,7 +151,7 @@ def test_submit_status_queue_and_wait_until_cancelled(live_server, team, researc
         [
             sys.executable,
             "-m",
-            "controlplane.cli",
+            "cpctl",
             "submit",
             str(spec),
             "--wait",
@@ -254,3 +255,16 @@ def test_jobs_lists_finished_ones_newest_first_with_why_they_ended(
     assert row.split()[:4] == [str(made[0].pk), team.slug, "j-0", "failed"]
     assert "rank 1 exited 2" in row
     assert cpctl(live_server, token, "jobs", "--user", "nobody").stdout.count("\n") == 1
+
+
+def test_importing_cpctl_imports_no_django():
+    """CI images install cpctl without Django: importing it must not reach for it."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, cpctl.cli; print(*sorted(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    ).stdout.split()
+    assert "cpctl.cli" in loaded
+    assert not [m for m in loaded if m.split(".")[0] in ("django", "controlplane", "apps")]

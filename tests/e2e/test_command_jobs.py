@@ -153,7 +153,7 @@ def test_cpctl_logs_follows_a_running_job_to_its_end(local_nodes, e2e_team, api_
         [
             sys.executable,
             "-m",
-            "controlplane.cli",
+            "cpctl",
             "logs",
             str(job.pk),
             "--follow",

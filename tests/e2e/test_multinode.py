@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from apps.fleet.models import Node
-from apps.jobs.dispatch import trainer_event
+from apps.jobs.trainer_lines import trainer_event
 from tests import factories
 from tests.e2e.conftest import (
     Finished,

@@ -80,7 +80,7 @@ def spot_prices_fetch(*, provider_for=None, now: dt.datetime | None = None) -> d
     from apps.costs.services import SpotQuote, spot_prices_record
     from workers.providers.aws import AwsProvider
     from workers.providers.errors import ProviderError
-    from workers.tasks.cloud import aws_config
+    from workers.tasks.aws_nodes import aws_config
 
     now = now or timezone.now()
     provider_for = provider_for or (lambda region: AwsProvider(aws_config(region)))

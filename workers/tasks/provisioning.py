@@ -20,6 +20,7 @@ from workers.providers import errors
 from workers.providers.bundle import Bundle
 from workers.providers.local import LocalConfig, LocalNodeSpec, LocalProvider
 from workers.providers.ssh import SshConfig, SshNodeSpec, SshProvider
+from workers.tasks.aws_nodes import aws_provider_for, launch_record
 from workers.tasks.locks import single_flight
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ def provider_for(node):
             ),
         )
     if node.provider == "aws":
-        from workers.tasks.cloud import aws_provider_for
-
         return aws_provider_for(node)
     raise errors.ConfigurationError(f"provider {node.provider!r} is provisioned elsewhere")
 
@@ -87,6 +86,8 @@ def _bootstrap(node, provider, spec, progress=None) -> None:
     token = agents.node_agent_token_issue(node=node)
     bundle = agent_bundle(node, token=token)
     provider.bootstrap(spec, bundle, restart_agent=True, progress=progress)
+    if node.provider == "aws":  # a running instance has its address now
+        launch_record(node_id=node.pk, description=provider.describe(spec))
 
 
 def provision_node(node_id: int) -> str:
@@ -111,7 +112,7 @@ def provision_node(node_id: int) -> str:
         provider, spec = provider_for(node)
         if node.state in ("provisioning", "awaiting_host_key"):
             try:
-                provider.create(spec, progress=progress)
+                launch_record(node_id=node.pk, description=provider.create(spec, progress=progress))
             except errors.HostKeyUnknown as exc:
                 if node.state == "provisioning":
                     fleet.node_host_key_offer(node=node, offered_key=exc.offered_key)

@@ -37,7 +37,7 @@ from apps.checkpoints.services.states import (
     storage_kind,
 )
 from apps.jobs.models import Run
-from apps.jobs.services import job_note
+from apps.jobs.transitions import job_note
 
 
 def checkpoint_event_record(*, run: Run, report: dict) -> dict:

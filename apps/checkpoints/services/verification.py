@@ -25,14 +25,14 @@ from apps.checkpoints.services.states import (
     _settle,
     _user_label,
 )
-from apps.fleet.selectors import node_name
+from apps.fleet.selectors import node_names
 from apps.jobs.services import job_can_manage
 from controlplane.errors import ApplicationError
 
 
 def _answerer(node_id: int | None) -> str:
     """Who answered a request: a node's agent, or (S3) the control plane."""
-    return f"agent:{node_name(node_id=node_id)}" if node_id else _actor()
+    return f"agent:{node_names(node_ids=[node_id])[node_id]}" if node_id else _actor()
 
 
 def _answered_by(copy: CheckpointCopy, node_id: int | None, request: str) -> bool:

@@ -6,7 +6,7 @@ one error shape. The protocol is described in workers/agent/agent.py.
 
 Heartbeats can take a shorter road still: `heartbeat_fast_path` lands a plain,
 valid heartbeat in front of Django's middleware and URL resolution, which cost
-more than the heartbeat itself (controlplane/shortroads.py). Anything else (a
+more than the heartbeat itself (apps/fleet/api/shortroad.py). Anything else (a
 missing or unknown token, a body that is not a JSON object, a host Django would
 refuse, a failure) is handed to Django, which answers it through the view below,
 so the answers and their error shape are the same on both roads.
@@ -19,9 +19,9 @@ from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from apps.fleet import agents
+from apps.fleet.api.shortroad import Answer, bearer_token, short_road
 from controlplane.api import error_body
 from controlplane.errors import ApplicationError
-from controlplane.shortroads import Answer, bearer_token, short_road
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -97,7 +97,7 @@ _OK = json.dumps({"ok": True}).encode()
 
 def heartbeat_fast_path(application):
     """Wrap a WSGI application: plain valid heartbeats are landed in front of it
-    (controlplane/shortroads.py), with the view's answer; the rest go on."""
+    (apps/fleet/api/shortroad.py), with the view's answer; the rest go on."""
     return short_road(
         application,
         method="POST",

@@ -21,6 +21,7 @@ from apps.jobs.models import Allocation, Job, JobState, JobWait, TeamUsage
 from apps.jobs.models.jobs import LAST_PASS_KEY, NOT_STARTED_STATES, STARTED_STATES, lowest_free
 from apps.jobs.scheduler import snapshot as plain
 from apps.jobs.scheduler.read import ReadContext, decay_scale
+from apps.jobs.transitions import Move, jobs_move
 from controlplane.bulk import InArray, fetch_rows, insert_rows, int_array
 from controlplane.cache import best_effort
 from controlplane.celery import enqueue_on_commit
@@ -44,8 +45,6 @@ def _apply_placements(
     placed jobs with one to delete: only the pass (under its lock) adds wait rows."""
     if not placements:
         return
-    from apps.jobs.services import Move, jobs_move
-
     wanted = {p.job_id: p for p in placements}
     # Read in one fetch each (a first pass locks thousands of jobs and nodes).
     still_pending = dict(
@@ -135,8 +134,6 @@ def _apply_preemptions(preemptions: list[plain.Preemption], *, now, applied: App
     preempted for starts on them after that."""
     if not preemptions:
         return
-    from apps.jobs.services import Move, jobs_move
-
     reasons = {p.job_id: p.reason for p in preemptions}
     victims = list(
         Job.objects.select_for_update()

@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from apps.fleet.models import Node, NodeState
 from apps.fleet.services import node_drain, node_transition, nodes_heartbeat_sweep
-from apps.jobs import services
+from apps.jobs import services, transitions
 from apps.jobs.dispatch import job_dispatch, jobs_on_down_nodes, jobs_on_lost_nodes, run_report
 from apps.jobs.models import Allocation, Job, JobState, Run
 from apps.jobs.scheduler.run import scheduling_pass
@@ -174,13 +174,13 @@ def test_a_note_records_something_about_a_job_without_moving_it(
 ):
     job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
     before = (job.state, job.state_changed_at, job.events.count())
-    note = services.job_note(job_id=job.pk, reason="attempt 1 resumed from step 10 (/x)")
+    note = transitions.job_note(job_id=job.pk, reason="attempt 1 resumed from step 10 (/x)")
     job.refresh_from_db()
     assert (note.from_state, note.to_state) == (job.state, job.state) == ("pending", "pending")
     assert note.reason == "attempt 1 resumed from step 10 (/x)" and note.actor is None
     assert (job.state, job.state_changed_at) == before[:2]
     assert job.events.count() == before[2] + 1
-    assert services.job_note(job_id=10**9, reason="gone") is None
+    assert transitions.job_note(job_id=10**9, reason="gone") is None
 
 
 def test_a_collective_timeout_is_told_as_a_symptom_and_the_lost_peer_is_named_later(

@@ -7,7 +7,7 @@ from apps.accounts.models import TeamRole
 from apps.fleet import services as fleet
 from apps.fleet.models import JobIsolation, Node, NodeState, Tenancy
 from apps.fleet.services import node_drain
-from apps.jobs import services
+from apps.jobs import services, transitions
 from apps.jobs.models import Allocation, Job, JobEvent, JobState, TeamUsage
 from apps.jobs.scheduler.apply import _dispatch_soon, dispatch_batches_send
 from apps.jobs.scheduler.run import scheduling_pass
@@ -223,10 +223,8 @@ def test_a_burst_of_submits_asks_for_one_pass(
 ):
     from django.core.cache import cache
 
-    from apps.jobs import services
-
     cache.delete("jobs:schedule:queued")
-    services._asked_at[0] = float("-inf")  # forget what earlier tests in this process asked
+    transitions._asked_at[0] = float("-inf")  # forget what earlier tests in this process asked
     before = _queued_messages()
     with django_capture_on_commit_callbacks(execute=True):
         for i in range(100):

@@ -74,7 +74,7 @@ def test_bad_usage_is_exit_2(tmp_path):
 def cpctl(live_server, token, *args):
     env = {**os.environ, "CPCTL_URL": live_server.url, "CPCTL_TOKEN": token}
     return subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", *args],
+        [sys.executable, "-m", "cpctl", *args],
         env=env,
         capture_output=True,
         text=True,

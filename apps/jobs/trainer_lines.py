@@ -1,0 +1,108 @@
+"""What the bundled trainer prints for the control plane to read: JSON lines with an "event"
+key among a run's output. The one parser of them on this side (the agent ships apart and
+keeps its own)."""
+
+import json
+import math
+import re
+
+from apps.jobs.models import LogLine, RankEnvironment, Run, StepMetric
+from apps.jobs.specs import NCCL_ENV_PREFIXES
+
+
+def int_or_none(value) -> int | None:
+    """A whole number as JSON gave it, or None (a bool is not one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+STEP_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_gib")
+
+
+def trainer_event(text: str) -> dict | None:
+    """A line the bundled trainer printed for us: a JSON object with an "event" key."""
+    if not text.startswith("{") or '"event"' not in text[:40]:
+        return None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):  # a job prints what it likes
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("event"), str) else None
+
+
+def step_metric(run: Run, line: LogLine) -> StepMetric | None:
+    """The trainer's per-step line, `{"event":"step","step":12,"loss":3.1,...}`."""
+    data = trainer_event(line.text)
+    if data is None or data["event"] != "step":
+        return None
+    step = data.get("step")
+    if not isinstance(step, int) or not 0 <= step < 2**31:
+        return None
+
+    def number(name):
+        value = data.get(name)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return float(value) if ok and math.isfinite(value) else None
+
+    return StepMetric(
+        job_id=run.job_id,
+        attempt=run.attempt,
+        step=step,
+        at=line.at,
+        **{name: number(name) for name in STEP_FIELDS},
+    )
+
+
+MAX_RANK_VARIABLES = 256
+_VARIABLE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,127}\Z")
+
+
+def _storable(value) -> bool:
+    """A string PostgreSQL's JSON keeps: no NUL, no lone surrogate (both parse from escapes)."""
+    if not isinstance(value, str) or "\x00" in value:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def rank_environment(run: Run, line: LogLine) -> RankEnvironment | None:
+    """A rank's `{"event":"env","rank":3,"local_rank":1,"node_rank":1,"env":{...}}`: kept only
+    when the rank, local rank and node rank fit the job's world and `env` is a mapping of
+    names to strings; of it, only NCCL, PyTorch-NCCL and EFA variables."""
+    data = trainer_event(line.text)
+    if data is None or data["event"] != "env":
+        return None
+    job = run.job
+    rank, local_rank, node_rank = (
+        int_or_none(data.get(key)) for key in ("rank", "local_rank", "node_rank")
+    )
+    env = data.get("env")
+    if not (
+        rank is not None
+        and 0 <= rank < job.nodes * job.gpus_per_node
+        and local_rank is not None
+        and 0 <= local_rank < job.gpus_per_node
+        and node_rank is not None
+        and 0 <= node_rank < job.nodes
+        and isinstance(env, dict)
+        and len(env) <= MAX_RANK_VARIABLES
+        and all(_storable(value) for value in env.values())
+    ):
+        return None
+    kept = {
+        name: value
+        for name, value in sorted(env.items())
+        if _VARIABLE_NAME.match(name) and name.startswith(NCCL_ENV_PREFIXES)
+    }
+    return RankEnvironment(
+        job_id=run.job_id,
+        run=run,
+        attempt=run.attempt,
+        rank=rank,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        env=kept,
+        reported_at=line.at,
+    )

@@ -1,0 +1,1 @@
+"""`cpctl`, the command-line client: standard library only, apart from the Django project."""

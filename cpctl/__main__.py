@@ -1,0 +1,7 @@
+"""`python -m cpctl`."""
+
+import sys
+
+from cpctl.cli import main
+
+sys.exit(main())
