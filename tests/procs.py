@@ -1,6 +1,8 @@
-"""The processes of this machine as /proc shows them: a run's torchrun workers and a node's
-agent. Plain Python (no Django): the end-to-end tests and the drills both read them."""
+"""The processes of this machine as /proc shows them (a run's torchrun workers, a node's
+agent) and waiting for what they do. Plain Python (no Django): the end-to-end tests and
+the drills both use them."""
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,3 +63,16 @@ def agent_of(node_uuid: str) -> int | None:
         except OSError:
             continue
     return None
+
+
+def wait_for(what: str, predicate, timeout_s: float = 60.0, every_s: float = 0.2):
+    """Call `predicate` until it returns something true (returned), or fail after
+    `timeout_s` saying what was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(every_s)

@@ -4,7 +4,8 @@ nothing stuck, the usage ledger equal to the GPUs held, no node booked beyond it
 import datetime as dt
 import time
 
-from tests.drills.stack import Stack, wait_for
+from tests.drills.stack import Stack
+from tests.procs import wait_for
 
 FINISHED = ("succeeded", "failed", "cancelled")
 

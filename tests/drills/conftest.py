@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.drills import checks
-from tests.drills.stack import Stack, wait_for, why_not
+from tests.drills.stack import Stack, why_not
+from tests.procs import wait_for
 
 RECOVERIES: list[tuple[str, float, str]] = []
 

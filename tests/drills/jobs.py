@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from tests.drills import checks
-from tests.drills.stack import PYTHON, ROOT, Stack, wait_for
+from tests.drills.stack import PYTHON, ROOT, Stack
 from tests.jobspecs import command_spec, tiny_trainer_spec
-from tests.procs import agent_of
+from tests.procs import agent_of, wait_for
 
 
 def submit(stack: Stack, spec: dict, *, key: str = "") -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 import psycopg
 import requests
 
+from tests.procs import wait_for
 from tests.workers.providers.servers import SshServer, free_port, keygen, public_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,17 +240,6 @@ class Redis:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
-
-
-def wait_for(what: str, predicate, timeout_s: float = 60.0, every_s: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(every_s)
 
 
 class Stack:

@@ -7,7 +7,7 @@ import time
 
 from tests.drills import checks
 from tests.drills.jobs import Burst, all_succeed_once, command, exactly_once, submit
-from tests.drills.stack import wait_for
+from tests.procs import wait_for
 
 
 def test_gunicorn_stopped_mid_burst(drill, recovered):

@@ -22,8 +22,7 @@ from tests.drills.jobs import (
     task_call,
     trainer,
 )
-from tests.drills.stack import wait_for
-from tests.procs import workers_of
+from tests.procs import wait_for, workers_of
 
 TIGHT_KIB = 6144  # room for one checkpoint of the tiny trainer (3.8 MB), not two
 

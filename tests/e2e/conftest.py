@@ -19,7 +19,7 @@ from apps.jobs.models import Job, JobEvent, Run, StepMetric
 from apps.jobs.scheduler.run import scheduling_pass
 from tests import factories
 from tests.jobspecs import tiny_trainer_spec  # noqa: F401 (the e2e tests' own names)
-from tests.procs import Worker, workers_of  # noqa: F401 (the e2e tests' own names)
+from tests.procs import Worker, wait_for, workers_of  # noqa: F401 (the e2e tests' own names)
 from workers.tasks.provisioning import provider_for, provision_node, terminate_node
 
 ENDED = ("succeeded", "failed", "cancelled")
@@ -49,17 +49,6 @@ def agents_reach(live_server, settings, open_dir):
     # run the sweep themselves and set this.
     settings.NODE_QUIET_AFTER_S = 3600
     return live_server
-
-
-def wait_for(what, predicate, timeout_s: float = 60.0, every_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every_s)
 
 
 @pytest.fixture
