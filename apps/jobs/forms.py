@@ -12,6 +12,9 @@ from workers.trainer.presets import PRESETS
 
 GPU_COUNTS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
+# Spec fields the form asks for in another unit: their errors say which unit they count in.
+SPEC_UNITS = {"time_limit_s": "seconds (this field is in hours; 1 h = 3,600 s)"}
+
 # Where an error on a spec field (its path in the API's spec) is shown on the form.
 SPEC_FIELDS = {
     "name": "name",
@@ -137,6 +140,8 @@ class SubmitForm(forms.Form):
                 continue
             field = _form_field(where)
             for problem in problems if isinstance(problems, list) else [problems]:
+                if where in SPEC_UNITS:
+                    problem = f"{problem} In {SPEC_UNITS[where]}."
                 self.add_error(field, problem if field or not where else f"{where}: {problem}")
 
 

@@ -335,7 +335,8 @@ def test_the_forms_spec_is_checked_by_the_apis_serializer_its_errors_on_the_fiel
     html = response.content.decode()
     assert field_errors(html, "gpus_per_node") == ["Ensure this value is less than or equal to 64."]
     assert field_errors(html, "time_limit_hours") == [
-        "Ensure this value is greater than or equal to 60."
+        "Ensure this value is greater than or equal to 60. "
+        "In seconds (this field is in hours; 1 h = 3,600 s)."
     ]
     assert field_errors(html, "steps") == ["Ensure this value is greater than or equal to 1."]
     assert 'class="form-errors"' not in html
