@@ -189,7 +189,9 @@ def test_an_ssh_node_lost_in_a_two_node_job(drill, recovered):
         assert checks.finished(drill, job_id, timeout_s=300)["state"] == "succeeded"
     reasons = _reasons(drill, job_id)
     assert any(victim_name in r and "lost" in r for r in reasons), reasons
-    assert any(r.startswith("attempt 2 resumed from step") for r in reasons), reasons
+    # Resumed from its checkpoint, by attempt 2 or, where attempt 2 was placed on the dying
+    # node before it was seen quiet, by the next.
+    assert any(" resumed from step " in r for r in reasons), "\n".join(reasons)
     recovered("SSH node lost mid-job", back - died, "death → job running on the node left")
 
 
