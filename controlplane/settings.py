@@ -193,6 +193,15 @@ AGENT_VERSION = AGENT_PACKAGE_VERSION  # agents older than the one shipped are u
 NODE_TOKEN_CACHE_S = env_int("NODE_TOKEN_CACHE_S", 300)
 GPU_MAX_TEMPERATURE_C = env_int("GPU_MAX_TEMPERATURE_C", 90)
 NODE_MIN_FREE_DISK_GB = env_int("NODE_MIN_FREE_DISK_GB", 50)
+# GPU telemetry (apps/fleet/telemetry.py): each flushed heartbeat's readings are kept for a
+# day, their one-minute means for a month; the rollup also deletes what is past these.
+TELEMETRY_RAW_RETENTION_S = env_int("TELEMETRY_RAW_RETENTION_S", 24 * 3600)
+TELEMETRY_MINUTE_RETENTION_S = env_int("TELEMETRY_MINUTE_RETENTION_S", 30 * 24 * 3600)
+TELEMETRY_ROLLUP_EVERY_S = env_int("TELEMETRY_ROLLUP_EVERY_S", 60)
+CELERY_BEAT_SCHEDULE["fleet-telemetry-rollup"] = {
+    "task": "fleet.telemetry_rollup",
+    "schedule": float(TELEMETRY_ROLLUP_EVERY_S),
+}
 # Where local and SSH nodes' agents watch for spot notices (none: off; AWS nodes get
 # the real instance metadata address in their user data).
 AGENT_IMDS_URL = env_str("AGENT_IMDS_URL")

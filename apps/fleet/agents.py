@@ -2,7 +2,8 @@
 
 A heartbeat is the fleet's most frequent write (10,000 nodes every few seconds),
 so it only lands in the cache (`node_heartbeat_land`); the sweep task writes
-what landed to the database in batches (`nodes_heartbeats_flush`), moves nodes
+what landed to the database in batches (`nodes_heartbeats_flush`, GPU readings kept
+over time included: apps/fleet/telemetry.py), moves nodes
 whose heartbeats resumed back from SUSPECT (and DOWN ones through their health
 checks), and drains nodes that fail a health check, but never more than a fifth
 of a pool.
@@ -17,12 +18,13 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.core.cache import cache
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
 from apps.accounts.secrets import decrypt, encrypt
 from apps.fleet import services as fleet
+from apps.fleet import telemetry
 from apps.fleet.models import GONE_STATES, Gpu, GpuHealth, Node, NodeState
 from controlplane.bulk import update_rows
 from controlplane.celery import enqueue_on_commit
@@ -413,7 +415,7 @@ def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
     if not nodes:
         return {"written": 0, "resumed": 0, "drained": 0, "back": 0}
     landed = cache.get_many([_heartbeat_key(node_id) for node_id in nodes])
-    node_rows, gpu_rows, fresh, failing, back = [], [], [], [], []
+    node_rows, gpu_rows, samples, fresh, failing, back = [], [], [], [], [], []
     for node_id, (state, last, gpu_count, provider, isolation) in nodes.items():
         entry = landed.get(_heartbeat_key(node_id))
         if entry is None:
@@ -447,6 +449,7 @@ def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
             )
             for g in gpus
         )
+        samples.extend(telemetry.sample_row(node_id, at, g) for g in gpus)
         fresh.append((node_id, state))
         problems = health_problems(node_gpus=gpu_count, report=report)
         if problems and state in (S.READY, S.BUSY, S.SUSPECT):
@@ -476,6 +479,12 @@ def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
             keys=("node", "index"),
         )
         resumed = _resume_suspects([node_id for node_id, state in fresh if state == S.SUSPECT])
+    try:
+        # Apart from the writes above: a failure here loses readings, not heartbeats.
+        with transaction.atomic():
+            telemetry.gpu_samples_record(rows=samples)
+    except DatabaseError:
+        log.warning("GPU samples of %d heartbeats not kept", len(node_rows), exc_info=True)
     returned = 0
     for node_id, last, at, problems in back:
         with transaction.atomic():

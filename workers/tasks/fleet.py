@@ -39,3 +39,14 @@ def heartbeat_sweep() -> dict:
             counts,
         )
     return counts
+
+
+@shared_task(name="fleet.telemetry_rollup", acks_late=True, reject_on_worker_lost=True)
+def telemetry_rollup() -> dict:
+    """Average the GPU samples of finished minutes, and delete telemetry past retention."""
+    from apps.fleet.telemetry import gpu_telemetry_rollup
+
+    with single_flight("fleet.telemetry_rollup", ttl_s=300) as got_it:
+        if not got_it:
+            return {"skipped": "another rollup is running"}
+        return gpu_telemetry_rollup()

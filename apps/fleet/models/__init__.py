@@ -21,6 +21,7 @@ from apps.fleet.models.pools import (
     Tenancy,
 )
 from apps.fleet.models.sites import Rack, Site
+from apps.fleet.models.telemetry import GpuMinute, GpuSample
 
 __all__ = [
     "GONE_STATES",
@@ -29,6 +30,8 @@ __all__ = [
     "Fabric",
     "Gpu",
     "GpuHealth",
+    "GpuMinute",
+    "GpuSample",
     "InstanceType",
     "JobIsolation",
     "Node",
