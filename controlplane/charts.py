@@ -50,6 +50,7 @@ def line_chart(
     *,
     title: str,
     y_format: Callable[[float], str] = compact_number,
+    x_format: Callable[[float], str] = compact_number,
     width: int = 520,
     height: int = 200,
 ) -> SafeString:
@@ -89,7 +90,7 @@ def line_chart(
         if x_low <= tick <= x_high:
             parts.append(
                 f'<text class="tick" x="{px(tick):.1f}" y="{height - 8}" text-anchor="middle">'
-                f"{escape(compact_number(tick))}</text>"
+                f"{escape(x_format(tick))}</text>"
             )
     names = list(series)
     for i, name in enumerate(names):
@@ -192,4 +193,32 @@ def stacked_bar_chart(
             f'<text class="legend" x="{x + 14}" y="{height - 5}">{escape(name)}</text>'
         )
     parts.append("</svg>")
+    return mark_safe("".join(parts))  # noqa: S308 (every text above is escaped)
+
+
+def heat_grid(groups: Sequence[tuple[str, str, Sequence[tuple[str, str, str]]]]) -> SafeString:
+    """A heat map of small linked cells in labelled groups (a node and its GPUs).
+
+    `groups`: (label, href, cells), each cell (css classes, href, label); the classes say
+    the cell's colour (the stylesheet's `heat-0` … `heat-10`), the label is its tooltip and
+    accessible name. Built here rather than in a template loop: a fleet has thousands.
+    """
+    parts = ['<div class="heat-map">']
+    for label, href, cells in groups:
+        parts.append(
+            format_html('<div class="heat-node"><a class="heat-name" href="{}">{}</a>', href, label)
+        )
+        parts.append('<span class="heat-cells">')
+        parts.extend(
+            format_html(
+                '<a class="heat-cell {}" href="{}" title="{}" aria-label="{}"></a>',
+                classes,
+                cell_href,
+                cell_label,
+                cell_label,
+            )
+            for classes, cell_href, cell_label in cells
+        )
+        parts.append("</span></div>")
+    parts.append("</div>")
     return mark_safe("".join(parts))  # noqa: S308 (every text above is escaped)

@@ -56,6 +56,20 @@ class NodePoolFilterSet(filters.FilterSet):
 
 
 class NodeFilterSet(filters.FilterSet):
+    # By name for people (the Fleet page's selects), by id for scripts and links.
+    pool = filters.ModelChoiceFilter(
+        field_name="pool",
+        to_field_name="slug",
+        queryset=NodePool.objects.order_by("name"),
+        label="Pool",
+    )
+    site = filters.ModelChoiceFilter(
+        field_name="rack__site",
+        to_field_name="slug",
+        queryset=Site.objects.order_by("name"),
+        label="Site",
+    )
+    rack = filters.CharFilter(field_name="rack__name", label="Rack name")
     pool_id = IdFilter(field_name="pool_id")
     rack_id = IdFilter(field_name="rack_id")
     site_id = IdFilter(field_name="rack__site_id")

@@ -1,15 +1,20 @@
 """Reads of the fleet, shaped for the pages, the API and /metrics."""
 
+import datetime as dt
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db.models import Count, Prefetch, Q, QuerySet
+from django.db.models import Avg, Count, F, Max, Prefetch, Q, QuerySet
+from django.db.models.functions import TruncHour
+from django.utils import timezone
 
 from apps.fleet.models import (
     GONE_STATES,
     SCHEDULABLE_STATES,
     Gpu,
     GpuHealth,
+    GpuMinute,
+    GpuSample,
     InstanceType,
     Node,
     NodePool,
@@ -237,3 +242,142 @@ def schedulable_node_gpus(*, pool_ids) -> list[tuple[int, int, int]]:
             "id", "pool_id", "gpu_count"
         )
     )
+
+
+# --- one node, and its GPUs over time ----------------------------------------------------------
+
+
+def node_for_page(*, key: str) -> Node | None:
+    """A node by its id or its name, with what its page shows beside it."""
+    nodes = Node.objects.select_related("pool", "rack", "rack__site", "instance_type")
+    node = nodes.filter(pk=int(key)).first() if key.isdigit() and len(key) < 12 else None
+    return node or nodes.filter(name=key).first()
+
+
+def node_events(*, node: Node, limit: int = 50) -> list:
+    return list(node.events.order_by("-at", "-id")[:limit])
+
+
+@dataclass(frozen=True)
+class TelemetryWindow:
+    """A span of a node's charts: where its points come from and how they are bucketed."""
+
+    name: str
+    label: str
+    span: dt.timedelta
+    source: type  # GpuSample (raw) or GpuMinute
+    bucket: str | None  # "hour": the minutes averaged by hour; None: as stored
+    x_unit: str  # the x axis: time before now, in these units
+    x_seconds: int
+
+
+TELEMETRY_WINDOWS = {
+    w.name: w
+    for w in (
+        TelemetryWindow("1h", "last hour", dt.timedelta(hours=1), GpuSample, None, "min", 60),
+        TelemetryWindow("24h", "last day", dt.timedelta(days=1), GpuMinute, None, "h", 3600),
+        TelemetryWindow("7d", "last week", dt.timedelta(days=7), GpuMinute, "hour", "h", 3600),
+        TelemetryWindow(
+            "30d", "last 30 days", dt.timedelta(days=30), GpuMinute, "hour", "d", 86400
+        ),
+    )
+}
+TELEMETRY_METRICS = ("utilization_pct", "memory_used_mib", "temperature_c", "power_w")
+
+
+def node_gpu_series(
+    *, node_id: int, window: TelemetryWindow, now: dt.datetime | None = None
+) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """A node's GPU readings over `window` in one query: for each metric, the mean and the
+    highest of its GPUs at each point, x being the time before now in the window's unit
+    (negative). At most about 1,440 points a series."""
+    now = now or timezone.now()
+    rows = window.source.objects.filter(node_id=node_id, at__gte=now - window.span, at__lte=now)
+    when = TruncHour("at", tzinfo=dt.UTC) if window.bucket == "hour" else F("at")
+    aggregates = {}
+    for metric in TELEMETRY_METRICS:
+        aggregates[f"{metric}__mean"] = Avg(metric)
+        aggregates[f"{metric}__max"] = Max(metric)
+    points = rows.annotate(when=when).values("when").annotate(**aggregates).order_by("when")
+    series = {metric: {"mean": [], "highest": []} for metric in TELEMETRY_METRICS}
+    for point in points:
+        x = (point["when"] - now).total_seconds() / window.x_seconds
+        for metric in TELEMETRY_METRICS:
+            for name, suffix in (("mean", "mean"), ("highest", "max")):
+                value = point[f"{metric}__{suffix}"]
+                if value is not None:
+                    series[metric][name].append((x, float(value)))
+    return series
+
+
+# --- the heat map of GPUs ----------------------------------------------------------------------
+
+HEAT_MAP_MAX_NODES = 1000  # 8,000 GPUs; past it the page asks for a narrower filter
+
+
+@dataclass(frozen=True)
+class HeatCell:
+    node_id: int
+    node_name: str
+    index: int
+    health: str
+    utilization_pct: float | None
+    temperature_c: float | None
+    power_w: float | None
+    memory_used_mib: int | None
+    memory_mib: int
+    holder: object | None  # extensions.GpuHolder, or None when free
+
+
+@dataclass
+class HeatMap:
+    nodes: list[tuple[Node, list[HeatCell]]]
+    total_nodes: int
+
+    @property
+    def truncated(self) -> bool:
+        return self.total_nodes > len(self.nodes)
+
+
+def gpu_heat_map(*, nodes: QuerySet[Node], limit: int = HEAT_MAP_MAX_NODES) -> HeatMap:
+    """Every GPU of these nodes (the first `limit` by name), with its latest reading and
+    the job holding it: three queries however many nodes and GPUs."""
+    from apps.fleet.extensions import gpu_holders
+
+    shown = list(nodes.order_by("name").only("id", "name", "state", "gpu_count")[: limit + 1])
+    total = len(shown) if len(shown) <= limit else nodes.count()
+    shown = shown[:limit]
+    ids = [node.pk for node in shown]
+    holders = gpu_holders(node_ids=ids) if ids else {}
+    gpus: dict[int, list[HeatCell]] = {}
+    rows = (
+        Gpu.objects.filter(node_id__in=ids)
+        .order_by("node_id", "index")
+        .values_list(
+            "node_id",
+            "index",
+            "health",
+            "utilization_pct",
+            "temperature_c",
+            "power_w",
+            "memory_used_mib",
+            "memory_mib",
+        )
+    )
+    names = {node.pk: node.name for node in shown}
+    for node_id, index, health, util, temp, power, used, total_mib in rows:
+        gpus.setdefault(node_id, []).append(
+            HeatCell(
+                node_id=node_id,
+                node_name=names[node_id],
+                index=index,
+                health=health,
+                utilization_pct=util,
+                temperature_c=temp,
+                power_w=power,
+                memory_used_mib=used,
+                memory_mib=total_mib,
+                holder=holders.get(node_id, {}).get(index),
+            )
+        )
+    return HeatMap(nodes=[(node, gpus.get(node.pk, [])) for node in shown], total_nodes=total)

@@ -449,6 +449,29 @@ def node_provision(*, node: Node, by) -> Node:
     return locked
 
 
+@transaction.atomic
+def node_terminate(*, node: Node, reason: str, by) -> Node:
+    """Ops retire a node for good: TERMINATING now, and a worker stops its agent and
+    removes what bootstrap put there (a cloud node's instance is terminated) before it is
+    TERMINATED (fleet.terminate). A node still running jobs is drained first."""
+    require_fleet_manager(by)
+    locked = Node.objects.select_for_update().get(pk=node.pk)
+    if locked.state in (S.BUSY, S.DRAINING):
+        raise ApplicationError(
+            f"{locked} still runs jobs: drain it, and terminate it once it is drained.",
+            code="invalid_state",
+            status=409,
+        )
+    if locked.state != S.TERMINATING:  # asked again: the worker is asked again
+        locked = node_transition(
+            node=locked, to=S.TERMINATING, reason=reason or "terminated by ops", by=by
+        )
+    enqueue_on_commit(
+        "fleet.terminate", locked.pk, covered_by="ops asking again, or the cloud sweep"
+    )
+    return locked
+
+
 # --- heartbeats -----------------------------------------------------------------------
 
 

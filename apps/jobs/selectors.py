@@ -9,6 +9,7 @@ from django.db.models import Count, F, Q, QuerySet, Subquery, Sum
 from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
 from apps.costs.selectors import projection_for
+from apps.fleet.extensions import GpuHolder
 from apps.fleet.selectors import pool_names, pools_capacity, schedulable_node_gpus
 from apps.jobs import specs
 from apps.jobs.models import (
@@ -28,6 +29,7 @@ from apps.jobs.models.jobs import (
     PRIORITY_RANK,
     QUEUE_ORDER_KEY,
     last_pass_read_at,
+    slots_of,
     waiting_reason,
 )
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
@@ -617,3 +619,16 @@ def job_nodes_held(*, job_id: int) -> list[int]:
         .order_by("node__rack_id", "node__name")
         .values_list("node_id", flat=True)
     )
+
+
+def gpu_holders(node_ids) -> dict[int, dict[int, GpuHolder]]:
+    """Which job holds each GPU of these nodes (their open allocations), in one query."""
+    holders: dict[int, dict[int, GpuHolder]] = {}
+    rows = Allocation.objects.filter(node_id__in=list(node_ids), ended_at__isnull=True).values_list(
+        "node_id", "gpu_slots", "job_id", "job__name", "job__team_id"
+    )
+    for node_id, mask, job_id, name, team_id in rows.order_by():
+        holder = GpuHolder(job_id=job_id, job_name=name, team_id=team_id)
+        for index in slots_of(mask):
+            holders.setdefault(node_id, {})[index] = holder
+    return holders
