@@ -15,7 +15,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 REQUESTS = Counter(
     "controlplane_http_requests_total",
@@ -66,6 +66,80 @@ class FleetCollector:
         yield gpus
 
 
+# Each GPU's latest reading (written by the heartbeat flush): name, help, unit scale.
+GPU_GAUGES = (
+    ("controlplane_gpu_utilization_percent", "GPU utilisation, latest reading.", 1),
+    ("controlplane_gpu_memory_used_bytes", "GPU memory in use, latest reading.", 1024 * 1024),
+    ("controlplane_gpu_temperature_celsius", "GPU temperature, latest reading.", 1),
+    ("controlplane_gpu_power_watts", "GPU power draw, latest reading.", 1),
+)
+
+
+class GpuTelemetryCollector:
+    """Each GPU's latest utilisation, memory, temperature and power (one query), the
+    series the node page draws over time."""
+
+    def collect(self):
+        from apps.fleet.selectors import gpu_latest_readings
+
+        families = [
+            GaugeMetricFamily(name, text, labels=["node", "gpu"]) for name, text, _ in GPU_GAUGES
+        ]
+        for node, index, *readings in gpu_latest_readings():
+            labels = [node, str(index)]
+            for family, (_, _, scale), value in zip(families, GPU_GAUGES, readings, strict=True):
+                if value is not None:
+                    family.add_metric(labels, value * scale)
+        yield from families
+
+
+class QueueCollector:
+    """Jobs waiting by state and priority class, the longest wait of each class (one
+    query), and every team's spend so far (one query and the teams' names)."""
+
+    def collect(self):
+        from django.utils import timezone
+
+        from apps.accounts.models import Team
+        from apps.costs.selectors import spend_by_team_total
+        from apps.jobs.models import PriorityClass
+        from apps.jobs.selectors import queue_depth
+
+        depth = GaugeMetricFamily(
+            "controlplane_queue_jobs",
+            "Jobs waiting in the queue, by state (pending, held) and priority class.",
+            labels=["state", "priority"],
+        )
+        wait = GaugeMetricFamily(
+            "controlplane_queue_longest_wait_seconds",
+            "How long the longest-waiting pending job of each priority class has waited.",
+            labels=["priority"],
+        )
+        now = timezone.now()
+        waits = dict.fromkeys(PriorityClass.values, 0.0)
+        for row in queue_depth():
+            depth.add_metric([row.state, row.priority_class], row.jobs)
+            if row.state == "pending":
+                waits[row.priority_class] = (now - row.oldest_queued_at).total_seconds()
+        for priority, seconds in waits.items():
+            wait.add_metric([priority], max(seconds, 0.0))
+        yield depth
+        yield wait
+        spend = CounterMetricFamily(
+            "controlplane_team_spend_dollars",
+            'What each team\'s jobs have cost since the ledger began; team "(idle)" is '
+            "capacity nobody used.",
+            labels=["team"],
+        )
+        totals = spend_by_team_total()
+        slugs = dict(Team.objects.filter(pk__in=list(totals)).values_list("pk", "slug"))
+        for team_id, amount in sorted(totals.items()):
+            spend.add_metric(
+                [slugs.get(team_id, "(idle)" if team_id == 0 else str(team_id))], float(amount)
+            )
+        yield spend
+
+
 _registry_cache: CollectorRegistry | None = None
 
 
@@ -82,6 +156,8 @@ def _registry() -> CollectorRegistry:
             registry.register(REQUESTS)
             registry.register(LATENCY)
         registry.register(FleetCollector())
+        registry.register(GpuTelemetryCollector())
+        registry.register(QueueCollector())
         _registry_cache = registry
     return _registry_cache
 

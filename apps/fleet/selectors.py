@@ -381,3 +381,17 @@ def gpu_heat_map(*, nodes: QuerySet[Node], limit: int = HEAT_MAP_MAX_NODES) -> H
             )
         )
     return HeatMap(nodes=[(node, gpus.get(node.pk, [])) for node in shown], total_nodes=total)
+
+
+def gpu_latest_readings():
+    """(node name, GPU index, utilisation %, memory used MiB, °C, W) of every GPU that has
+    reported, on nodes not gone: one query, streamed (a fleet has 80,000)."""
+    return (
+        Gpu.objects.filter(reported_at__isnull=False)
+        .exclude(node__state__in=GONE_STATES)
+        .order_by("node__name", "index")
+        .values_list(
+            "node__name", "index", "utilization_pct", "memory_used_mib", "temperature_c", "power_w"
+        )
+        .iterator(chunk_size=5000)
+    )

@@ -4,7 +4,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from django.core.paginator import Page, Paginator
-from django.db.models import Count, F, Q, QuerySet, Subquery, Sum
+from django.db.models import Count, F, Min, Q, QuerySet, Subquery, Sum
 
 from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
@@ -632,3 +632,32 @@ def gpu_holders(node_ids) -> dict[int, dict[int, GpuHolder]]:
         for index in slots_of(mask):
             holders.setdefault(node_id, {})[index] = holder
     return holders
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    state: str  # pending or held
+    priority_class: str
+    jobs: int
+    oldest_queued_at: dt.datetime
+
+
+def queue_depth() -> list[QueueDepth]:
+    """Jobs waiting in the queue (pending or held) by priority class, and how long the
+    oldest of each has waited: one query over the live jobs (Job.objects.live())."""
+    rows = (
+        Job.objects.live()
+        .filter(state__in=(JobState.PENDING, JobState.HELD))
+        .values("state", "priority_class")
+        .annotate(jobs=Count("id"), oldest=Min("queued_at"))
+        .order_by("priority_class", "state")
+    )
+    return [
+        QueueDepth(
+            state=row["state"],
+            priority_class=row["priority_class"],
+            jobs=row["jobs"],
+            oldest_queued_at=row["oldest"],
+        )
+        for row in rows
+    ]

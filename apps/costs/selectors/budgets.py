@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from django.conf import settings
-from django.db.models import QuerySet
+from django.db.models import QuerySet, Sum
 from django.utils import timezone
 
 from apps.accounts.selectors import roles_of
@@ -18,6 +18,7 @@ from apps.costs.models import (
     THRESHOLDS,
     Budget,
     BudgetAlert,
+    MonthlySpend,
 )
 from apps.costs.money import ZERO, money_text
 from apps.costs.selectors.months import (
@@ -429,3 +430,10 @@ def banners_for(*, user) -> list[dict]:
         }
         for alert in sorted(latest.values(), key=lambda a: a.team.slug)
     ]
+
+
+def spend_by_team_total() -> dict[int, Decimal]:
+    """Every team's spend since the ledger began (team 0: idle capacity), from the monthly
+    roll-ups: a few rows per team and month, however long the ledger."""
+    rows = MonthlySpend.objects.values("team_id").annotate(total=Sum("amount")).order_by()
+    return {row["team_id"]: row["total"] or Decimal(0) for row in rows}

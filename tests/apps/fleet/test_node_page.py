@@ -6,6 +6,7 @@ import datetime as dt
 import pytest
 from django.utils import timezone
 
+from apps.accounts import services as accounts
 from apps.accounts.models import AuditEvent
 from apps.fleet import services, telemetry
 from apps.fleet.models import Gpu, GpuHealth, GpuMinute, Node, NodeEvent, NodeState
@@ -14,7 +15,7 @@ from apps.jobs.models import Allocation
 from apps.jobs.scheduler.run import scheduling_pass
 from tests import factories
 from tests.apps.fleet.test_services import ed25519_key, ready_node
-from tests.apps.jobs.conftest import command_spec, quota  # noqa: F401 (a fixture)
+from tests.apps.jobs.conftest import command_spec
 
 pytestmark = [pytest.mark.django_db, pytest.mark.postgres]
 S = NodeState
@@ -58,6 +59,11 @@ def held_by_a_job(team, user, gpus=4):
     return job, allocation
 
 
+@pytest.fixture
+def quota(team):
+    return accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=32, by=None)
+
+
 def ops_client(client, ops_user):
     client.force_login(ops_user)
     return client
@@ -72,7 +78,7 @@ def test_the_node_page_shows_gpus_with_the_job_on_each_and_telemetry(
     team,
     researcher,
     quota,
-    django_assert_max_num_queries,  # noqa: F811
+    django_assert_max_num_queries,
 ):
     job, allocation = held_by_a_job(team, researcher)
     now = timezone.now().replace(microsecond=0)
@@ -128,10 +134,8 @@ def test_another_teams_job_is_not_named_to_a_researcher(
     team,
     other_team,
     researcher,
-    quota,  # noqa: F811
+    quota,
 ):
-    from apps.accounts import services as accounts
-
     accounts.team_quota_set(team=other_team, gpu_type="H100", max_gpus=32, by=None)
     outsider = factories.make_member(team=other_team, role="researcher")
     held_by_a_job(other_team, outsider)
@@ -223,7 +227,7 @@ def test_terminate_asks_for_the_node_name_and_refuses_a_node_with_jobs(
     ops_user,
     team,
     researcher,
-    quota,  # noqa: F811
+    quota,
 ):
     client = ops_client(client, ops_user)
     html = client.post(
@@ -294,7 +298,7 @@ def test_the_heat_map_names_the_job_on_each_gpu_and_links_to_its_node(
     rack_node,
     team,
     researcher,
-    quota,  # noqa: F811
+    quota,
 ):
     job, allocation = held_by_a_job(team, researcher)
     Gpu.objects.filter(node=rack_node, index=allocation.slots[0]).update(
@@ -347,7 +351,7 @@ def test_the_fleet_page_and_its_fragment_make_a_bounded_number_of_queries(
     team,
     researcher,
     quota,
-    django_assert_max_num_queries,  # noqa: F811
+    django_assert_max_num_queries,
 ):
     site = factories.make_site(slug="big")
     pool = factories.make_owned_pool(site=site, slug="big-pool")
