@@ -47,3 +47,13 @@ def fingerprint(blob: bytes) -> str:
 
 def host_key_fingerprint(text: str) -> str:
     return fingerprint(parse_host_key(text)[1])
+
+
+def host_key_fingerprint_or_blank(text: str) -> str:
+    """The fingerprint of a key, or "" for none or one that does not parse (shown, not checked)."""
+    if not text:
+        return ""
+    try:
+        return host_key_fingerprint(text)
+    except InvalidHostKey:
+        return ""

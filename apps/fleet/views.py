@@ -13,6 +13,7 @@ from apps.accounts.selectors import roles_of
 from apps.fleet import services
 from apps.fleet.extensions import gpu_holders
 from apps.fleet.filtersets import NodeFilterSet
+from apps.fleet.hostkeys import host_key_fingerprint_or_blank
 from apps.fleet.models import Node, NodeState
 from apps.fleet.selectors import (
     TELEMETRY_WINDOWS,
@@ -235,20 +236,9 @@ def node_detail(request, key: str):
             "can_provision": state
             in (S.REQUESTED, S.FAILED, S.DRAINED, S.BOOTSTRAPPING, S.PROVISIONING),
             "can_terminate": state not in (S.BUSY, S.DRAINING, S.TERMINATED),
-            "offered_fingerprint": _offered_fingerprint(node),
+            "offered_fingerprint": host_key_fingerprint_or_blank(node.offered_host_key),
         },
     )
-
-
-def _offered_fingerprint(node) -> str:
-    from apps.fleet.hostkeys import InvalidHostKey, host_key_fingerprint
-
-    if not node.offered_host_key:
-        return ""
-    try:
-        return host_key_fingerprint(node.offered_host_key)
-    except InvalidHostKey:
-        return ""
 
 
 @login_required

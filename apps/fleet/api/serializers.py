@@ -3,7 +3,7 @@
 from rest_framework import serializers
 
 from apps.accounts.models import GPU_TYPES
-from apps.fleet.hostkeys import InvalidHostKey, host_key_fingerprint
+from apps.fleet.hostkeys import host_key_fingerprint_or_blank
 from apps.fleet.models import (
     Gpu,
     InstanceType,
@@ -184,12 +184,7 @@ class NodeSerializer(StrictModelSerializer):
         ]
 
     def get_offered_host_key_fingerprint(self, node) -> str:
-        if not node.offered_host_key:
-            return ""
-        try:
-            return host_key_fingerprint(node.offered_host_key)
-        except InvalidHostKey:
-            return ""
+        return host_key_fingerprint_or_blank(node.offered_host_key)
 
 
 class NodeUpdateSerializer(NodeSerializer):
