@@ -6,7 +6,7 @@ import re
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from controlplane.charts import line_chart, nice_ticks, stacked_bar_chart
+from controlplane.charts import heat_grid, line_chart, nice_ticks, stacked_bar_chart
 
 finite = st.floats(min_value=-1e9, max_value=1e9, allow_nan=False, allow_infinity=False)
 
@@ -78,3 +78,25 @@ def test_every_point_of_a_line_chart_is_inside_its_plot(lines):
         for point in points.split():
             x, y = map(float, point.split(","))
             assert left - 0.05 <= x <= right + 0.05 and top - 0.05 <= y <= bottom + 0.05
+
+
+def test_a_heat_grid_links_each_cell_and_escapes_what_it_is_given():
+    html = heat_grid(
+        [
+            ("n<1>", "/fleet/nodes/1/", [("heat-3 held", "/fleet/nodes/1/", 'GPU 0 · job "x"')]),
+            ("n2", "/fleet/nodes/2/", []),
+        ]
+    )
+    assert '<a class="heat-name" href="/fleet/nodes/1/">n&lt;1&gt;</a>' in html
+    assert (
+        '<a class="heat-cell heat-3 held" href="/fleet/nodes/1/" '
+        'title="GPU 0 · job &quot;x&quot;" aria-label="GPU 0 · job &quot;x&quot;"></a>'
+    ) in html
+    assert html.count('class="heat-node"') == 2
+
+
+def test_a_line_chart_labels_its_x_axis_as_asked():
+    html = line_chart(
+        {"mean": [(-60.0, 1.0), (0.0, 2.0)]}, title="t", x_format=lambda x: f"{x:g} min"
+    )
+    assert ">-40 min</text>" in html
