@@ -9,19 +9,14 @@ from playwright.sync_api import expect
 from apps.accounts import services as accounts
 from apps.fleet import services
 from apps.fleet.models import Node, NodeState
-from tests import factories
-from tests.apps.fleet.test_node_page import held_by_a_job, with_gpus
-from tests.apps.fleet.test_services import ready_node
+from tests.apps.fleet.test_node_page import held_by_a_job, lisbon_node
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
-def box(db):
-    site = factories.make_site(name="Lisbon DC", slug="lis1")
-    rack = factories.make_rack(site=site, name="C3")
-    pool = factories.make_owned_pool(site=site, slug="lis-h100")
-    return with_gpus(ready_node(pool=pool, rack=rack, rack_unit=5, name="lis-c3-n1"))
+def box(transactional_db):
+    return lisbon_node()
 
 
 def test_ops_follow_a_gpu_to_its_node_and_drain_and_undrain_it(

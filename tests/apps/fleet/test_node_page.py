@@ -42,12 +42,17 @@ def with_gpus(node, *, utilization=50.0, temperature=60.0):
     return node
 
 
-@pytest.fixture
-def rack_node(db):
+def lisbon_node():
+    """lis-c3-n1: READY, 8 GPUs, in rack C3 of site lis1, pool lis-h100."""
     site = factories.make_site(name="Lisbon DC", slug="lis1")
     rack = factories.make_rack(site=site, name="C3")
     pool = factories.make_owned_pool(site=site, slug="lis-h100")
     return with_gpus(ready_node(pool=pool, rack=rack, rack_unit=5, name="lis-c3-n1"))
+
+
+@pytest.fixture
+def rack_node(db):
+    return lisbon_node()
 
 
 def held_by_a_job(team, user, gpus=4):
