@@ -64,6 +64,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "django_htmx",
     "apps.accounts",
+    "apps.outbox",
     "apps.fleet",
     "apps.tuning",
     "apps.costs",
@@ -359,7 +360,7 @@ SECRETS_ENCRYPTION_KEYS = env_str("SECRETS_ENCRYPTION_KEYS")
 # (the test suite's receiver listens on 127.0.0.1).
 WEBHOOK_ALLOW_HTTP = env_bool("WEBHOOK_ALLOW_HTTP", DEBUG)
 WEBHOOK_ALLOW_PRIVATE = env_bool("WEBHOOK_ALLOW_PRIVATE", DEBUG)
-CELERY_BEAT_SCHEDULE["jobs-webhooks"] = {"task": "jobs.deliver_webhooks", "schedule": 15.0}
+CELERY_BEAT_SCHEDULE["outbox-deliver"] = {"task": "outbox.deliver", "schedule": 15.0}
 
 # Cloud nodes (AWS). CONTROLPLANE_ID is the value of the `controlplane:id` tag on every
 # instance we launch: the orphan sweep takes an instance with our tag and no node in the
@@ -425,10 +426,6 @@ CELERY_BEAT_SCHEDULE["costs-meter"] = {
 CELERY_BEAT_SCHEDULE["costs-spot-prices"] = {
     "task": "costs.spot_prices",
     "schedule": float(COSTS_SPOT_PRICES_EVERY_S),
-}
-CELERY_BEAT_SCHEDULE["costs-budget-webhooks"] = {
-    "task": "costs.deliver_budget_webhooks",
-    "schedule": 60.0,
 }
 
 # Checkpoints (apps/checkpoints). CHECKPOINT_ROOT_SHARED: every node mounts CHECKPOINT_ROOT

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["accounts", "fleet", "tuning", "costs", "jobs", "checkpoints"]
+LAYERS = ["accounts", "outbox", "fleet", "tuning", "costs", "jobs", "checkpoints"]
 
 
 def imports_of(path: Path) -> set[str]:

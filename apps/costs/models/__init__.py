@@ -1,6 +1,6 @@
 """Costs: the price book, the usage ledger and its roll-ups, budgets and their alerts."""
 
-from apps.costs.models.budgets import THRESHOLDS, Budget, BudgetAlert, WebhookState
+from apps.costs.models.budgets import THRESHOLDS, Budget, BudgetAlert
 from apps.costs.models.ledger import (
     DailySpend,
     JobDailySpend,
@@ -25,5 +25,4 @@ __all__ = [
     "SpotPrice",
     "UsageEntry",
     "UsageKind",
-    "WebhookState",
 ]

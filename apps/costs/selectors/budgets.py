@@ -162,7 +162,7 @@ def budget_webhook_url_seen_by(*, budget: Budget, user) -> str:
 
 
 def budget_alerts_visible_to(*, user) -> QuerySet[BudgetAlert]:
-    return _of_visible_teams(BudgetAlert.objects.select_related("team"), user)
+    return _of_visible_teams(BudgetAlert.objects.select_related("team", "webhook_call"), user)
 
 
 # The budget boundary: read on every scheduling pass for every team with pending jobs,

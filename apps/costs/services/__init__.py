@@ -3,8 +3,6 @@
 from apps.costs.services.budgets import (
     budget_delete,
     budget_set,
-    budget_webhook_result,
-    budget_webhooks_claim,
     budgets_check,
 )
 from apps.costs.services.ledger import (
@@ -31,8 +29,6 @@ __all__ = [
     "SpotQuote",
     "budget_delete",
     "budget_set",
-    "budget_webhook_result",
-    "budget_webhooks_claim",
     "budgets_check",
     "cloud_price_create",
     "owned_price_create",

@@ -21,7 +21,7 @@ from apps.jobs.models.runs import (
     StepMetric,
 )
 from apps.jobs.models.usage import TeamUsage
-from apps.jobs.models.webhooks import Webhook, WebhookDelivery
+from apps.jobs.models.webhooks import Webhook
 
 __all__ = [
     "OPEN_RUN_STATES",
@@ -42,5 +42,4 @@ __all__ = [
     "StepMetric",
     "TeamUsage",
     "Webhook",
-    "WebhookDelivery",
 ]
