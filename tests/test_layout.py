@@ -186,13 +186,6 @@ MODEL_IMPORTS_ALLOWED.update(
         "apps/checkpoints/services/resume.py",
         "apps/checkpoints/services/reports.py",
         "apps/checkpoints/api/serializers.py",
-        "apps/costs/forms.py",
-        "apps/costs/views.py",
-        "apps/costs/services/access.py",
-        "apps/costs/services/budgets.py",
-        "apps/costs/services/ledger.py",
-        "apps/costs/services/prices.py",
-        "apps/costs/management/commands/demo_prices.py",
         "apps/costs/selectors/budgets.py",
         "apps/costs/selectors/prices.py",
     )

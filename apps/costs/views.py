@@ -11,13 +11,12 @@ from django.http import Http404, HttpResponseBadRequest
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from apps.accounts.models import Team
-from apps.accounts.selectors import roles_of, teams_visible_to
+from apps.accounts.selectors import roles_of, teams_budgeted_by, teams_visible_to
 from apps.costs import reports, selectors, services
 from apps.costs.filtersets import UsageEntryFilterSet
 from apps.costs.forms import BudgetForm, CloudPriceForm, OwnedPriceForm, PoolDiscountForm
 from apps.costs.money import apportion_cents, cents, money_text, nanos_text, to_nanos
-from apps.fleet.models import InstanceType, NodePool
+from apps.fleet import selectors as fleet
 from apps.fleet.models.nodes import CapacityType
 from controlplane import charts
 from controlplane.errors import ApplicationError
@@ -25,10 +24,7 @@ from controlplane.exports import csv_stream, csv_stream_text, spreadsheet_safe
 
 
 def _budget_teams(user):
-    roles = roles_of(user)
-    if roles.superuser or roles.finance:
-        return Team.objects.all()
-    return Team.objects.filter(pk__in=roles.admin_team_ids)
+    return teams_budgeted_by(user=user)
 
 
 def _chart(report: reports.Report):
@@ -76,8 +72,8 @@ def _overview(request, *, webhook_key: str | None = None, status: int = 200):
             "group_choices": reports.GROUP_CHOICES,
             "idle_choices": reports.IDLE_CHOICES,
             "teams": teams_visible_to(user=request.user).order_by("slug"),
-            "pools": NodePool.objects.order_by("slug"),
-            "instance_types": InstanceType.objects.order_by("name"),
+            "pools": fleet.pools_for_listing().order_by("slug"),
+            "instance_types": fleet.instance_types_for_listing(),
             "capacity_types": CapacityType.choices,
             "sees_idle": roles.sees_every_team,
             "owned_prices": selectors.owned_prices(),

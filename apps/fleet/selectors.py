@@ -237,3 +237,26 @@ def schedulable_node_gpus(*, pool_ids) -> list[tuple[int, int, int]]:
             "id", "pool_id", "gpu_count"
         )
     )
+
+
+def node_ids() -> list[int]:
+    """Every node's id, in order."""
+    return list(Node.objects.order_by("id").values_list("id", flat=True))
+
+
+def node_ids_where(condition: Q) -> QuerySet:
+    """The ids of the nodes matching `condition` (on a node's fields), as a subquery."""
+    return Node.objects.filter(condition).values("id")
+
+
+def instance_type_ids_by_name() -> dict[str, int]:
+    return dict(InstanceType.objects.values_list("name", "id"))
+
+
+def instance_types_for_listing() -> QuerySet[InstanceType]:
+    return InstanceType.objects.order_by("name")
+
+
+def pools_of_kind(kind: str) -> QuerySet[NodePool]:
+    """The pools of one kind (owned or cloud), for a form's choices."""
+    return NodePool.objects.filter(kind=kind).order_by("slug")

@@ -4,13 +4,13 @@ import datetime as dt
 import logging
 import secrets
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from apps.accounts.models import Team
 from apps.accounts.secrets import encrypt
 from apps.accounts.selectors import team_admin_emails
 from apps.accounts.services import (
@@ -27,6 +27,9 @@ from apps.costs.services.access import _by, _require_budget_setter
 from apps.outbox import services as outbox
 from controlplane import webhooks
 from controlplane.errors import ApplicationError
+
+if TYPE_CHECKING:
+    from apps.accounts.models import Team
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ def _budget_snapshot(budget: Budget) -> dict:
 @transaction.atomic
 def budget_set(
     *,
-    team: Team,
+    team: "Team",
     monthly_limit: Decimal,
     by,
     stop_submissions: bool = False,
