@@ -186,8 +186,6 @@ MODEL_IMPORTS_ALLOWED.update(
         "apps/checkpoints/services/resume.py",
         "apps/checkpoints/services/reports.py",
         "apps/checkpoints/api/serializers.py",
-        "apps/costs/selectors/budgets.py",
-        "apps/costs/selectors/prices.py",
     )
 )
 

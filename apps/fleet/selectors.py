@@ -1,9 +1,10 @@
 """Reads of the fleet, shaped for the pages, the API and /metrics."""
 
+import datetime as dt
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db.models import Count, Prefetch, Q, QuerySet
+from django.db.models import Count, Min, Prefetch, Q, QuerySet
 
 from apps.fleet.models import (
     GONE_STATES,
@@ -12,11 +13,14 @@ from apps.fleet.models import (
     GpuHealth,
     InstanceType,
     Node,
+    NodeEvent,
     NodePool,
     NodeState,
+    PoolKind,
     Rack,
     Site,
 )
+from apps.fleet.models.nodes import CapacityType
 from controlplane.cache import best_effort
 
 
@@ -260,3 +264,105 @@ def instance_types_for_listing() -> QuerySet[InstanceType]:
 def pools_of_kind(kind: str) -> QuerySet[NodePool]:
     """The pools of one kind (owned or cloud), for a form's choices."""
     return NodePool.objects.filter(kind=kind).order_by("slug")
+
+
+# --- what the cost ledger and the price book need of nodes and pools -----------------------
+
+
+@dataclass(frozen=True)
+class NodeBilling:
+    """A node's facts that price its time: its pool, type, capacity, size, power, and when it
+    began and stopped costing (owned from creation, cloud from launch, to termination)."""
+
+    id: int
+    pool_id: int
+    instance_type_id: int | None
+    capacity_type: str
+    gpus: int
+    billable_from: dt.datetime | None
+    billable_until: dt.datetime | None
+    power_w: int | None
+    region: str
+
+
+def nodes_billing(*, node_ids) -> list[NodeBilling]:
+    """Two queries for any number of nodes."""
+    ends = dict(
+        NodeEvent.objects.filter(node_id__in=node_ids, to_state=NodeState.TERMINATED)
+        .values_list("node_id")
+        .annotate(at=Min("at"))
+        .order_by()
+    )
+    return [
+        NodeBilling(
+            id=node_id,
+            pool_id=pool_id,
+            instance_type_id=type_id,
+            capacity_type=capacity,
+            gpus=gpus,
+            billable_from=created_at if capacity == CapacityType.OWNED else launched_at,
+            billable_until=ends.get(node_id),
+            power_w=measured or nameplate,
+            region=region or "",
+        )
+        for (
+            node_id,
+            pool_id,
+            type_id,
+            capacity,
+            gpus,
+            created_at,
+            launched_at,
+            measured,
+            nameplate,
+            region,
+        ) in Node.objects.filter(pk__in=node_ids).values_list(
+            "id",
+            "pool_id",
+            "instance_type_id",
+            "capacity_type",
+            "gpu_count",
+            "created_at",
+            "launched_at",
+            "power_w",
+            "nameplate_power_w",
+            "pool__region",
+        )
+    ]
+
+
+def pools_with_instance_types(*, pool_ids=None) -> dict[int, NodePool]:
+    """The pools (every one if no ids are given) by id, their instance types fetched."""
+    pools = NodePool.objects.prefetch_related("instance_types").order_by("slug")
+    if pool_ids is not None:
+        pools = pools.filter(pk__in=list(pool_ids))
+    return {pool.pk: pool for pool in pools}
+
+
+def spot_capable_pools() -> list[NodePool]:
+    """Enabled cloud pools that may launch spot, their instance types fetched."""
+    return list(
+        NodePool.objects.filter(
+            kind=PoolKind.CLOUD, enabled=True, capacity_preference="spot_then_on_demand"
+        ).prefetch_related("instance_types")
+    )
+
+
+def pool_node_sizes(*, pool_ids, live_only: bool = False) -> list[tuple[int, int, int | None]]:
+    """(pool id, GPUs, watts: measured, else nameplate) of each node of these pools; with
+    `live_only`, not the terminated or failed ones."""
+    nodes = Node.objects.filter(pool_id__in=list(pool_ids))
+    if live_only:
+        nodes = nodes.exclude(state__in=(NodeState.TERMINATED, NodeState.FAILED))
+    return [
+        (pool_id, gpus, measured or nameplate)
+        for pool_id, gpus, measured, nameplate in nodes.values_list(
+            "pool_id", "gpu_count", "power_w", "nameplate_power_w"
+        )
+    ]
+
+
+def pools_with_nodes(*, pool_ids) -> set[int]:
+    return set(
+        Node.objects.filter(pool_id__in=list(pool_ids)).values_list("pool_id", flat=True).distinct()
+    )

@@ -31,9 +31,9 @@ from apps.costs.selectors.months import (
 from apps.costs.selectors.prices import NodeRow, PriceBook, rate_now
 from apps.costs.selectors.spend import RollUps, _of_visible_teams, fleet_cost, rollups_between
 from apps.fleet import cloud
+from apps.fleet import selectors as fleet_reads
 from apps.fleet.models import (
     CapacityPreference,
-    NodePool,
 )
 from apps.fleet.models.nodes import CapacityType
 from controlplane import webhooks
@@ -230,7 +230,7 @@ def burst_prices(*, wants, at: dt.datetime | None = None) -> dict[tuple, BurstPr
     zone, or on-demand while no spot price is known). A few queries for any number."""
     at = at or timezone.now()
     wants = set(wants)
-    pools = NodePool.objects.prefetch_related("instance_types").in_bulk({w[0] for w in wants})
+    pools = fleet_reads.pools_with_instance_types(pool_ids={w[0] for w in wants})
     nodes: dict[tuple, NodeRow | None] = {}
     for key in wants:
         pool_id, gpus_per_node, spot = key
