@@ -38,16 +38,8 @@ def owned_terms(price: OwnedPrice) -> pricing.OwnedTerms:
 
 
 @dataclass(frozen=True)
-class NodeRow:
-    id: int
-    pool_id: int
-    instance_type_id: int | None
-    capacity_type: str
-    gpus: int
-    billable_from: dt.datetime | None
-    billable_until: dt.datetime | None
-    power_w: int | None
-    region: str
+class NodeRow(fleet.NodeBilling):
+    """A node as the meter prices it."""
 
     @property
     def facts(self):
@@ -128,20 +120,7 @@ class PriceBook:
 
 
 def node_rows(node_ids: list[int]) -> dict[int, NodeRow]:
-    return {
-        n.id: NodeRow(
-            id=n.id,
-            pool_id=n.pool_id,
-            instance_type_id=n.instance_type_id,
-            capacity_type=n.capacity_type,
-            gpus=n.gpus,
-            billable_from=n.billable_from,
-            billable_until=n.billable_until,
-            power_w=n.power_w,
-            region=n.region,
-        )
-        for n in fleet.nodes_billing(node_ids=node_ids)
-    }
+    return {n.id: NodeRow(**vars(n)) for n in fleet.nodes_billing(node_ids=node_ids)}
 
 
 def rate_now(timeline: pricing.Timeline, at: dt.datetime) -> pricing.Rate:
