@@ -12,7 +12,6 @@ from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from apps.accounts.models import GPU_TYPES
 from apps.accounts.selectors import roles_of, team_ids_by_slug, teams_visible_to
 from apps.jobs import selectors, services, specs
 from apps.jobs.api.serializers import JobSubmitSerializer
@@ -20,7 +19,7 @@ from apps.jobs.api.views import submit_request
 from apps.jobs.filtersets import JobFilterSet
 from apps.jobs.forms import SubmitForm
 from apps.jobs.models import Job, Placement
-from apps.jobs.models.jobs import FINISHED_STATES
+from apps.jobs.models.jobs import FINISHED_STATES, JOB_GPU_TYPES
 from controlplane import charts
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
@@ -184,11 +183,7 @@ def submit(request):
                     user=request.user, spec=dict(body.validated_data), idempotency_key=""
                 )
             except ApplicationError as exc:
-                for field, problems in (exc.details or {"__all__": [exc.message]}).items():
-                    for problem in problems:
-                        form.add_error(
-                            None, f"{field}: {problem}" if field != "__all__" else problem
-                        )
+                form.add_spec_errors(exc.details or {"__all__": [exc.message]})
             else:
                 messages.success(request, f"Job {job.pk} submitted.")
                 return redirect("jobs:detail", job_id=job.pk)
@@ -249,7 +244,7 @@ def outlook(request):
     if (
         gpus % per_node
         or not 0 < hours <= 720
-        or gpu_type not in dict(GPU_TYPES)
+        or gpu_type not in dict(JOB_GPU_TYPES)
         or where not in Placement.values
     ):
         context["problem"] = "The outlook shows once the resources above are valid."
