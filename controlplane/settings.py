@@ -289,6 +289,13 @@ SPECTACULAR_SETTINGS = {
         "CheckpointStateEnum": "apps.checkpoints.models.CheckpointState",
         "CheckpointCopyStateEnum": "apps.checkpoints.models.CopyState",
         "CheckpointCopyKindEnum": "apps.checkpoints.models.CopyKind",
+        "JobStateEnum": "apps.jobs.models.JobState",
+        "JobKindEnum": "apps.jobs.models.JobKind",
+        "PriorityClassEnum": "apps.jobs.models.PriorityClass",
+        "PlacementEnum": "apps.jobs.models.Placement",
+        "GpuTypeEnum": "apps.accounts.models.GPU_TYPES",
+        "JobGpuTypeEnum": "apps.jobs.models.jobs.JOB_GPU_TYPES",
+        "FabricEnum": "apps.fleet.models.pools.Fabric",
     },
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums"],
 }
