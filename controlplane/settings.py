@@ -84,6 +84,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "apps.accounts.middleware.RequestContextMiddleware",
+    "controlplane.notfound.NotFoundPageMiddleware",
 ]
 
 if not DEBUG:
