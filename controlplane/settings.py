@@ -23,6 +23,9 @@ from workers.agent import VERSION as AGENT_PACKAGE_VERSION
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("CONTROLPLANE_VAR_DIR", str(BASE_DIR / "var")))
+# `manage.py demo_fleet` writes its users' first passwords here; under DEBUG the login page
+# says so.
+DEMO_LOGINS_PATH = VAR_DIR / "demo-logins.json"
 
 DEBUG = env_bool("DJANGO_DEBUG", False)
 

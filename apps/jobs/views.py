@@ -320,16 +320,19 @@ def _training_context(job) -> dict:
     def percent(value: float) -> str:
         return f"{value * 100:.0f}%"
 
-    return {
-        "latest": series["latest"],
-        "charts": [
-            charts.line_chart(series["loss"], title="Loss"),
-            charts.line_chart(series["tokens_per_s"], title="Tokens per second"),
-            charts.line_chart(series["mfu"], title="Model FLOPs utilisation", y_format=percent),
-        ]
-        if series["latest"]
-        else [],
-    }
+    if not series["latest"]:
+        return {"latest": None, "charts": [], "mfu_reported": False}
+    drawn = [
+        charts.line_chart(series["loss"], title="Loss"),
+        charts.line_chart(series["tokens_per_s"], title="Tokens per second"),
+    ]
+    # Steps without MFU are steps on CPU (no peak FLOPs to divide by): say so, rather than
+    # draw an empty chart that waits for data that will never come.
+    if series["mfu"]:
+        drawn.append(
+            charts.line_chart(series["mfu"], title="Model FLOPs utilisation", y_format=percent)
+        )
+    return {"latest": series["latest"], "charts": drawn, "mfu_reported": bool(series["mfu"])}
 
 
 @login_required

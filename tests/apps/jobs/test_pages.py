@@ -495,7 +495,13 @@ def test_a_trainer_jobs_page_draws_its_curves_from_the_reported_steps(
     logged_in(client, researcher)
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert page.count("<polyline") == 2  # loss and tokens/s; no MFU on CPU
-    assert "no data yet" in page  # the MFU chart says so
+    assert "no data yet" not in page  # no chart waiting for MFU that will never come...
+    assert "Model FLOPs utilisation: not reported" in page  # ...but why there is none
     assert re.search(r"<dt>Loss</dt><dd>3\.0+</dd>", page)
     panel = client.get(f"/jobs/{job.pk}/training/").content.decode()
-    assert 'hx-trigger="every 5s"' in panel
+    assert 'hx-trigger="every 5s, live:resume"' in panel
+
+    StepMetric.objects.filter(job=job).update(mfu=0.41)  # steps on GPUs: MFU reported
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert page.count("<polyline") == 3 and "41%" in page
+    assert "not reported" not in page
