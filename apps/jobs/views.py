@@ -17,13 +17,13 @@ from apps.jobs import selectors, services, specs
 from apps.jobs.api.serializers import JobSubmitSerializer
 from apps.jobs.api.views import submit_request
 from apps.jobs.filtersets import JobFilterSet
-from apps.jobs.forms import SubmitForm
+from apps.jobs.forms import CUSTOM_MODEL, MODEL_SIZES, SubmitForm
 from apps.jobs.models import Job, Placement
 from apps.jobs.models.jobs import FINISHED_STATES, JOB_GPU_TYPES
 from controlplane import charts
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
-from workers.trainer.presets import PRESETS
+from workers.trainer.presets import PRESETS, ModelShape
 
 QUEUE_PAGE_SIZE = 100
 QUEUE_COLUMNS = [
@@ -211,15 +211,30 @@ def _gpu_counts(params) -> tuple[int, int]:
 
 def _layouts_for(params) -> tuple[list[specs.Layout], str]:
     """(the layouts that fit, "") or ([], why the counts are refused)."""
-    preset = params.get("preset") or "tiny"
+    shape = _model_shape(params)
     try:
         gpus, per_node = _gpu_counts(params)
-        if preset not in PRESETS or gpus % per_node:
+        if shape is None or gpus % per_node:
             return [], ""
-        shape = PRESETS[preset]
         return specs.valid_layouts(shape, nodes=gpus // per_node, gpus_per_node=per_node), ""
     except ValueError as refused:
         return [], str(refused)
+
+
+def _model_shape(params) -> ModelShape | None:
+    """The form's model: its preset, or its explicit sizes once they are all whole numbers
+    (the layouts depend on its layers, heads and KV heads alone)."""
+    preset = params.get("preset") or "tiny"
+    if preset != CUSTOM_MODEL:
+        return PRESETS.get(preset)
+    sizes = {}
+    for field, key in MODEL_SIZES.items():
+        value = (params.get(field) or "").strip()
+        if key != "max_seq_len":
+            if not value.isdigit() or int(value) < 1:
+                return None
+            sizes[key] = int(value)
+    return ModelShape(**sizes)
 
 
 @login_required

@@ -305,3 +305,26 @@ def test_a_member_of_two_teams_chooses_the_team_and_sees_whose_secret_is_whose(
     assert f"WANDB_API_KEY ({other_team.slug}, {team.slug})" in html or (
         f"WANDB_API_KEY ({team.slug}, {other_team.slug})" in html
     )
+
+
+def test_explicit_sizes_bring_the_layouts_that_fit_them(client, researcher):
+    client.force_login(researcher)
+    sizes = {
+        "model_layers": "6",
+        "model_dim": "384",
+        "model_heads": "6",
+        "model_kv_heads": "6",
+        "model_ffn_dim": "1024",
+        "model_vocab_size": "1000",
+    }
+    query = {"preset": "custom", "gpus": "8", "gpus_per_node": "8", **sizes}
+    html = client.get("/jobs/submit/layouts/", query).content.decode()
+
+    values = re.findall(r'<option value="([^"]*)"', html)
+    assert "1x8x1x1" in values and "1x4x2x1" in values and "1x1x2x4" not in values
+    assert not [v for v in values[1:] if v.split("x")[2] in ("4", "8")]  # tp divides 6 heads
+    assert "1x1x1x8" not in values and "1x4x1x2" in values  # pp divides 6 layers
+
+    unsized = client.get("/jobs/submit/layouts/", {**query, "model_heads": ""}).content.decode()
+    assert re.findall(r'<option value="([^"]*)"', unsized) == [""]
+    assert "once all of them are given" in unsized
