@@ -235,6 +235,7 @@ class SubmitForm(forms.Form):
     argv = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 3}),
         required=False,
+        label="Command",
         help_text="One argument per line (no shell).",
     )
     code_path = forms.CharField(
