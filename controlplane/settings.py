@@ -23,6 +23,9 @@ from workers.agent import VERSION as AGENT_PACKAGE_VERSION
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("CONTROLPLANE_VAR_DIR", str(BASE_DIR / "var")))
+# `manage.py demo_fleet` writes its users' first passwords here; under DEBUG the login page
+# says so.
+DEMO_LOGINS_PATH = VAR_DIR / "demo-logins.json"
 
 DEBUG = env_bool("DJANGO_DEBUG", False)
 
@@ -85,6 +88,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "apps.accounts.middleware.RequestContextMiddleware",
+    "controlplane.notfound.NotFoundPageMiddleware",
 ]
 
 if not DEBUG:
@@ -290,6 +294,13 @@ SPECTACULAR_SETTINGS = {
         "CheckpointStateEnum": "apps.checkpoints.models.CheckpointState",
         "CheckpointCopyStateEnum": "apps.checkpoints.models.CopyState",
         "CheckpointCopyKindEnum": "apps.checkpoints.models.CopyKind",
+        "JobStateEnum": "apps.jobs.models.JobState",
+        "JobKindEnum": "apps.jobs.models.JobKind",
+        "PriorityClassEnum": "apps.jobs.models.PriorityClass",
+        "PlacementEnum": "apps.jobs.models.Placement",
+        "GpuTypeEnum": "apps.accounts.models.GPU_TYPES",
+        "JobGpuTypeEnum": "apps.jobs.models.jobs.JOB_GPU_TYPES",
+        "FabricEnum": "apps.fleet.models.pools.Fabric",
     },
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums"],
 }

@@ -12,19 +12,18 @@ from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from apps.accounts.models import GPU_TYPES
 from apps.accounts.selectors import roles_of, team_ids_by_slug, teams_visible_to
 from apps.jobs import selectors, services, specs
 from apps.jobs.api.serializers import JobSubmitSerializer
 from apps.jobs.api.views import submit_request
 from apps.jobs.filtersets import JobFilterSet
-from apps.jobs.forms import SubmitForm
+from apps.jobs.forms import CUSTOM_MODEL, MODEL_SIZES, SubmitForm
 from apps.jobs.models import Job, Placement
-from apps.jobs.models.jobs import FINISHED_STATES
+from apps.jobs.models.jobs import FINISHED_STATES, JOB_GPU_TYPES
 from controlplane import charts
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
-from workers.trainer.presets import PRESETS
+from workers.trainer.presets import PRESETS, ModelShape
 
 QUEUE_PAGE_SIZE = 100
 QUEUE_COLUMNS = [
@@ -184,11 +183,7 @@ def submit(request):
                     user=request.user, spec=dict(body.validated_data), idempotency_key=""
                 )
             except ApplicationError as exc:
-                for field, problems in (exc.details or {"__all__": [exc.message]}).items():
-                    for problem in problems:
-                        form.add_error(
-                            None, f"{field}: {problem}" if field != "__all__" else problem
-                        )
+                form.add_spec_errors(exc.details or {"__all__": [exc.message]})
             else:
                 messages.success(request, f"Job {job.pk} submitted.")
                 return redirect("jobs:detail", job_id=job.pk)
@@ -216,15 +211,30 @@ def _gpu_counts(params) -> tuple[int, int]:
 
 def _layouts_for(params) -> tuple[list[specs.Layout], str]:
     """(the layouts that fit, "") or ([], why the counts are refused)."""
-    preset = params.get("preset") or "tiny"
+    shape = _model_shape(params)
     try:
         gpus, per_node = _gpu_counts(params)
-        if preset not in PRESETS or gpus % per_node:
+        if shape is None or gpus % per_node:
             return [], ""
-        shape = PRESETS[preset]
         return specs.valid_layouts(shape, nodes=gpus // per_node, gpus_per_node=per_node), ""
     except ValueError as refused:
         return [], str(refused)
+
+
+def _model_shape(params) -> ModelShape | None:
+    """The form's model: its preset, or its explicit sizes once they are all whole numbers
+    (the layouts depend on its layers, heads and KV heads alone)."""
+    preset = params.get("preset") or "tiny"
+    if preset != CUSTOM_MODEL:
+        return PRESETS.get(preset)
+    sizes = {}
+    for field, key in MODEL_SIZES.items():
+        value = (params.get(field) or "").strip()
+        if key != "max_seq_len":
+            if not value.isdigit() or int(value) < 1:
+                return None
+            sizes[key] = int(value)
+    return ModelShape(**sizes)
 
 
 @login_required
@@ -249,7 +259,7 @@ def outlook(request):
     if (
         gpus % per_node
         or not 0 < hours <= 720
-        or gpu_type not in dict(GPU_TYPES)
+        or gpu_type not in dict(JOB_GPU_TYPES)
         or where not in Placement.values
     ):
         context["problem"] = "The outlook shows once the resources above are valid."
@@ -325,16 +335,19 @@ def _training_context(job) -> dict:
     def percent(value: float) -> str:
         return f"{value * 100:.0f}%"
 
-    return {
-        "latest": series["latest"],
-        "charts": [
-            charts.line_chart(series["loss"], title="Loss"),
-            charts.line_chart(series["tokens_per_s"], title="Tokens per second"),
-            charts.line_chart(series["mfu"], title="Model FLOPs utilisation", y_format=percent),
-        ]
-        if series["latest"]
-        else [],
-    }
+    if not series["latest"]:
+        return {"latest": None, "charts": [], "mfu_reported": False}
+    drawn = [
+        charts.line_chart(series["loss"], title="Loss"),
+        charts.line_chart(series["tokens_per_s"], title="Tokens per second"),
+    ]
+    # Steps without MFU are steps on CPU (no peak FLOPs to divide by): say so, rather than
+    # draw an empty chart that waits for data that will never come.
+    if series["mfu"]:
+        drawn.append(
+            charts.line_chart(series["mfu"], title="Model FLOPs utilisation", y_format=percent)
+        )
+    return {"latest": series["latest"], "charts": drawn, "mfu_reported": bool(series["mfu"])}
 
 
 @login_required

@@ -56,3 +56,26 @@ def trainer_spec(team, *, preset="8b", nodes=2, gpus_per_node=8, layout=None, **
         },
         "placement": {"where": "owned"},
     }
+
+
+def form_data(team, **overrides) -> dict:
+    """A good Submit form's fields: a tiny trainer job on 8 H100s."""
+    data = {
+        "name": "tiny-run",
+        "team": team.pk,
+        "kind": "trainer",
+        "preset": "tiny",
+        "gpu_type": "H100",
+        "gpus": 8,
+        "gpus_per_node": 8,
+        "layout": "",
+        "priority": "normal",
+        "placement": "owned",
+        "time_limit_hours": "2",
+        "dataset": "synthetic",
+        "steps": 10,
+        "global_batch": 64,
+        "seq_len": 128,
+    }
+    data.update(overrides)
+    return data
