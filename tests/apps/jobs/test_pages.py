@@ -447,7 +447,7 @@ def test_a_jobs_page_shows_its_runs_and_output_and_follows_while_active(
     assert "What ran (attempt 1, rank 0)" in page and '<pre class="spec">x</pre>' in page
     with django_assert_max_num_queries(12):
         tail = client.get(f"/jobs/{job.pk}/log-tail/").content.decode()
-    assert 'hx-trigger="every 3s"' in tail  # active: the panel asks again
+    assert 'hx-trigger="every 3s, live:resume"' in tail  # active: the panel asks again
     Job.objects.filter(pk=job.pk).update(state=JobState.SUCCEEDED)
     tail = client.get(f"/jobs/{job.pk}/log-tail/").content.decode()
     assert "hx-trigger" not in tail and "step 299" in tail  # finished: it stops asking
