@@ -173,21 +173,6 @@ MODEL_IMPORTS_ALLOWED: dict[str, str] = {
     "apps/jobs/scheduler/apply.py": "the pass locks the nodes it places on with its writes",
     "apps/jobs/scheduler/read.py": "the pass reads the whole fleet in a few raw queries",
 }
-# The checkpoint registry and the cost ledger still read jobs' and the fleet's rows in the
-# queries that join them (a checkpoint's job and run, a node's price and pool): moving
-# those behind selectors is the next step of the same rule.
-MODEL_IMPORTS_ALLOWED.update(
-    (path, "joins its own rows with another app's in one query")
-    for path in (
-        "apps/checkpoints/filtersets.py",
-        "apps/checkpoints/selectors.py",
-        "apps/checkpoints/services/gc.py",
-        "apps/checkpoints/services/ownership.py",
-        "apps/checkpoints/services/resume.py",
-        "apps/checkpoints/services/reports.py",
-        "apps/checkpoints/api/serializers.py",
-    )
-)
 
 
 MODELS = ("models", "models.py")

@@ -49,6 +49,12 @@ def pools_for_listing() -> QuerySet[NodePool]:
     )
 
 
+def pools_visible_to(*, user) -> QuerySet[NodePool]:
+    """Every pool, to every user: a pool a form or the API names by id (the fleet's pools are
+    listed to all who sign in)."""
+    return NodePool.objects.all()
+
+
 def node_counts_by_state() -> dict[str, int]:
     counts = dict(Node.objects.values_list("state").annotate(n=Count("id")).order_by())
     return {state: counts.get(state, 0) for state in NodeState.values}

@@ -4,7 +4,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from django.core.paginator import Page, Paginator
-from django.db.models import Count, F, Q, QuerySet, Subquery, Sum
+from django.db.models import Count, F, Max, Min, Q, QuerySet, Subquery, Sum
 
 from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
@@ -12,8 +12,10 @@ from apps.costs.selectors import projection_for
 from apps.fleet.selectors import pool_names, pools_capacity, schedulable_node_gpus
 from apps.jobs import specs
 from apps.jobs.models import (
+    OPEN_RUN_STATES,
     Allocation,
     Job,
+    JobKind,
     JobState,
     LogLine,
     RankEnvironment,
@@ -532,6 +534,53 @@ def run_on_node(*, node_id: int, run_id: int) -> Run | None:
     )
 
 
+def job_with_team(*, job_id: int) -> Job | None:
+    """The job, its team loaded; None if there is none."""
+    return Job.objects.select_related("team").filter(pk=job_id).first()
+
+
+def trainer_jobs_finished_since(*, since: dt.datetime) -> QuerySet[Job]:
+    """The trainer jobs that finished at or after `since`, with their teams (a job's
+    checkpoint directory names its team): for the checkpoint registry to narrow by its own
+    rows (those not yet swept)."""
+    return Job.objects.select_related("team").filter(
+        kind=JobKind.TRAINER, state__in=FINISHED_STATES, finished_at__gte=since
+    )
+
+
+def job_has_open_runs(*, job_id: int) -> bool:
+    """Whether any of the job's runs is planned or running (it may still write)."""
+    return Run.objects.filter(job_id=job_id, state__in=OPEN_RUN_STATES).exists()
+
+
+def job_newest_attempt(*, job_id: int) -> int | None:
+    """The job's newest attempt number among its runs; None before its first."""
+    return Run.objects.filter(job_id=job_id).aggregate(n=Max("attempt"))["n"]
+
+
+def job_last_run_ended_at(*, job_id: int) -> dt.datetime | None:
+    """When the last of the job's runs to end ended; None if none has."""
+    return Run.objects.filter(job_id=job_id).aggregate(at=Max("ended_at"))["at"]
+
+
+def first_rank_nodes(*, job_ids) -> dict[int, list[int | None]]:
+    """Per job, the node of each attempt's rank 0 (the one that writes its checkpoints),
+    newest attempt first, in one query; jobs with no runs are left out."""
+    nodes: dict[int, list[int | None]] = {}
+    for job_id, node_id in (
+        Run.objects.filter(job_id__in=list(job_ids), node_rank=0)
+        .order_by("job_id", "-attempt")
+        .values_list("job_id", "node_id")
+    ):
+        nodes.setdefault(job_id, []).append(node_id)
+    return nodes
+
+
+def run_plans(*, job_ids) -> list[tuple[int, dict]]:
+    """(job id, plan) of every run of these jobs: what each run was told (its run.json)."""
+    return list(Run.objects.filter(job_id__in=list(job_ids)).values_list("job_id", "plan"))
+
+
 def job_runs(*, job: Job) -> list[Run]:
     """Every attempt's runs, newest attempt first, with their nodes."""
     return list(job.runs.select_related("node").order_by("-attempt", "node_rank"))
@@ -574,6 +623,26 @@ def job_training_series(*, job: Job) -> dict:
                 series[key].setdefault(name, []).append((step, value))
     latest = StepMetric.objects.filter(job=job).order_by("-attempt", "-step").first()
     return {"latest": latest, **series}
+
+
+def step_times(*, job_ids) -> dict[int, float]:
+    """Wall-clock seconds per step of each job's newest attempt, from its step metrics
+    (the checkpoints' own time included), in one query; jobs without two steps left out."""
+    rows = (
+        StepMetric.objects.filter(job_id__in=list(job_ids))
+        .values("job_id", "attempt")
+        .annotate(first=Min("step"), last=Max("step"), since=Min("at"), until=Max("at"))
+    )
+    newest: dict[int, dict] = {}
+    for row in rows:
+        if row["job_id"] not in newest or row["attempt"] > newest[row["job_id"]]["attempt"]:
+            newest[row["job_id"]] = row
+    times = {}
+    for job_id, row in newest.items():
+        steps = row["last"] - row["first"]
+        if steps > 0:
+            times[job_id] = (row["until"] - row["since"]).total_seconds() / steps
+    return times
 
 
 # --- cost ----------------------------------------------------------------------------------
