@@ -104,7 +104,7 @@ def test_the_job_page_loads_its_checkpoint_panel_which_lists_every_checkpoint(
     assert [int(s) for s in _steps(panel)] == [30, 20, 10]
     assert 'data-step="30" data-state="corrupt"' in panel
     assert "Resumes from</dt><dd>step 20" in panel
-    assert 'hx-trigger="every 10s"' in panel
+    assert 'hx-trigger="every 10s, live:resume"' in panel
     assert "checkpoint-overdue" not in panel
     Job.objects.filter(pk=checkpointed.pk).update(state="succeeded")
     assert "every 10s" not in client.get(f"/checkpoints/jobs/{checkpointed.pk}/").content.decode()
