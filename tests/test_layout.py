@@ -175,16 +175,6 @@ MODEL_IMPORTS_ALLOWED: dict[str, str] = {
 }
 
 # Tasks call apps' services and selectors; these still read rows themselves.
-MODEL_IMPORTS_ALLOWED.update(
-    {
-        "workers/tasks/provisioning.py": "the provisioning steps read the node they drive "
-        "(and, before an agent upgrade, its open runs)",
-        "workers/tasks/aws_nodes.py": "the AWS provider reads a node with its pool, instance "
-        "type and job",
-    }
-)
-
-
 MODELS = ("models", "models.py")
 
 

@@ -249,6 +249,21 @@ def schedulable_node_gpus(*, pool_ids) -> list[tuple[int, int, int]]:
     )
 
 
+def node_get(*, node_id: int) -> Node:
+    """One node, fresh from the database (raises Node.DoesNotExist)."""
+    return Node.objects.get(pk=node_id)
+
+
+def node_for_launch(*, node_id: int) -> Node:
+    """A cloud node with what launching it reads: its pool, type and burst job's team."""
+    return Node.objects.select_related("pool", "instance_type", "burst_job__team").get(pk=node_id)
+
+
+def local_nodes_live() -> QuerySet[Node]:
+    """The local provider's nodes that are not gone."""
+    return Node.objects.filter(provider="local").exclude(state__in=GONE_STATES)
+
+
 def node_ids() -> list[int]:
     """Every node's id, in order."""
     return list(Node.objects.order_by("id").values_list("id", flat=True))

@@ -548,6 +548,10 @@ def trainer_jobs_finished_since(*, since: dt.datetime) -> QuerySet[Job]:
     )
 
 
+def node_has_open_runs(*, node_id: int) -> bool:
+    return Run.objects.filter(node_id=node_id, state__in=OPEN_RUN_STATES).exists()
+
+
 def job_has_open_runs(*, job_id: int) -> bool:
     """Whether any of the job's runs is planned or running (it may still write)."""
     return Run.objects.filter(job_id=job_id, state__in=OPEN_RUN_STATES).exists()
