@@ -363,6 +363,44 @@ def _spend_row(key, got: dict | None, spread: _Spread | None) -> SpendRow:
     )
 
 
+def _spend_rows(
+    source: RollUps, base: RollUps, column: str, idle_mode: str, *, since, until
+) -> tuple[list[SpendRow], _Spread | None]:
+    """The rows of a report by `column`, unlabelled: job spend and idle as metered, or
+    with idle spread (over `base`'s use)."""
+    scope = {
+        row[column]: row for row in source.sums((column,), since=since, until=until, split=True)
+    }
+    spread = None
+    if idle_mode == "spread":
+        spread = _Spread.read(base, scope, column=column, since=since, until=until)
+    keys = set(scope)
+    if spread is not None:  # the groups that carry spend or idle (idle itself, spread, not)
+        keys = {k for k in keys if not (spread.by_team and k == 0)}
+        keys |= {k for k, share in spread.share.items() if share}
+    return [_spend_row(key, scope.get(key), spread) for key in keys], spread
+
+
+def spend_total(
+    source: RollUps,
+    *,
+    since: dt.date,
+    until: dt.date,
+    idle_mode: str | None = None,
+    spread_base: RollUps | None = None,
+) -> Decimal:
+    """What spend_report's total would be (in any grouping), without the rest of it."""
+    rows, _ = _spend_rows(
+        source,
+        spread_base if spread_base is not None else source,
+        "team_id",
+        idle_mode or settings.COSTS_IDLE_COST,
+        since=since,
+        until=until,
+    )
+    return sum((row.total for row in rows), ZERO)
+
+
 def spend_report(
     source: RollUps | QuerySet,
     *,
@@ -385,30 +423,18 @@ def spend_report(
     idle_mode = idle_mode or settings.COSTS_IDLE_COST
     column = GROUPS[group_by]
     source = _as_rollups(source)
-    scope = {
-        row[column]: row for row in source.sums((column,), since=since, until=until, split=True)
-    }
-    spread = None
-    if idle_mode == "spread":
-        base = _as_rollups(spread_base) if spread_base is not None else source
-        spread = _Spread.read(base, scope, column=column, since=since, until=until)
-    keys = set(scope)
-    if spread is not None:  # the groups that carry spend or idle (idle itself, spread, not)
-        keys = {k for k in keys if not (spread.by_team and k == 0)}
-        keys |= {k for k, share in spread.share.items() if share}
-    rows = [_spend_row(key, scope.get(key), spread) for key in keys]
+    base = _as_rollups(spread_base) if spread_base is not None else source
+    rows, spread = _spend_rows(source, base, column, idle_mode, since=since, until=until)
+    keys = [row.key for row in rows]
     labels = _labels(group_by, keys)
     for row in rows:
         row.label = labels.get(row.key, str(row.key))
     rows.sort(key=lambda r: (-r.total, r.label))
     series = {}
     if series_groups:
-        base_daily = None
-        if spread is not None:
-            base_daily = (_as_rollups(spread_base) if spread_base is not None else source).daily
         series = _series(
             source.daily,
-            base_daily,
+            base.daily,
             spread,
             column=column,
             top=rows[:series_groups],
@@ -522,19 +548,14 @@ def spend_forecast(
     now: dt.datetime | None = None,
 ) -> SpendForecast:
     """The forecast of the month for the same roll-ups (filters) and idle mode as a
-    report, worked out by spend_report, so it is of the same spend as the report's total.
+    report, worked out as its total is (spend_total).
     `source` and `spread_base` are not cut to any days (the month and the window are read)."""
     window = ForecastWindow.of(month, now)
 
     def total(since: dt.date, until: dt.date) -> Decimal:
-        return spend_report(
-            source,
-            since=since,
-            until=until,
-            idle_mode=idle_mode,
-            spread_base=spread_base,
-            series_groups=0,
-        ).total
+        return spend_total(
+            source, since=since, until=until, idle_mode=idle_mode, spread_base=spread_base
+        )
 
     spent = total(month, window.last)
     recent = total(window.since, window.until) if window.days_left else ZERO
