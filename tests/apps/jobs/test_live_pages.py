@@ -99,12 +99,7 @@ def test_the_heads_query_count_does_not_grow_with_runs_and_events(
 
 
 def test_a_failed_job_offers_requeue_and_another_team_gets_404(
-    client,
-    fleet_pool,
-    quota,
-    team,
-    researcher,
-    other_member,
+    client, fleet_pool, quota, team, researcher, other_member
 ):
     job = submit(team, researcher)
     Job.objects.filter(pk=job.pk).update(state=JobState.FAILED, state_reason="exit code 3")
@@ -255,13 +250,7 @@ def _steps(job: Job, losses: list[float], *, attempt: int = 1, first: int = 1) -
 
 
 def test_compare_overlays_the_jobs_curves_with_a_bounded_number_of_queries(
-    client,
-    fleet_pool,
-    quota,
-    team,
-    researcher,
-    other_member,
-    django_assert_max_num_queries,
+    client, fleet_pool, quota, team, researcher, other_member, django_assert_max_num_queries
 ):
     jobs = [submit(team, researcher, name=f"run-{i}") for i in range(3)]
     _steps(jobs[0], [5.0 - s / 1000 for s in range(1200)])  # thinned to 500 points or so
