@@ -2,6 +2,7 @@
 fit), and each Job's page."""
 
 import datetime as dt
+import hashlib
 import json
 from decimal import Decimal
 from urllib.parse import urlencode
@@ -134,6 +135,7 @@ def history(request):
             .order_by("slug")
             .values_list("slug", flat=True),
             "filters": filters,
+            "compare_most": COMPARED_MAX,
         },
     )
 
@@ -495,6 +497,9 @@ def _log_context(request, job: Job, *, attempts_ranks: list | None = None) -> di
         "log_lines": lines,
         "log_skipped": skipped and after is not None,
         "log_filters": filters,
+        # Names the view these filters make: new lines are added to it alone.
+        "log_view": "v"
+        + hashlib.blake2s(repr(sorted(filters.items())).encode(), digest_size=6).hexdigest(),
         "log_filtered": any(v not in (None, "") for v in filters.values()),
         "log_following": not finished or bool(late),
         "log_poll_query": urlencode({**poll, "after": last}),

@@ -148,8 +148,19 @@ def test_the_log_viewer_filters_by_rank_attempt_and_text(
     # The poll carries the filters, so only the lines they keep are appended.
     poll = re.search(r'id="log-poll"[^>]* hx-get="([^"]+)"', html).group(1).replace("&amp;", "&")
     assert "q=loss" in poll and "rank=0" in poll
+    # Its new lines go to the view of these filters alone: one asked under other filters,
+    # answered after the reader changed them, finds no view to add to.
+    view = re.search(r'data-view="(v[0-9a-f]+)"', html).group(1)
+    polled = client.get(poll).content.decode()
+    assert f"#log-lines[data-view={view}]" in polled or "hx-swap-oob" not in polled
+    other = client.get(f"/jobs/{job.pk}/log-tail/", {"q": "loss", "rank": 1}).content.decode()
+    assert re.search(r'data-view="(v[0-9a-f]+)"', other).group(1) != view
+    new = _lines(Run.objects.get(job=job, attempt=2), ["a2 r0 loss 1.9"], first_seq=9)
+    polled = client.get(poll).content.decode()
+    assert f"#log-lines[data-view={view}]" in polled and _texts(polled) == ["a2 r0 loss 1.9"]
+    assert f"after={new[0].pk}" in polled
     html = client.get(f"/jobs/{job.pk}/log-tail/", {"rank": "x", "attempt": "-1"}).content
-    assert len(_texts(html.decode())) == 6  # a filter that is no number filters nothing
+    assert len(_texts(html.decode())) == 7  # a filter that is no number filters nothing
 
 
 def test_the_poll_appends_only_the_new_lines_and_stops_after_the_end(
@@ -166,7 +177,7 @@ def test_the_poll_appends_only_the_new_lines_and_stops_after_the_end(
 
     new = _lines(run, ["line 3", "line 4"], first_seq=3)
     html = client.get(f"/jobs/{job.pk}/log-tail/", {"after": first[-1].pk}).content.decode()
-    assert 'hx-swap-oob="beforeend:#log-lines"' in html
+    assert re.search(r'hx-swap-oob="beforeend:#log-lines\[data-view=v[0-9a-f]{12}\]"', html)
     assert _texts(html) == ["line 3", "line 4"]
     assert f"after={new[-1].pk}" in html  # the next poll asks after the newest
 
@@ -287,6 +298,7 @@ def test_the_history_lets_jobs_be_ticked_for_compare(client, fleet_pool, quota, 
     html = logged_in(client, researcher).get("/jobs/history/").content.decode()
     assert re.search(r'<form method="get" action="/jobs/compare/" id="compare-form">', html)
     assert f'<input type="checkbox" name="job" value="{job.pk}"' in html
+    assert "overlaid (up to 6)" in html
 
 
 # --- ranks, counted in processes -----------------------------------------------------------
