@@ -500,30 +500,71 @@ def _pools_that_could_hold(job: Job) -> list[int]:
     )
 
 
-def job_log_lines(*, job: Job, after: int = 0, limit: int = 500, **_) -> list[dict]:
-    """The job's output lines after line id `after`, oldest first."""
-    rows = (
-        LogLine.objects.filter(job=job, id__gt=after)
-        .order_by("id")
-        .values_list("id", "at", "run__node_rank", "run__attempt", "stream", "text")[:limit]
-    )
+_LOG_FIELDS = ("id", "at", "run__node_rank", "run__attempt", "stream", "text")
+
+
+def _log_dicts(rows) -> list[dict]:
     return [
         {"id": i, "at": at, "rank": rank, "attempt": attempt, "stream": stream, "text": text}
         for i, at, rank, attempt, stream, text in rows
     ]
 
 
-def job_log_tail(*, job: Job, limit: int = 200) -> list[dict]:
-    """The job's newest output lines, oldest of them first (the Job page's tail)."""
-    newest = list(
-        LogLine.objects.filter(job=job)
-        .order_by("-id")
-        .values_list("id", "at", "run__node_rank", "run__attempt", "stream", "text")[:limit]
+def _log_filtered(
+    *, job: Job, rank: int | None = None, attempt: int | None = None, text: str = ""
+) -> QuerySet[LogLine]:
+    """The job's lines, of one node rank and one attempt when given, holding `text` (any
+    case) when given."""
+    lines = LogLine.objects.filter(job=job)
+    if rank is not None:
+        lines = lines.filter(run__node_rank=rank)
+    if attempt is not None:
+        lines = lines.filter(run__attempt=attempt)
+    if text:
+        lines = lines.filter(text__icontains=text)
+    return lines
+
+
+def job_log_lines(*, job: Job, after: int = 0, limit: int = 500, **_) -> list[dict]:
+    """The job's output lines after line id `after`, oldest first."""
+    rows = (
+        LogLine.objects.filter(job=job, id__gt=after)
+        .order_by("id")
+        .values_list(*_LOG_FIELDS)[:limit]
     )
-    return [
-        {"id": i, "at": at, "rank": rank, "attempt": attempt, "stream": stream, "text": text}
-        for i, at, rank, attempt, stream, text in reversed(newest)
-    ]
+    return _log_dicts(rows)
+
+
+def job_log_tail(
+    *,
+    job: Job,
+    limit: int = 200,
+    after: int = 0,
+    rank: int | None = None,
+    attempt: int | None = None,
+    text: str = "",
+) -> list[dict]:
+    """The job's newest output lines (after line id `after`, through the filters of
+    _log_filtered), at most `limit`, oldest of them first: the Job page's log viewer."""
+    newest = list(
+        _log_filtered(job=job, rank=rank, attempt=attempt, text=text)
+        .filter(id__gt=after)
+        .order_by("-id")
+        .values_list(*_LOG_FIELDS)[:limit]
+    )
+    return _log_dicts(reversed(newest))
+
+
+def job_log_every_line(*, job: Job, chunk: int = 5000):
+    """Every stored line of the job, oldest first, read `chunk` lines a query (by id, so a
+    log of millions of lines is never held whole): the whole-log download."""
+    after = 0
+    while True:
+        rows = job_log_lines(job=job, after=after, limit=chunk)
+        yield from rows
+        if len(rows) < chunk:
+            return
+        after = rows[-1]["id"]
 
 
 def run_on_node(*, node_id: int, run_id: int) -> Run | None:
@@ -590,6 +631,11 @@ def job_runs(*, job: Job) -> list[Run]:
     return list(job.runs.select_related("node").order_by("-attempt", "node_rank"))
 
 
+def job_attempts_ranks(*, job: Job) -> list[tuple[int, int]]:
+    """(attempt, node rank) of each of the job's runs: the log viewer's filter choices."""
+    return list(job.runs.order_by().values_list("attempt", "node_rank"))
+
+
 def attempt_nodes(runs: list[Run]) -> int | None:
     """How many nodes the newest attempt of `runs` (job_runs' order) has: the job's nodes,
     or fewer within its node range. None before its first attempt."""
@@ -647,6 +693,48 @@ def step_times(*, job_ids) -> dict[int, float]:
         if steps > 0:
             times[job_id] = (row["until"] - row["since"]).total_seconds() / steps
     return times
+
+
+def jobs_compared_series(*, job_ids: list[int]) -> dict[int, dict]:
+    """Loss and tokens/s by step for each of these jobs, to overlay them: per job, the
+    newest attempt's value where attempts overlap, thinned to CHART_POINTS steps. Two
+    queries whatever the number of jobs (their step counts, then the steps drawn)."""
+    from django.db.models.functions import Mod
+
+    counts = dict(
+        StepMetric.objects.filter(job_id__in=job_ids)
+        .order_by()
+        .values_list("job_id")
+        .annotate(n=Count("id"))
+        .values_list("job_id", "n")
+    )
+    series = {job_id: {"loss": {}, "tokens_per_s": {}, "steps": 0} for job_id in job_ids}
+    if not counts:
+        return series
+    # Each job thinned to every k-th step, its own k: one Mod(step, k) column per k.
+    every = {job_id: max(1, -(-count // CHART_POINTS)) for job_id, count in counts.items()}
+    wanted = Q()
+    for job_id, k in every.items():
+        wanted |= Q(job_id=job_id, **({f"slot_{k}": 0} if k > 1 else {}))
+    rows = StepMetric.objects.filter(job_id__in=list(counts)).annotate(
+        **{f"slot_{k}": Mod("step", k) for k in set(every.values()) if k > 1}
+    )
+    for job_id, step, loss, tokens in (
+        rows.filter(wanted)
+        .order_by("job_id", "attempt", "step")
+        .values_list("job_id", "step", "loss", "tokens_per_s")
+    ):
+        drawn = series[job_id]
+        drawn["steps"] = max(drawn["steps"], step)
+        # A later attempt's step replaces an earlier one's (a resume ran it again).
+        if loss is not None:
+            drawn["loss"][step] = loss
+        if tokens is not None:
+            drawn["tokens_per_s"][step] = tokens
+    for drawn in series.values():
+        drawn["loss"] = sorted(drawn["loss"].items())
+        drawn["tokens_per_s"] = sorted(drawn["tokens_per_s"].items())
+    return series
 
 
 # --- cost ----------------------------------------------------------------------------------

@@ -27,8 +27,14 @@ from apps.jobs.models import (
     Reservation,
     Webhook,
 )
-from apps.jobs.models.jobs import NOT_STARTED_STATES
-from apps.jobs.transitions import actor_label, job_transition, schedule_soon, webhook_source
+from apps.jobs.models.jobs import FINISHED_STATES, NOT_STARTED_STATES
+from apps.jobs.transitions import (
+    JOB_TRANSITIONS,
+    actor_label,
+    job_transition,
+    schedule_soon,
+    webhook_source,
+)
 from apps.outbox import services as outbox
 from apps.tuning import services as tuning
 from controlplane import webhooks
@@ -252,6 +258,23 @@ def job_can_manage(*, user, team_id: int, submitted_by_id: int | None) -> bool:
 
 def _can_manage(by, job: Job) -> bool:
     return job_can_manage(user=by, team_id=job.team_id, submitted_by_id=job.submitted_by_id)
+
+
+def job_actions(*, state: str) -> list[str]:
+    """The operations (cancel, hold, release, requeue) that a job in `state` can take, as
+    the services below would accept them: what a page offers as buttons."""
+    moves = JOB_TRANSITIONS[state]
+    actions = []
+    waiting = state in (J.PENDING, J.HELD) or state in NOT_STARTED_STATES
+    if (J.CANCELLED if waiting else J.STOPPING) in moves:  # as job_cancel moves it
+        actions.append("cancel")
+    if J.HELD in moves:
+        actions.append("hold")
+    if state == J.HELD:
+        actions.append("release")
+    if state in (J.STARTING, J.RUNNING) or (state in FINISHED_STATES and J.PENDING in moves):
+        actions.append("requeue")
+    return actions
 
 
 def job_cancel(*, job: Job, by, reason: str = "") -> Job:

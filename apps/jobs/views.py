@@ -1,15 +1,19 @@
 """Pages: the Queue, the History (finished jobs), the Submit form (with the layouts that
 fit), and each Job's page."""
 
+import datetime as dt
+import hashlib
 import json
 from decimal import Decimal
+from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.db.models import QuerySet
-from django.http import Http404
+from django.http import Http404, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from apps.accounts.selectors import roles_of, team_ids_by_slug, teams_visible_to
@@ -131,6 +135,70 @@ def history(request):
             .order_by("slug")
             .values_list("slug", flat=True),
             "filters": filters,
+            "compare_most": COMPARED_MAX,
+        },
+    )
+
+
+COMPARED_MAX = len(charts.DISTINCT)  # jobs on one compare page, each its own colour
+
+
+@login_required
+def compare(request):
+    """Jobs compared: their loss and tokens/s curves by step, overlaid (`?job=1&job=2`, as
+    the History's ticks send them). Jobs the user may not see are left out, as if unknown."""
+    wanted = []
+    for value in request.GET.getlist("job"):
+        job_id = _whole_number(value)
+        if job_id is not None and job_id not in wanted:
+            wanted.append(job_id)
+    too_many = len(wanted) > COMPARED_MAX
+    wanted = wanted[:COMPARED_MAX]
+    found = {
+        job.pk: job
+        for job in selectors.jobs_visible_to(user=request.user)
+        .filter(pk__in=wanted)
+        .select_related("team")
+    }
+    jobs = [found[job_id] for job_id in wanted if job_id in found]
+    series = selectors.jobs_compared_series(job_ids=[job.pk for job in jobs])
+    colours = charts.DISTINCT
+    rows = []
+    for i, job in enumerate(jobs):
+        drawn = series[job.pk]
+        tokens = [value for _, value in drawn["tokens_per_s"]]
+        rows.append(
+            {
+                "job": job,
+                "label": f"#{job.pk} {job.name}",
+                "swatch": charts.swatch(colours[i]),
+                "steps": drawn["steps"],
+                "loss": drawn["loss"][-1][1] if drawn["loss"] else None,
+                "tokens_per_s": sum(tokens) / len(tokens) if tokens else None,
+            }
+        )
+
+    def chart(key: str, title: str):
+        return charts.line_chart(
+            {row["label"]: series[row["job"].pk][key] for row in rows},
+            title=title,
+            colours=colours,
+            legend=False,
+            width=720,
+            height=260,
+        )
+
+    return render(
+        request,
+        "jobs/compare.html",
+        {
+            "rows": rows,
+            "charts": [chart("loss", "Loss"), chart("tokens_per_s", "Tokens per second")]
+            if rows
+            else [],
+            "unknown": len(wanted) - len(jobs),
+            "too_many": too_many,
+            "most": COMPARED_MAX,
         },
     )
 
@@ -297,29 +365,49 @@ def layouts(request):
     )
 
 
+def _job_for_page(request, job_id: int) -> Job:
+    """The job, if the user may see it (404 otherwise), with what its head shows."""
+    return get_object_or_404(
+        selectors.jobs_visible_to(user=request.user).select_related(
+            "team", "submitted_by", "pool", "wait"
+        ),
+        pk=job_id,
+    )
+
+
+def _live_context(request, job: Job) -> dict:
+    """What the Job page's live parts show (its head, timeline and runs)."""
+    runs = selectors.job_runs(job=job)
+    return {
+        "job": job,
+        "runs": runs,
+        "attempt_runs": [run for run in runs if run.attempt == runs[0].attempt],
+        "attempt_nodes": selectors.attempt_nodes(runs),
+        "events": list(job.events.all()),
+        "finished": job.state in FINISHED_STATES,
+        "actions": services.job_actions(state=job.state),
+        "can_manage": services.job_can_manage(
+            user=request.user, team_id=job.team_id, submitted_by_id=job.submitted_by_id
+        ),
+    }
+
+
 @login_required
 def detail(request, job_id: int):
-    job = get_object_or_404(
-        selectors.jobs_visible_to(user=request.user).prefetch_related("events"), pk=job_id
-    )
-    runs = selectors.job_runs(job=job)
+    job = _job_for_page(request, job_id)
+    live = _live_context(request, job)
     return render(
         request,
         "jobs/detail.html",
         {
-            "job": job,
-            "attempt_nodes": selectors.attempt_nodes(runs),
-            "events": list(job.events.all()),
-            "finished": job.state in FINISHED_STATES,
-            "can_manage": services.job_can_manage(
-                user=request.user, team_id=job.team_id, submitted_by_id=job.submitted_by_id
-            ),
+            **live,
             "nccl_environments": selectors.job_nccl_environments(job=job),
             "rank_environments": selectors.job_rank_environments(job=job),
             "cost": selectors.job_cost(job=job),
-            "runs": runs,
             **_training_context(job),
-            "log_lines": selectors.job_log_tail(job=job),
+            **_log_context(
+                request, job, attempts_ranks=[(r.attempt, r.node_rank) for r in live["runs"]]
+            ),
             "spec_json": json.dumps(
                 {k: v for k, v in job.spec.items() if k != "fingerprint"},
                 indent=2,
@@ -327,6 +415,14 @@ def detail(request, job_id: int):
             ),
         },
     )
+
+
+@login_required
+def live(request, job_id: int):
+    """The Job page's head (state, reason, actions, nodes), with its timeline and runs out of
+    band: asked every few seconds while the job is not finished."""
+    job = _job_for_page(request, job_id)
+    return render(request, "jobs/_live.html", _live_context(request, job))
 
 
 def _training_context(job) -> dict:
@@ -361,19 +457,97 @@ def training(request, job_id: int):
     )
 
 
+LOG_LINES = 200  # the viewer opens with the newest lines, and takes at most this many a poll
+LOG_SEARCH_MAX = 200
+# Agents relay output apart from the exit: the viewer keeps asking this long after the end.
+LOG_LATE_S = 20
+
+
+def _whole_number(value: str | None) -> int | None:
+    try:
+        number = int(value or "")
+    except ValueError:
+        return None
+    return number if 0 <= number < 2**31 else None
+
+
+def _log_context(request, job: Job, *, attempts_ranks: list | None = None) -> dict:
+    """The log viewer's lines through its filters (node rank, attempt, search), the choices
+    for its filters when the runs' (attempt, node rank) are given, and the query its next
+    poll asks with."""
+    params = request.GET
+    filters = {
+        "rank": _whole_number(params.get("rank")),
+        "attempt": _whole_number(params.get("attempt")),
+        "text": (params.get("q") or "").strip()[:LOG_SEARCH_MAX],
+    }
+    after = _whole_number(params.get("after"))
+    # One more than shown: when it comes, lines between `after` and these were left out.
+    lines = selectors.job_log_tail(job=job, limit=LOG_LINES + 1, after=after or 0, **filters)
+    skipped = len(lines) > LOG_LINES
+    lines = lines[-LOG_LINES:]
+    last = lines[-1]["id"] if lines else (after or 0)
+    finished = job.state in FINISHED_STATES
+    late = finished and job.finished_at and timezone.now() - job.finished_at < _LATE
+    poll = {k: filters[k] for k in ("rank", "attempt") if filters[k] is not None}
+    if filters["text"]:
+        poll["q"] = filters["text"]
+    context = {
+        "job": job,
+        "log_lines": lines,
+        "log_skipped": skipped and after is not None,
+        "log_filters": filters,
+        # Names the view these filters make: new lines are added to it alone.
+        "log_view": "v"
+        + hashlib.blake2s(repr(sorted(filters.items())).encode(), digest_size=6).hexdigest(),
+        "log_filtered": any(v not in (None, "") for v in filters.values()),
+        "log_following": not finished or bool(late),
+        "log_poll_query": urlencode({**poll, "after": last}),
+        "log_prefix": job.nodes > 1 or job.restarts > 0,
+        "log_limit": LOG_LINES,
+        "finished": finished,
+    }
+    if attempts_ranks is not None:
+        context["log_ranks"] = sorted({rank for _, rank in attempts_ranks})
+        context["log_attempts"] = sorted({attempt for attempt, _ in attempts_ranks}, reverse=True)
+    return context
+
+
+_LATE = dt.timedelta(seconds=LOG_LATE_S)
+
+
 @login_required
 def log_tail(request, job_id: int):
-    """The Job page's output panel; while the job is active the panel asks again (htmx)."""
+    """The Job page's log viewer. Asked with `after` (the newest line it shows) by its poll
+    while the job is active: the lines after it, appended to the viewer (out of band) and the
+    poll again. Asked without: the whole viewer, through its filters."""
     job = get_object_or_404(selectors.jobs_visible_to(user=request.user), pk=job_id)
+    if "after" in request.GET:
+        return render(request, "jobs/_log_new.html", _log_context(request, job))
     return render(
         request,
         "jobs/_log_tail.html",
-        {
-            "job": job,
-            "log_lines": selectors.job_log_tail(job=job),
-            "finished": job.state in FINISHED_STATES,
-        },
+        _log_context(request, job, attempts_ranks=selectors.job_attempts_ranks(job=job)),
     )
+
+
+@login_required
+def log_download(request, job_id: int):
+    """Every stored line of the job as plain text, streamed (a long log is never held whole):
+    the same lines as `cpctl logs`, each with its time, attempt and node rank."""
+    job = get_object_or_404(selectors.jobs_visible_to(user=request.user), pk=job_id)
+
+    def text():
+        for line in selectors.job_log_every_line(job=job):
+            stream = "" if line["stream"] == "stdout" else f" {line['stream']}"
+            yield (
+                f"{line['at']:%Y-%m-%dT%H:%M:%S.%fZ} [attempt {line['attempt']} "
+                f"rank {line['rank']}{stream}] {line['text']}\n"
+            )
+
+    response = StreamingHttpResponse(text(), content_type="text/plain; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="job-{job.pk}.log"'
+    return response
 
 
 OPERATIONS = {

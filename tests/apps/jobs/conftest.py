@@ -22,6 +22,13 @@ def quota(team):
     return accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=32, by=None)
 
 
+@pytest.fixture
+def other_member(other_team):
+    """A researcher of another team, with a quota of its own."""
+    accounts.team_quota_set(team=other_team, gpu_type="H100", max_gpus=32, by=None)
+    return factories.make_member(team=other_team, role="researcher")
+
+
 def command_spec(team, **overrides) -> dict:
     spec = {
         "name": "smoke",
