@@ -1,16 +1,36 @@
 """Reads of jobs and the queue, scoped to what the user may see."""
 
 import datetime as dt
+import time
 from dataclasses import dataclass
 
 from django.core.paginator import Page, Paginator
-from django.db.models import Count, F, Max, Min, Q, QuerySet, Subquery, Sum
+from django.db.models import (
+    Count,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    Max,
+    Min,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+)
+from django.db.models.functions import Coalesce, Floor
 
 from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
 from apps.costs.selectors import projection_for
-from apps.fleet.selectors import pool_names, pools_capacity, schedulable_node_gpus
+from apps.fleet.models import SCHEDULABLE_STATES
+from apps.fleet.selectors import (
+    pool_names,
+    pools_capacity,
+    schedulable_gpus_by_type,
+    schedulable_node_gpus,
+)
 from apps.jobs import specs
+from apps.jobs.estimates import Estimate, Queued, estimate_starts
 from apps.jobs.models import (
     OPEN_RUN_STATES,
     Allocation,
@@ -27,13 +47,16 @@ from apps.jobs.models import (
 from apps.jobs.models.jobs import (
     ACTIVE_STATES,
     FINISHED_STATES,
+    HOLDING_STATES,
     PRIORITY_RANK,
     QUEUE_ORDER_KEY,
     last_pass_read_at,
     waiting_reason,
 )
+from apps.jobs.scheduler.read import Epoch
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 from controlplane import webhooks
+from controlplane.bulk import InArray
 from controlplane.cache import best_effort
 
 
@@ -62,6 +85,7 @@ QUEUE_COLUMNS = (
     "state_changed_at",
     "wait__reason",
     "wait__estimated_start",
+    "started_at",
 )
 
 
@@ -99,6 +123,7 @@ def _queue_rows(jobs: QuerySet[Job], *, user, position: dict[int, int]) -> dict[
         changed_at,
         wait_reason,
         wait_start,
+        started_at,
     ) in jobs.values_list(*QUEUE_COLUMNS):
         mine = roles.sees_every_team or team_id in roles.team_ids
         row = {
@@ -109,8 +134,12 @@ def _queue_rows(jobs: QuerySet[Job], *, user, position: dict[int, int]) -> dict[
             "state": state,
             "priority": priority,
             "estimated_start": wait_start if state == pending else None,
+            "estimate_basis": "",
             "position": position.get(job_id),
             "anonymous": not mine,
+            # Since when it runs (its latest start), while it holds GPUs.
+            "started_at": started_at if state in HOLDING_STATES else None,
+            "nodes": [],
         }
         if mine:
             row.update(
@@ -131,14 +160,18 @@ def _in_queue_order(ids, position: dict[int, int]) -> list[int]:
 
 
 def queue_for(*, user, jobs: QuerySet[Job] | None = None) -> list[dict]:
-    """Every active job, in queue order; other teams' jobs as anonymous rows.
+    """Every active job, in queue order, with its nodes and estimated start; other teams'
+    jobs as anonymous rows.
 
     An anonymous row says only team, GPUs, state, priority and estimated start:
-    no name, spec, logs or cost.
+    no name, spec, nodes, logs or cost.
     """
     position = _queue_order()
     rows = _queue_rows(_active(jobs), user=user, position=position)
-    return [rows[job_id] for job_id in _in_queue_order(rows, position)]
+    ordered = [rows[job_id] for job_id in _in_queue_order(rows, position)]
+    order = list(rows) if jobs is None else queue_ids()[0]
+    _with_estimates_and_nodes(rows, order=_in_queue_order(order, position))
+    return ordered
 
 
 def queue_ids(*, jobs: QuerySet[Job] | None = None) -> tuple[list[int], dict[int, int]]:
@@ -150,18 +183,112 @@ def queue_ids(*, jobs: QuerySet[Job] | None = None) -> tuple[list[int], dict[int
 
 
 def queue_rows(ids: list[int], *, user, position: dict[int, int]) -> list[dict]:
-    """queue_for's rows of these jobs, in the order given (jobs gone since are left out)."""
+    """queue_for's rows of these jobs, in the order given (jobs gone since are left out),
+    with the scheduler's reserved starts alone and no nodes (queue_page adds them)."""
     rows = _queue_rows(Job.objects.filter(id__in=ids).order_by(), user=user, position=position)
     return [rows[job_id] for job_id in ids if job_id in rows]
 
 
 def queue_page(*, user, jobs: QuerySet[Job] | None = None, page, per_page: int) -> Page:
     """One page of queue_for's rows: every active job's id is ordered, only the page's
-    rows are read whole."""
+    rows are read whole. `jobs` None: the whole queue (no filter)."""
     ids, position = queue_ids(jobs=jobs)
     shown = Paginator(ids, per_page).get_page(page)
-    shown.object_list = queue_rows(shown.object_list, user=user, position=position)
+    rows = _queue_rows(
+        Job.objects.filter(id__in=shown.object_list).order_by(), user=user, position=position
+    )
+    # Estimates need the whole queue's order: the jobs ahead of a filtered page's too.
+    pending = any(row["state"] == JobState.PENDING for row in rows.values())
+    order = ids if jobs is None or not pending else queue_ids()[0]
+    _with_estimates_and_nodes(rows, order=order)
+    shown.object_list = [rows[job_id] for job_id in shown.object_list if job_id in rows]
     return shown
+
+
+def _with_estimates_and_nodes(rows: dict[int, dict], *, order: list[int]) -> None:
+    """Give these queue rows (by job id) their start estimates (pending jobs) and the
+    names of the nodes they hold (the user's own jobs), in four queries at most."""
+    pending = [job_id for job_id, row in rows.items() if row["state"] == JobState.PENDING]
+    for job_id, estimate in start_estimates(order=order, wanted=pending).items():
+        if job_id in rows:
+            row = rows[job_id]
+            row["estimated_start"] = (
+                None
+                if estimate.start is None
+                else dt.datetime.fromtimestamp(estimate.start, tz=dt.UTC)
+            )
+            row["estimate_basis"] = estimate.basis
+    holding = [
+        job_id
+        for job_id, row in rows.items()
+        if row["state"] in HOLDING_STATES and not row["anonymous"]
+    ]
+    for job_id, names in nodes_held_by(job_ids=holding).items():
+        rows[job_id]["nodes"] = names
+
+
+def nodes_held_by(*, job_ids: list[int]) -> dict[int, list[str]]:
+    """Job id -> the names of the nodes it holds now, by name (one query)."""
+    if not job_ids:
+        return {}
+    held: dict[int, list[str]] = {}
+    for job_id, name in (
+        Allocation.objects.filter(InArray("job_id", job_ids), ended_at__isnull=True)
+        .order_by("job_id", "node__name")
+        .values_list("job_id", "node__name")
+    ):
+        held.setdefault(job_id, []).append(name)
+    return held
+
+
+def gpu_releases() -> dict[str, list[tuple[float, int]]]:
+    """GPU type -> (when, GPUs): when the GPUs held on schedulable nodes come back at the
+    latest (their job's admission plus its time limit, to the minute, as the scheduler's
+    reserved starts are), in one grouped read of the open allocations."""
+    started = Epoch(Coalesce("job__admitted_at", "started_at"))
+    back = ExpressionWrapper(
+        Floor((started + F("job__time_limit_s")) / 60.0) * 60, output_field=FloatField()
+    )
+    releases: dict[str, list[tuple[float, int]]] = {}
+    for gpu_type, when, gpus in (
+        Allocation.objects.filter(
+            ended_at__isnull=True, node__state__in=SCHEDULABLE_STATES, node__pool__enabled=True
+        )
+        .annotate(back=back)
+        .values_list("node__pool__gpu_type", "back")
+        .annotate(gpus=Sum("gpus"))
+        .order_by()
+    ):
+        releases.setdefault(gpu_type, []).append((when, gpus))
+    return releases
+
+
+def start_estimates(*, order: list[int], wanted: list[int]) -> dict[int, Estimate]:
+    """The start estimate (apps/jobs/estimates.py) of each wanted pending job, given the
+    whole queue's order (queue_ids): the pending jobs from its head to the last wanted one
+    are read, then the GPUs on schedulable nodes and when the held ones come back. Three
+    queries, none if no job is wanted."""
+    wanted_set = set(wanted)
+    if not wanted_set:
+        return {}
+    last = max((i for i, job_id in enumerate(order) if job_id in wanted_set), default=-1)
+    ahead = order[: last + 1]
+    rows = {
+        row[0]: row
+        for row in Job.objects.filter(InArray("id", ahead), state=JobState.PENDING)
+        .annotate(reserved=Epoch("wait__estimated_start"))
+        .values_list("id", "gpu_type", "nodes", "gpus_per_node", "time_limit_s", "reserved")
+        .order_by()
+    }
+    queue = [
+        Queued(job_id, gpu_type, nodes * per_node, limit, reserved)
+        for job_id in ahead
+        if job_id in rows
+        for _, gpu_type, nodes, per_node, limit, reserved in (rows[job_id],)
+    ]
+    return estimate_starts(
+        queue, now=time.time(), capacity=schedulable_gpus_by_type(), releases=gpu_releases()
+    )
 
 
 def queue_choices() -> tuple[list[str], list[str]]:

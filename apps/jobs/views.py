@@ -10,6 +10,8 @@ from django.core.paginator import Paginator
 from django.db.models import QuerySet
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from apps.accounts.selectors import roles_of, team_ids_by_slug, teams_visible_to
@@ -35,8 +37,11 @@ QUEUE_COLUMNS = [
     "priority",
     "gpus",
     "gpu_type",
+    "nodes",
     "reason",
     "estimated_start",
+    "started_at",
+    "elapsed_s",
     "submitted_at",
 ]
 
@@ -53,13 +58,14 @@ def _filtered(request, jobs: QuerySet[Job]) -> QuerySet[Job]:
     return chosen.qs if chosen.is_valid() else jobs.none()
 
 
-@login_required
-def queue(request):
+def _queue_context(request) -> dict:
+    """The Queue's table and counts, for the page and for its live region alike."""
     filters = _filters(request)
+    unfiltered = not set(request.GET) - {"page"}
     # A page at a time: a queue of 50,000 jobs is not one page (the CSV has every row).
     page = selectors.queue_page(
         user=request.user,
-        jobs=_filtered(request, Job.objects.all()),
+        jobs=None if unfiltered else _filtered(request, Job.objects.all()),
         page=request.GET.get("page"),
         per_page=QUEUE_PAGE_SIZE,
     )
@@ -73,19 +79,34 @@ def queue(request):
         )
     query = request.GET.copy()
     query.pop("page", None)
+    # The live region asks with the page's own query (filters and page), and a Cancel
+    # inside it comes back to the page, not to the fragment.
+    here = request.GET.urlencode()
+    return {
+        "rows": rows,
+        "page": page,
+        "querystring": query.urlencode(),
+        "page_query": here,
+        "page_path": reverse("jobs:queue") + (f"?{here}" if here else ""),
+        "filters": filters,
+    }
+
+
+@login_required
+def queue(request):
     states, teams = selectors.queue_choices()
     return render(
         request,
         "jobs/queue.html",
-        {
-            "rows": rows,
-            "page": page,
-            "querystring": query.urlencode(),
-            "states": states,
-            "teams": teams,
-            "filters": filters,
-        },
+        {**_queue_context(request), "states": states, "teams": teams},
     )
+
+
+@login_required
+def queue_live(request):
+    """The Queue's live region: its table, pages and count, asked for again every few
+    seconds with the page's filters and page."""
+    return render(request, "jobs/_queue_live.html", {**_queue_context(request), "live": True})
 
 
 HISTORY_PAGE_SIZE = 50
@@ -164,8 +185,15 @@ def history_csv(request):
 @login_required
 def queue_csv(request):
     rows = selectors.queue_for(user=request.user, jobs=_filtered(request, Job.objects.all()))
+    now = timezone.now()
+    for row in rows:
+        row["nodes"] = " ".join(row["nodes"])
+        if row["started_at"]:
+            row["elapsed_s"] = round((now - row["started_at"]).total_seconds())
     return csv_response(
-        "queue.csv", QUEUE_COLUMNS, ([row.get(c, "") for c in QUEUE_COLUMNS] for row in rows)
+        "queue.csv",
+        QUEUE_COLUMNS,
+        ([row.get(c) for c in QUEUE_COLUMNS] for row in rows),
     )
 
 
