@@ -168,10 +168,8 @@ def queue_for(*, user, jobs: QuerySet[Job] | None = None) -> list[dict]:
     """
     position = _queue_order()
     rows = _queue_rows(_active(jobs), user=user, position=position)
-    ordered = [rows[job_id] for job_id in _in_queue_order(rows, position)]
-    order = list(rows) if jobs is None else queue_ids()[0]
-    _with_estimates_and_nodes(rows, order=_in_queue_order(order, position))
-    return ordered
+    _with_estimates_and_nodes(rows, position=position)
+    return [rows[job_id] for job_id in _in_queue_order(rows, position)]
 
 
 def queue_ids(*, jobs: QuerySet[Job] | None = None) -> tuple[list[int], dict[int, int]]:
@@ -191,25 +189,22 @@ def queue_rows(ids: list[int], *, user, position: dict[int, int]) -> list[dict]:
 
 def queue_page(*, user, jobs: QuerySet[Job] | None = None, page, per_page: int) -> Page:
     """One page of queue_for's rows: every active job's id is ordered, only the page's
-    rows are read whole. `jobs` None: the whole queue (no filter)."""
+    rows are read whole."""
     ids, position = queue_ids(jobs=jobs)
     shown = Paginator(ids, per_page).get_page(page)
     rows = _queue_rows(
         Job.objects.filter(id__in=shown.object_list).order_by(), user=user, position=position
     )
-    # Estimates need the whole queue's order: the jobs ahead of a filtered page's too.
-    pending = any(row["state"] == JobState.PENDING for row in rows.values())
-    order = ids if jobs is None or not pending else queue_ids()[0]
-    _with_estimates_and_nodes(rows, order=order)
+    _with_estimates_and_nodes(rows, position=position)
     shown.object_list = [rows[job_id] for job_id in shown.object_list if job_id in rows]
     return shown
 
 
-def _with_estimates_and_nodes(rows: dict[int, dict], *, order: list[int]) -> None:
+def _with_estimates_and_nodes(rows: dict[int, dict], *, position: dict[int, int]) -> None:
     """Give these queue rows (by job id) their start estimates (pending jobs) and the
-    names of the nodes they hold (the user's own jobs), in four queries at most."""
+    names of the nodes they hold (the user's own jobs), in five queries at most."""
     pending = [job_id for job_id, row in rows.items() if row["state"] == JobState.PENDING]
-    for job_id, estimate in start_estimates(order=order, wanted=pending).items():
+    for job_id, estimate in start_estimates(wanted=pending, position=position).items():
         if job_id in rows:
             row = rows[job_id]
             row["estimated_start"] = (
@@ -263,16 +258,36 @@ def gpu_releases() -> dict[str, list[tuple[float, int]]]:
     return releases
 
 
-def start_estimates(*, order: list[int], wanted: list[int]) -> dict[int, Estimate]:
-    """The start estimate (apps/jobs/estimates.py) of each wanted pending job, given the
-    whole queue's order (queue_ids): the pending jobs from its head to the last wanted one
-    are read, then the GPUs on schedulable nodes and when the held ones come back. Three
-    queries, none if no job is wanted."""
-    wanted_set = set(wanted)
-    if not wanted_set:
+def _pending_order(*, wanted: set[int], position: dict[int, int]) -> list[int]:
+    """The pending jobs from the queue's head to the last wanted one: in the last pass's
+    order (the cache, no query), then those submitted since, by age (one query, only if a
+    wanted job is among them)."""
+    if all(job_id in position for job_id in wanted):
+        return list(position)[: max(position[job_id] for job_id in wanted)]
+    missing = wanted - position.keys()
+    later = []
+    for job_id in (
+        Job.objects.live()
+        .filter(state=JobState.PENDING)
+        .order_by("queued_at", "id")
+        .values_list("id", flat=True)
+    ):
+        if job_id not in position:
+            later.append(job_id)
+            missing.discard(job_id)
+            if not missing:
+                break
+    return [*position, *later]
+
+
+def start_estimates(*, wanted: list[int], position: dict[int, int]) -> dict[int, Estimate]:
+    """The start estimate (apps/jobs/estimates.py) of each wanted pending job: the pending
+    jobs ahead of it are read in queue order (`position`: the last pass's places), then
+    the GPUs on schedulable nodes and when the held ones come back. Three or four queries,
+    none if no job is wanted."""
+    if not wanted:
         return {}
-    last = max((i for i, job_id in enumerate(order) if job_id in wanted_set), default=-1)
-    ahead = order[: last + 1]
+    ahead = _pending_order(wanted=set(wanted), position=position)
     rows = {
         row[0]: row
         for row in Job.objects.filter(InArray("id", ahead), state=JobState.PENDING)

@@ -61,11 +61,10 @@ def _filtered(request, jobs: QuerySet[Job]) -> QuerySet[Job]:
 def _queue_context(request) -> dict:
     """The Queue's table and counts, for the page and for its live region alike."""
     filters = _filters(request)
-    unfiltered = not set(request.GET) - {"page"}
     # A page at a time: a queue of 50,000 jobs is not one page (the CSV has every row).
     page = selectors.queue_page(
         user=request.user,
-        jobs=None if unfiltered else _filtered(request, Job.objects.all()),
+        jobs=_filtered(request, Job.objects.all()),
         page=request.GET.get("page"),
         per_page=QUEUE_PAGE_SIZE,
     )
