@@ -236,6 +236,23 @@ def nodes_held_by(*, job_ids: list[int]) -> dict[int, list[str]]:
     return held
 
 
+def nodes_ran_on(*, job_ids: list[int]) -> dict[int, list[str]]:
+    """Job id -> the names of the nodes its newest attempt ran on, rank 0 first (one
+    query): where a finished job ran."""
+    if not job_ids:
+        return {}
+    ran: dict[int, tuple[int, list[str]]] = {}
+    for job_id, attempt, name in (
+        Run.objects.filter(InArray("job_id", job_ids))
+        .order_by("job_id", "-attempt", "node_rank")
+        .values_list("job_id", "attempt", "node__name")
+    ):
+        newest, names = ran.setdefault(job_id, (attempt, []))
+        if attempt == newest:
+            names.append(name)
+    return {job_id: names for job_id, (_, names) in ran.items()}
+
+
 def gpu_releases() -> dict[str, list[tuple[float, int]]]:
     """GPU type -> (when, GPUs): when the GPUs held on schedulable nodes come back at the
     latest (their job's admission plus its time limit, to the minute, as the scheduler's

@@ -1,4 +1,5 @@
-"""The Queue page's estimated starts, nodes and elapsed time, its CSV, and its live region."""
+"""The Queue page's estimated starts, nodes and elapsed time, its CSV and its live region; the
+History's nodes."""
 
 import csv
 import datetime as dt
@@ -173,3 +174,25 @@ def test_the_queue_and_its_live_region_make_a_bounded_number_of_queries(
     assert html.count("<tr data-job=") == 6 + pending
     assert html.count('<td class="nowrap estimate"><time') == 2 + pending
     assert JobState.PENDING in html
+
+
+def test_the_history_and_its_csv_say_which_nodes_a_finished_job_ran_on(
+    client, full_fleet, researcher, django_assert_max_num_queries
+):
+    done = full_fleet["running"]
+    now = timezone.now()
+    Job.objects.filter(pk=done.pk).update(
+        state=JobState.SUCCEEDED, started_at=now - dt.timedelta(minutes=5), finished_at=now
+    )
+    client.force_login(researcher)
+    client.get("/jobs/history/")  # warm the session and roles
+
+    with django_assert_max_num_queries(9):
+        html = client.get("/jobs/history/").content.decode()
+
+    assert "<th>Nodes</th>" in html
+    assert f'<td class="nodes">{full_fleet["node"].name}</td>' in row_html(html, done.pk)
+    rows = list(csv.DictReader(io.StringIO(client.get("/jobs/history.csv").content.decode())))
+    assert [(int(r["id"]), r["nodes"], r["ran_s"]) for r in rows] == [
+        (done.pk, full_fleet["node"].name, "300")
+    ]
