@@ -300,8 +300,8 @@ def _pending_order(*, wanted: set[int], position: dict[int, int]) -> list[int]:
 def start_estimates(*, wanted: list[int], position: dict[int, int]) -> dict[int, Estimate]:
     """The start estimate (apps/jobs/estimates.py) of each wanted pending job: the pending
     jobs ahead of it are read in queue order (`position`: the last pass's places), then
-    the GPUs on schedulable nodes and when the held ones come back. Three or four queries,
-    none if no job is wanted."""
+    the GPUs on schedulable nodes and when the held ones come back (gpu_supply). One to
+    four queries, none if no job is wanted."""
     if not wanted:
         return {}
     ahead = _pending_order(wanted=set(wanted), position=position)
@@ -318,9 +318,29 @@ def start_estimates(*, wanted: list[int], position: dict[int, int]) -> dict[int,
         if job_id in rows
         for _, gpu_type, nodes, per_node, limit, reserved in (rows[job_id],)
     ]
-    return estimate_starts(
-        queue, now=time.time(), capacity=schedulable_gpus_by_type(), releases=gpu_releases()
-    )
+    capacity, releases = gpu_supply()
+    return estimate_starts(queue, now=time.time(), capacity=capacity, releases=releases)
+
+
+GPU_SUPPLY_KEY = "jobs:gpu-supply:{}"  # per scheduling pass, by when it read
+GPU_SUPPLY_CACHE_S = 600  # bounds what a pass's entry costs once the next has replaced it
+
+
+def gpu_supply() -> tuple[dict[str, int], dict[str, list[tuple[float, int]]]]:
+    """The GPUs of each type on schedulable nodes and when the held ones come back
+    (schedulable_gpus_by_type, gpu_releases): read once per scheduling pass for every
+    page and poll, since only a pass places jobs; a job that ends early is seen at the
+    pass that its end asks for."""
+    last_pass_at = last_pass_read_at()
+    key = GPU_SUPPLY_KEY.format(last_pass_at)
+    if last_pass_at is not None:
+        supply = best_effort.get(key)
+        if supply is not None:
+            return supply
+    supply = schedulable_gpus_by_type(), gpu_releases()
+    if last_pass_at is not None:
+        best_effort.set(key, supply, GPU_SUPPLY_CACHE_S)
+    return supply
 
 
 def queue_choices() -> tuple[list[str], list[str]]:

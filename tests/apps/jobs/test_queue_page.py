@@ -7,6 +7,8 @@ import io
 import re
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from apps.accounts import services as accounts
@@ -196,3 +198,25 @@ def test_the_history_and_its_csv_say_which_nodes_a_finished_job_ran_on(
     assert [(int(r["id"]), r["nodes"], r["ran_s"]) for r in rows] == [
         (done.pk, full_fleet["node"].name, "300")
     ]
+
+
+def test_the_gpu_supply_is_read_once_per_scheduling_pass(
+    client, full_fleet, researcher, django_capture_on_commit_callbacks
+):
+    def queries_and_estimates() -> tuple[int, list[str]]:
+        with CaptureQueriesContext(connection) as counted:
+            html = client.get("/jobs/queue/live/").content.decode()
+        return len(counted), re.findall(
+            r'<td class="nowrap estimate"><time datetime="([^"]+)"', html
+        )
+
+    with django_capture_on_commit_callbacks(execute=True):
+        scheduling_pass()  # publishes when it read: the supply's key
+    client.force_login(researcher)
+
+    first, estimates = queries_and_estimates()
+    again, same = queries_and_estimates()
+    assert again == first - 2 and same == estimates and len(estimates) == 2
+    with django_capture_on_commit_callbacks(execute=True):
+        scheduling_pass()
+    assert queries_and_estimates()[0] == first
