@@ -181,9 +181,9 @@ def queue_ids(*, jobs: QuerySet[Job] | None = None) -> tuple[list[int], dict[int
 
 
 def queue_rows(ids: list[int], *, user, position: dict[int, int]) -> list[dict]:
-    """queue_for's rows of these jobs, in the order given (jobs gone since are left out),
-    with the scheduler's reserved starts alone and no nodes (queue_page adds them)."""
+    """queue_for's rows of these jobs, in the order given (jobs gone since are left out)."""
     rows = _queue_rows(Job.objects.filter(id__in=ids).order_by(), user=user, position=position)
+    _with_estimates_and_nodes(rows, position=position)
     return [rows[job_id] for job_id in ids if job_id in rows]
 
 
@@ -192,11 +192,7 @@ def queue_page(*, user, jobs: QuerySet[Job] | None = None, page, per_page: int) 
     rows are read whole."""
     ids, position = queue_ids(jobs=jobs)
     shown = Paginator(ids, per_page).get_page(page)
-    rows = _queue_rows(
-        Job.objects.filter(id__in=shown.object_list).order_by(), user=user, position=position
-    )
-    _with_estimates_and_nodes(rows, position=position)
-    shown.object_list = [rows[job_id] for job_id in shown.object_list if job_id in rows]
+    shown.object_list = queue_rows(shown.object_list, user=user, position=position)
     return shown
 
 

@@ -220,3 +220,25 @@ def test_the_gpu_supply_is_read_once_per_scheduling_pass(
     with django_capture_on_commit_callbacks(execute=True):
         scheduling_pass()
     assert queries_and_estimates()[0] == first
+
+
+def test_the_queue_api_gives_the_same_estimates_nodes_and_start_as_the_page(
+    client, full_fleet, researcher
+):
+    client.force_login(researcher)
+    page = {
+        int(r["id"]): r
+        for r in csv.DictReader(io.StringIO(client.get("/jobs/queue.csv").content.decode()))
+    }
+
+    rows = client.get("/api/v1/queue/").json()["results"]
+
+    by_id = {row["id"]: row for row in rows}
+    running = by_id[full_fleet["running"].pk]
+    assert running["nodes"] == [full_fleet["node"].name] and running["started_at"]
+    for job in (full_fleet["seen"], full_fleet["unseen"]):
+        row = by_id[job.pk]
+        assert row["estimate_basis"] and row["nodes"] == [] and row["started_at"] is None
+        assert dt.datetime.fromisoformat(row["estimated_start"]) == dt.datetime.fromisoformat(
+            page[job.pk]["estimated_start"]
+        )
