@@ -21,7 +21,7 @@ before). A job that needs more GPUs than there are of its type has no estimate.
 import heapq
 from typing import NamedTuple
 
-ANY_GPU = "ANY"
+from apps.jobs.scheduler.snapshot import ANY_GPU
 
 
 class Queued(NamedTuple):
@@ -74,13 +74,23 @@ RESERVED = (
 )
 
 
+def _gpus_word(job: Queued) -> str:
+    return f"{job.gpus} GPUs" if job.gpu_type == ANY_GPU else f"{job.gpus} {job.gpu_type} GPUs"
+
+
 def _basis(job: Queued, ahead: int) -> str:
-    what = "GPUs" if job.gpu_type == ANY_GPU else f"{job.gpu_type} GPUs"
     jobs = "job" if ahead == 1 else "jobs"
     of_type = "" if job.gpu_type == ANY_GPU else " of this type"
     return (
-        f"When {job.gpus} {what} are free if running jobs and the {ahead} pending {jobs} "
+        f"When {_gpus_word(job)} are free if running jobs and the {ahead} pending {jobs} "
         f"ahead of it{of_type} run to their time limits, in queue order."
+    )
+
+
+def _never(job: Queued) -> str:
+    return (
+        f"No start can be estimated: the schedulable nodes have fewer than {_gpus_word(job)} "
+        "in all."
     )
 
 
@@ -116,16 +126,12 @@ def estimate_starts(
             if start is not None:  # it holds some of every GPU from then (for ANY jobs)
                 every.take(job.gpus, job.time_limit_s, start)
             behind = ahead.get(job.gpu_type, 0)
+        if start is None:  # it holds nothing, and nobody waits behind it
+            out[job.job_id] = Estimate(None, _never(job))
+            continue
         ahead[job.gpu_type] = ahead.get(job.gpu_type, 0) + 1
-        if start is None:
-            out[job.job_id] = Estimate(None, f"No start can be estimated: {_never(job)}.")
-        elif reserved:  # the scheduler's word, shown as it is
+        if reserved:  # the scheduler's word, shown as it is
             out[job.job_id] = Estimate(job.reserved_at, RESERVED)
         else:
             out[job.job_id] = Estimate(start, _basis(job, behind))
     return out
-
-
-def _never(job: Queued) -> str:
-    what = "GPUs" if job.gpu_type == ANY_GPU else f"{job.gpu_type} GPUs"
-    return f"the schedulable nodes have fewer than {job.gpus} {what} in all"
