@@ -155,3 +155,37 @@ def test_a_job_added_behind_the_queue_moves_no_estimate_ahead_of_it(fleet, extra
     behind = Queued(len(queue), "H100", max(1, extra_gpus), HOUR)
     after = estimate_starts([*queue, behind], now=NOW, capacity=capacity, releases=releases)
     assert all(after[j.job_id] == before[j.job_id] for j in queue)
+
+
+@given(fleets(), st.data())
+def test_reservations_are_shown_as_given_and_no_job_behind_starts_before_them(fleet, data):
+    capacity, releases, queue = fleet
+    queue = [
+        job._replace(reserved_at=NOW + data.draw(st.integers(-6, 48)) * 600)
+        if data.draw(st.booleans())
+        else job
+        for job in queue
+    ]
+    found = estimate_starts(queue, now=NOW, capacity=capacity, releases=releases)
+    for job in queue:
+        start = found[job.job_id].start
+        assert start is None or start >= NOW
+        if start is not None and job.reserved_at is not None and job.reserved_at >= NOW:
+            assert start == job.reserved_at and found[job.job_id].basis == RESERVED
+    for t in TYPES:
+        modelled = [
+            found[j.job_id].start
+            for j in queue
+            if j.gpu_type == t and found[j.job_id].basis != RESERVED
+        ]
+        modelled = [s for s in modelled if s is not None]
+        assert modelled == sorted(modelled)
+        floor = NOW
+        for j in queue:
+            start = found[j.job_id].start
+            if j.gpu_type != t or start is None:
+                continue
+            if found[j.job_id].basis == RESERVED:
+                floor = max(floor, start)
+            else:
+                assert start >= floor
