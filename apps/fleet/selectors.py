@@ -4,7 +4,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db.models import Count, Min, Prefetch, Q, QuerySet
+from django.db.models import Count, Min, Prefetch, Q, QuerySet, Sum
 
 from apps.fleet.models import (
     GONE_STATES,
@@ -386,4 +386,14 @@ def pool_node_sizes(*, pool_ids, live_only: bool = False) -> list[tuple[int, int
 def pools_with_nodes(*, pool_ids) -> set[int]:
     return set(
         Node.objects.filter(pool_id__in=list(pool_ids)).values_list("pool_id", flat=True).distinct()
+    )
+
+
+def schedulable_gpus_by_type() -> dict[str, int]:
+    """GPU type -> how many GPUs the schedulable nodes of enabled pools have (one query)."""
+    return dict(
+        Node.objects.filter(state__in=SCHEDULABLE_STATES, pool__enabled=True)
+        .values_list("pool__gpu_type")
+        .annotate(gpus=Sum("gpu_count"))
+        .order_by()
     )

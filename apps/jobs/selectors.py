@@ -1,16 +1,36 @@
 """Reads of jobs and the queue, scoped to what the user may see."""
 
 import datetime as dt
+import time
 from dataclasses import dataclass
 
 from django.core.paginator import Page, Paginator
-from django.db.models import Count, F, Max, Min, Q, QuerySet, Subquery, Sum
+from django.db.models import (
+    Count,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    Max,
+    Min,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+)
+from django.db.models.functions import Coalesce, Floor
 
 from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
 from apps.costs.selectors import projection_for
-from apps.fleet.selectors import pool_names, pools_capacity, schedulable_node_gpus
+from apps.fleet.models import SCHEDULABLE_STATES
+from apps.fleet.selectors import (
+    pool_names,
+    pools_capacity,
+    schedulable_gpus_by_type,
+    schedulable_node_gpus,
+)
 from apps.jobs import specs
+from apps.jobs.estimates import Estimate, Queued, estimate_starts
 from apps.jobs.models import (
     OPEN_RUN_STATES,
     Allocation,
@@ -27,13 +47,16 @@ from apps.jobs.models import (
 from apps.jobs.models.jobs import (
     ACTIVE_STATES,
     FINISHED_STATES,
+    HOLDING_STATES,
     PRIORITY_RANK,
     QUEUE_ORDER_KEY,
     last_pass_read_at,
     waiting_reason,
 )
+from apps.jobs.scheduler.read import Epoch
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 from controlplane import webhooks
+from controlplane.bulk import InArray
 from controlplane.cache import best_effort
 
 
@@ -62,6 +85,7 @@ QUEUE_COLUMNS = (
     "state_changed_at",
     "wait__reason",
     "wait__estimated_start",
+    "started_at",
 )
 
 
@@ -99,6 +123,7 @@ def _queue_rows(jobs: QuerySet[Job], *, user, position: dict[int, int]) -> dict[
         changed_at,
         wait_reason,
         wait_start,
+        started_at,
     ) in jobs.values_list(*QUEUE_COLUMNS):
         mine = roles.sees_every_team or team_id in roles.team_ids
         row = {
@@ -109,8 +134,12 @@ def _queue_rows(jobs: QuerySet[Job], *, user, position: dict[int, int]) -> dict[
             "state": state,
             "priority": priority,
             "estimated_start": wait_start if state == pending else None,
+            "estimate_basis": "",
             "position": position.get(job_id),
             "anonymous": not mine,
+            # Since when it runs (its latest start), while it holds GPUs.
+            "started_at": started_at if state in HOLDING_STATES else None,
+            "nodes": [],
         }
         if mine:
             row.update(
@@ -131,13 +160,15 @@ def _in_queue_order(ids, position: dict[int, int]) -> list[int]:
 
 
 def queue_for(*, user, jobs: QuerySet[Job] | None = None) -> list[dict]:
-    """Every active job, in queue order; other teams' jobs as anonymous rows.
+    """Every active job, in queue order, with its nodes and estimated start; other teams'
+    jobs as anonymous rows.
 
     An anonymous row says only team, GPUs, state, priority and estimated start:
-    no name, spec, logs or cost.
+    no name, spec, nodes, logs or cost.
     """
     position = _queue_order()
     rows = _queue_rows(_active(jobs), user=user, position=position)
+    _with_estimates_and_nodes(rows, position=position)
     return [rows[job_id] for job_id in _in_queue_order(rows, position)]
 
 
@@ -152,6 +183,7 @@ def queue_ids(*, jobs: QuerySet[Job] | None = None) -> tuple[list[int], dict[int
 def queue_rows(ids: list[int], *, user, position: dict[int, int]) -> list[dict]:
     """queue_for's rows of these jobs, in the order given (jobs gone since are left out)."""
     rows = _queue_rows(Job.objects.filter(id__in=ids).order_by(), user=user, position=position)
+    _with_estimates_and_nodes(rows, position=position)
     return [rows[job_id] for job_id in ids if job_id in rows]
 
 
@@ -162,6 +194,149 @@ def queue_page(*, user, jobs: QuerySet[Job] | None = None, page, per_page: int) 
     shown = Paginator(ids, per_page).get_page(page)
     shown.object_list = queue_rows(shown.object_list, user=user, position=position)
     return shown
+
+
+def _with_estimates_and_nodes(rows: dict[int, dict], *, position: dict[int, int]) -> None:
+    """Give these queue rows (by job id) their start estimates (pending jobs) and the
+    names of the nodes they hold (the user's own jobs), in five queries at most."""
+    pending = [job_id for job_id, row in rows.items() if row["state"] == JobState.PENDING]
+    for job_id, estimate in start_estimates(wanted=pending, position=position).items():
+        if job_id in rows:
+            row = rows[job_id]
+            row["estimated_start"] = (
+                None
+                if estimate.start is None
+                else dt.datetime.fromtimestamp(estimate.start, tz=dt.UTC)
+            )
+            row["estimate_basis"] = estimate.basis
+    holding = [
+        job_id
+        for job_id, row in rows.items()
+        if row["state"] in HOLDING_STATES and not row["anonymous"]
+    ]
+    for job_id, names in nodes_held_by(job_ids=holding).items():
+        rows[job_id]["nodes"] = names
+
+
+def nodes_held_by(*, job_ids: list[int]) -> dict[int, list[str]]:
+    """Job id -> the names of the nodes it holds now, by name (one query)."""
+    if not job_ids:
+        return {}
+    held: dict[int, list[str]] = {}
+    for job_id, name in (
+        Allocation.objects.filter(InArray("job_id", job_ids), ended_at__isnull=True)
+        .order_by("job_id", "node__name")
+        .values_list("job_id", "node__name")
+    ):
+        held.setdefault(job_id, []).append(name)
+    return held
+
+
+def nodes_ran_on(*, job_ids: list[int]) -> dict[int, list[str]]:
+    """Job id -> the names of the nodes its newest attempt ran on, rank 0 first (one
+    query): where a finished job ran."""
+    if not job_ids:
+        return {}
+    ran: dict[int, tuple[int, list[str]]] = {}
+    for job_id, attempt, name in (
+        Run.objects.filter(InArray("job_id", job_ids))
+        .order_by("job_id", "-attempt", "node_rank")
+        .values_list("job_id", "attempt", "node__name")
+    ):
+        newest, names = ran.setdefault(job_id, (attempt, []))
+        if attempt == newest:
+            names.append(name)
+    return {job_id: names for job_id, (_, names) in ran.items()}
+
+
+def gpu_releases() -> dict[str, list[tuple[float, int]]]:
+    """GPU type -> (when, GPUs): when the GPUs held on schedulable nodes come back at the
+    latest (their job's admission plus its time limit, to the minute, as the scheduler's
+    reserved starts are), in one grouped read of the open allocations."""
+    started = Epoch(Coalesce("job__admitted_at", "started_at"))
+    back = ExpressionWrapper(
+        Floor((started + F("job__time_limit_s")) / 60.0) * 60, output_field=FloatField()
+    )
+    releases: dict[str, list[tuple[float, int]]] = {}
+    for gpu_type, when, gpus in (
+        Allocation.objects.filter(
+            ended_at__isnull=True, node__state__in=SCHEDULABLE_STATES, node__pool__enabled=True
+        )
+        .annotate(back=back)
+        .values_list("node__pool__gpu_type", "back")
+        .annotate(gpus=Sum("gpus"))
+        .order_by()
+    ):
+        releases.setdefault(gpu_type, []).append((when, gpus))
+    return releases
+
+
+def _pending_order(*, wanted: set[int], position: dict[int, int]) -> list[int]:
+    """The pending jobs from the queue's head to the last wanted one: in the last pass's
+    order (the cache, no query), then those submitted since, by age (one query, only if a
+    wanted job is among them)."""
+    if all(job_id in position for job_id in wanted):
+        return list(position)[: max(position[job_id] for job_id in wanted)]
+    missing = wanted - position.keys()
+    later = []
+    for job_id in (
+        Job.objects.live()
+        .filter(state=JobState.PENDING)
+        .order_by("queued_at", "id")
+        .values_list("id", flat=True)
+    ):
+        if job_id not in position:
+            later.append(job_id)
+            missing.discard(job_id)
+            if not missing:
+                break
+    return [*position, *later]
+
+
+def start_estimates(*, wanted: list[int], position: dict[int, int]) -> dict[int, Estimate]:
+    """The start estimate (apps/jobs/estimates.py) of each wanted pending job: the pending
+    jobs ahead of it are read in queue order (`position`: the last pass's places), then
+    the GPUs on schedulable nodes and when the held ones come back (gpu_supply). One to
+    four queries, none if no job is wanted."""
+    if not wanted:
+        return {}
+    ahead = _pending_order(wanted=set(wanted), position=position)
+    rows = {
+        row[0]: row
+        for row in Job.objects.filter(InArray("id", ahead), state=JobState.PENDING)
+        .annotate(reserved=Epoch("wait__estimated_start"))
+        .values_list("id", "gpu_type", "nodes", "gpus_per_node", "time_limit_s", "reserved")
+        .order_by()
+    }
+    queue = [
+        Queued(job_id, gpu_type, nodes * per_node, limit, reserved)
+        for job_id in ahead
+        if job_id in rows
+        for _, gpu_type, nodes, per_node, limit, reserved in (rows[job_id],)
+    ]
+    capacity, releases = gpu_supply()
+    return estimate_starts(queue, now=time.time(), capacity=capacity, releases=releases)
+
+
+GPU_SUPPLY_KEY = "jobs:gpu-supply:{}"  # per scheduling pass, by when it read
+GPU_SUPPLY_CACHE_S = 600  # bounds what a pass's entry costs once the next has replaced it
+
+
+def gpu_supply() -> tuple[dict[str, int], dict[str, list[tuple[float, int]]]]:
+    """The GPUs of each type on schedulable nodes and when the held ones come back
+    (schedulable_gpus_by_type, gpu_releases): read once per scheduling pass for every
+    page and poll, since only a pass places jobs; a job that ends early is seen at the
+    pass that its end asks for."""
+    last_pass_at = last_pass_read_at()
+    key = GPU_SUPPLY_KEY.format(last_pass_at)
+    if last_pass_at is not None:
+        supply = best_effort.get(key)
+        if supply is not None:
+            return supply
+    supply = schedulable_gpus_by_type(), gpu_releases()
+    if last_pass_at is not None:
+        best_effort.set(key, supply, GPU_SUPPLY_CACHE_S)
+    return supply
 
 
 def queue_choices() -> tuple[list[str], list[str]]:

@@ -6,6 +6,7 @@ app_name = "jobs"
 urlpatterns = [
     path("", views.queue, name="queue"),
     path("queue.csv", views.queue_csv, name="queue-csv"),
+    path("queue/live/", views.queue_live, name="queue-live"),
     path("history/", views.history, name="history"),
     path("history.csv", views.history_csv, name="history-csv"),
     path("compare/", views.compare, name="compare"),

@@ -3,6 +3,7 @@ fit), and each Job's page."""
 
 import datetime as dt
 import hashlib
+import itertools
 import json
 from decimal import Decimal
 from urllib.parse import urlencode
@@ -13,6 +14,7 @@ from django.core.paginator import Paginator
 from django.db.models import QuerySet
 from django.http import Http404, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
@@ -39,8 +41,11 @@ QUEUE_COLUMNS = [
     "priority",
     "gpus",
     "gpu_type",
+    "nodes",
     "reason",
     "estimated_start",
+    "started_at",
+    "elapsed_s",
     "submitted_at",
 ]
 
@@ -57,8 +62,8 @@ def _filtered(request, jobs: QuerySet[Job]) -> QuerySet[Job]:
     return chosen.qs if chosen.is_valid() else jobs.none()
 
 
-@login_required
-def queue(request):
+def _queue_context(request) -> dict:
+    """The Queue's table and counts, for the page and for its live region alike."""
     filters = _filters(request)
     # A page at a time: a queue of 50,000 jobs is not one page (the CSV has every row).
     page = selectors.queue_page(
@@ -77,19 +82,34 @@ def queue(request):
         )
     query = request.GET.copy()
     query.pop("page", None)
+    # The live region asks with the page's own query (filters and page), and a Cancel
+    # inside it comes back to the page, not to the fragment.
+    here = request.GET.urlencode()
+    return {
+        "rows": rows,
+        "page": page,
+        "querystring": query.urlencode(),
+        "page_query": here,
+        "page_path": reverse("jobs:queue") + (f"?{here}" if here else ""),
+        "filters": filters,
+    }
+
+
+@login_required
+def queue(request):
     states, teams = selectors.queue_choices()
     return render(
         request,
         "jobs/queue.html",
-        {
-            "rows": rows,
-            "page": page,
-            "querystring": query.urlencode(),
-            "states": states,
-            "teams": teams,
-            "filters": filters,
-        },
+        {**_queue_context(request), "states": states, "teams": teams},
     )
+
+
+@login_required
+def queue_live(request):
+    """The Queue's live region: its table, pages and count, asked for again every few
+    seconds with the page's filters and page."""
+    return render(request, "jobs/_queue_live.html", {**_queue_context(request), "live": True})
 
 
 HISTORY_PAGE_SIZE = 50
@@ -101,12 +121,14 @@ HISTORY_COLUMNS = [
     "state_reason",
     "gpus",
     "gpu_type",
+    "nodes",
     "submitted_by",
     "submitted_at",
     "started_at",
     "finished_at",
     "ran_s",
 ]
+HISTORY_CSV_BATCH = 2000  # rows whose nodes are read in one query
 
 
 def _history(request) -> QuerySet:
@@ -123,11 +145,15 @@ def history(request):
     page = page.get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
+    rows = [selectors.history_row(row) for row in page.object_list]
+    nodes = selectors.nodes_ran_on(job_ids=[row["id"] for row in rows])
+    for row in rows:
+        row["nodes"] = nodes.get(row["id"], [])
     return render(
         request,
         "jobs/history.html",
         {
-            "rows": [selectors.history_row(row) for row in page.object_list],
+            "rows": rows,
             "page": page,
             "querystring": query.urlencode(),
             "states": sorted(FINISHED_STATES),
@@ -203,14 +229,13 @@ def compare(request):
     )
 
 
-@login_required
-def history_csv(request):
-    rows = (selectors.history_row(row) for row in _history(request))
-    return csv_response(
-        "history.csv",
-        HISTORY_COLUMNS,
-        (
-            [
+def _history_csv_rows(rows):
+    """The History's CSV lines, with where each job ran, its nodes read a batch at a time."""
+    rows = iter(rows)
+    while batch := list(itertools.islice(rows, HISTORY_CSV_BATCH)):
+        nodes = selectors.nodes_ran_on(job_ids=[row["id"] for row in batch])
+        for row in map(selectors.history_row, batch):
+            yield [
                 row["id"],
                 row["team__slug"],
                 row["name"],
@@ -218,22 +243,32 @@ def history_csv(request):
                 row["state_reason"],
                 row["gpus"],
                 row["gpu_type"],
+                " ".join(nodes.get(row["id"], ())),
                 row["submitted_by__username"] or "",
                 row["submitted_at"],
                 row["started_at"] or "",
                 row["finished_at"] or "",
                 "" if row["ran"] is None else round(row["ran"].total_seconds()),
             ]
-            for row in rows
-        ),
-    )
+
+
+@login_required
+def history_csv(request):
+    return csv_response("history.csv", HISTORY_COLUMNS, _history_csv_rows(_history(request)))
 
 
 @login_required
 def queue_csv(request):
     rows = selectors.queue_for(user=request.user, jobs=_filtered(request, Job.objects.all()))
+    now = timezone.now()
+    for row in rows:
+        row["nodes"] = " ".join(row["nodes"])
+        if row["started_at"]:
+            row["elapsed_s"] = round((now - row["started_at"]).total_seconds())
     return csv_response(
-        "queue.csv", QUEUE_COLUMNS, ([row.get(c, "") for c in QUEUE_COLUMNS] for row in rows)
+        "queue.csv",
+        QUEUE_COLUMNS,
+        ([row.get(c) for c in QUEUE_COLUMNS] for row in rows),
     )
 
 

@@ -456,9 +456,21 @@ class QueueRowSerializer(StrictSerializer):
     gpu_type = serializers.CharField()
     state = serializers.CharField()
     priority = serializers.CharField()
-    estimated_start = serializers.DateTimeField(allow_null=True)
+    estimated_start = serializers.DateTimeField(
+        allow_null=True,
+        help_text="A pending job's: the scheduler's reserved start, else the estimate of the "
+        "Queue page's model; null where nothing bounds it.",
+    )
+    estimate_basis = serializers.CharField(help_text="What the estimated start rests on.")
     position = serializers.IntegerField(allow_null=True)
     anonymous = serializers.BooleanField()
+    nodes = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="The nodes it holds now (empty for other teams' jobs).",
+    )
+    started_at = serializers.DateTimeField(
+        allow_null=True, help_text="Since when it runs, while it holds GPUs."
+    )
     name = serializers.CharField(required=False)
     reason = serializers.CharField(required=False)
     submitted_at = serializers.DateTimeField(required=False)
