@@ -89,7 +89,7 @@ def _overview(request, *, webhook_key: str | None = None, status: int = 200):
             "group_choices": reports.GROUP_CHOICES,
             "idle_choices": reports.IDLE_CHOICES,
             "teams": teams_visible_to(user=request.user).order_by("slug"),
-            "pools": fleet.pools_for_listing().order_by("slug"),
+            "pools": fleet.pools_of_kind(),
             "instance_types": fleet.instance_types_for_listing(),
             "capacity_types": CapacityType.choices,
             "owned_prices": selectors.owned_prices(),

@@ -282,9 +282,10 @@ def instance_types_for_listing() -> QuerySet[InstanceType]:
     return InstanceType.objects.order_by("name")
 
 
-def pools_of_kind(kind: str) -> QuerySet[NodePool]:
-    """The pools of one kind (owned or cloud), for a form's choices."""
-    return NodePool.objects.filter(kind=kind).order_by("slug")
+def pools_of_kind(kind: str | None = None) -> QuerySet[NodePool]:
+    """The pools (of one kind, owned or cloud, where given) by slug, for a form's choices."""
+    pools = NodePool.objects.order_by("slug")
+    return pools if kind is None else pools.filter(kind=kind)
 
 
 # --- what the cost ledger and the price book need of nodes and pools -----------------------
@@ -385,7 +386,10 @@ def pool_node_sizes(*, pool_ids, live_only: bool = False) -> list[tuple[int, int
 
 def pools_with_nodes(*, pool_ids) -> set[int]:
     return set(
-        Node.objects.filter(pool_id__in=list(pool_ids)).values_list("pool_id", flat=True).distinct()
+        Node.objects.filter(pool_id__in=list(pool_ids))
+        .order_by()
+        .values_list("pool_id", flat=True)
+        .distinct()
     )
 
 

@@ -310,7 +310,8 @@ def unpriced_pools() -> list[str]:
     owned = set(OwnedPrice.objects.values_list("pool_id", flat=True))
     listed = set(CloudPrice.objects.values_list("instance_type_id", "region"))
     pools = fleet.pools_with_instance_types().values()
-    with_nodes = fleet.pools_with_nodes(pool_ids=[p.pk for p in pools if p.kind == PoolKind.OWNED])
+    unpriced = [p.pk for p in pools if p.kind == PoolKind.OWNED and p.pk not in owned]
+    with_nodes = fleet.pools_with_nodes(pool_ids=unpriced) if unpriced else set()
     for pool in pools:
         if pool.kind == PoolKind.OWNED:
             if pool.pk not in owned and pool.pk in with_nodes:
