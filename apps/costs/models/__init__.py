@@ -10,19 +10,3 @@ from apps.costs.models.ledger import (
     UsageKind,
 )
 from apps.costs.models.prices import CloudPrice, OwnedPrice, PoolDiscount, SpotPrice
-
-__all__ = [
-    "THRESHOLDS",
-    "Budget",
-    "BudgetAlert",
-    "CloudPrice",
-    "DailySpend",
-    "JobDailySpend",
-    "MeterMark",
-    "MonthlySpend",
-    "OwnedPrice",
-    "PoolDiscount",
-    "SpotPrice",
-    "UsageEntry",
-    "UsageKind",
-]

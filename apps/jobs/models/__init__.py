@@ -22,24 +22,3 @@ from apps.jobs.models.runs import (
 )
 from apps.jobs.models.usage import TeamUsage
 from apps.jobs.models.webhooks import Webhook
-
-__all__ = [
-    "OPEN_RUN_STATES",
-    "Allocation",
-    "Job",
-    "JobEvent",
-    "JobKind",
-    "JobState",
-    "JobWait",
-    "LogLine",
-    "NodeFault",
-    "Placement",
-    "PriorityClass",
-    "RankEnvironment",
-    "Reservation",
-    "Run",
-    "RunState",
-    "StepMetric",
-    "TeamUsage",
-    "Webhook",
-]
