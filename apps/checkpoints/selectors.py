@@ -344,7 +344,3 @@ def storage_by_team(*, user) -> list[dict]:
         row["total"] = row["node_local"] + row["shared"] + row["s3"]
         rows.append(row)
     return sorted(rows, key=lambda r: (-r["total"], r["team_slug"]))
-
-
-def sweeps_of(*, job: Job, limit: int = 5) -> list[StorageSweep]:
-    return list(StorageSweep.objects.filter(job=job).select_related("node")[:limit])
