@@ -14,6 +14,8 @@ from django.utils.safestring import SafeString, mark_safe
 
 # Series colours, in order (the newest series is drawn last, on top).
 PALETTE = ("#94a3b8", "#64748b", "#0ea5e9", "#2563eb", "#7c3aed", "#db2777")
+# For series of equal standing (jobs compared): colours told apart at a glance, none grey.
+DISTINCT = ("#2563eb", "#db2777", "#f59e0b", "#10b981", "#7c3aed", "#0ea5e9")
 
 
 # Spans below these are drawn as flat: below the first, a step of 10^k would be past what
@@ -53,8 +55,12 @@ def line_chart(
     x_format: Callable[[float], str] = compact_number,
     width: int = 520,
     height: int = 200,
+    colours: Sequence[str] | None = None,
+    legend: bool = True,
 ) -> SafeString:
-    """One SVG with a line per series; the series' names make the legend."""
+    """One SVG with a line per series; the series' names make the legend (unless `legend` is
+    off: the page has one of its own). `colours`: one per series, in order (series_colours);
+    by default the newest series, last, is the boldest and the older ones grey."""
     points = [p for values in series.values() for p in values if math.isfinite(p[1])]
     if not points:
         return format_html('<p class="empty chart-empty">{}: no data yet.</p>', title)
@@ -97,13 +103,17 @@ def line_chart(
         values = [(x, y) for x, y in series[name] if math.isfinite(y)]
         if not values:
             continue
-        colour = PALETTE[(len(PALETTE) - len(names) + i) % len(PALETTE)]
+        colour = (
+            colours[i % len(colours)]
+            if colours
+            else PALETTE[(len(PALETTE) - len(names) + i) % len(PALETTE)]
+        )
         path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in values)
         parts.append(
             f'<polyline class="series" fill="none" stroke="{colour}" stroke-width="1.6" '
             f'points="{path}"><title>{escape(name)}</title></polyline>'
         )
-        if len(names) > 1:  # the legend, right-aligned along the top
+        if legend and len(names) > 1:  # the legend, right-aligned along the top
             x = left + plot_w - 80 * (len(names) - 1 - i)
             parts.append(
                 f'<text class="legend" x="{x}" y="14" text-anchor="end" fill="{colour}">'
@@ -111,6 +121,16 @@ def line_chart(
             )
     parts.append("</svg>")
     return mark_safe("".join(parts))  # noqa: S308 (every text above is escaped)
+
+
+def swatch(colour: str) -> SafeString:
+    """A small square of a series' colour, for a legend written in the page (an SVG: the
+    page's policy refuses style attributes)."""
+    return format_html(
+        '<svg class="swatch" width="12" height="12" aria-hidden="true">'
+        '<rect width="12" height="12" fill="{}"/></svg>',
+        colour,
+    )
 
 
 # Colours for stacked bars, one per group (a group keeps its colour across days).

@@ -4,9 +4,11 @@ import argparse
 import getpass
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -27,6 +29,26 @@ def _wait_for_web(health_url: str, web: subprocess.Popen, timeout_s: float = 60)
         except OSError:
             time.sleep(0.5)
     time.sleep(1.0)  # let the worker and beat finish their banners
+
+
+# Every node's agent sends a heartbeat and asks for its plan (runs and checkpoint work) every
+# few seconds: with the demo fleet that was most of runserver's access log (about 500 lines
+# a minute), and the banner scrolled away. Those answered well are not printed; a refused or
+# failed one still is, and every other request's line too.
+AGENT_POLL = re.compile(
+    r'"(POST /api/v1/agent/heartbeat|GET /api/v1/agent/runs/|GET /api/v1/agent/checkpoints/work)'
+    r'[ ?][^"]*" [23]\d\d '
+)
+
+
+def print_all_but_agent_polls(source, sink) -> None:
+    """Copy the web server's log lines from `source` to `sink`, leaving out the agents'
+    polls that succeeded (runserver logs a request as `[when] "METHOD path HTTP/1.1" status
+    size`)."""
+    for line in iter(source.readline, ""):
+        if not AGENT_POLL.search(line):
+            sink.write(line)
+            sink.flush()
 
 
 # What jobs on local nodes must pass through (var/nodes/<node>/runs/<run>, var/checkpoints/...).
@@ -85,7 +107,15 @@ def main() -> int:
     (var_dir / "nodes").mkdir(exist_ok=True)
     (var_dir / "checkpoints").mkdir(exist_ok=True)
     close_var(var_dir)
-    children = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
+    children = {
+        name: subprocess.Popen(
+            cmd, **({"stderr": subprocess.PIPE, "text": True} if name == "web" else {})
+        )
+        for name, cmd in commands.items()
+    }
+    threading.Thread(
+        target=print_all_but_agent_polls, args=(children["web"].stderr, sys.stderr), daemon=True
+    ).start()
 
     url = f"http://{args.host}:{args.port}/"
     _wait_for_web(f"{url}healthz", children["web"])

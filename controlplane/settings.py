@@ -23,6 +23,9 @@ from workers.agent import VERSION as AGENT_PACKAGE_VERSION
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("CONTROLPLANE_VAR_DIR", str(BASE_DIR / "var")))
+# `manage.py demo_fleet` writes its users' first passwords here; under DEBUG the login page
+# says so.
+DEMO_LOGINS_PATH = VAR_DIR / "demo-logins.json"
 
 DEBUG = env_bool("DJANGO_DEBUG", False)
 
@@ -64,6 +67,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "django_htmx",
     "apps.accounts",
+    "apps.outbox",
     "apps.fleet",
     "apps.tuning",
     "apps.costs",
@@ -84,6 +88,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "apps.accounts.middleware.RequestContextMiddleware",
+    "controlplane.notfound.NotFoundPageMiddleware",
 ]
 
 if not DEBUG:
@@ -298,6 +303,13 @@ SPECTACULAR_SETTINGS = {
         "CheckpointStateEnum": "apps.checkpoints.models.CheckpointState",
         "CheckpointCopyStateEnum": "apps.checkpoints.models.CopyState",
         "CheckpointCopyKindEnum": "apps.checkpoints.models.CopyKind",
+        "JobStateEnum": "apps.jobs.models.JobState",
+        "JobKindEnum": "apps.jobs.models.JobKind",
+        "PriorityClassEnum": "apps.jobs.models.PriorityClass",
+        "PlacementEnum": "apps.jobs.models.Placement",
+        "GpuTypeEnum": "apps.accounts.models.GPU_TYPES",
+        "JobGpuTypeEnum": "apps.jobs.models.jobs.JOB_GPU_TYPES",
+        "FabricEnum": "apps.fleet.models.pools.Fabric",
     },
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums"],
 }
@@ -368,7 +380,7 @@ SECRETS_ENCRYPTION_KEYS = env_str("SECRETS_ENCRYPTION_KEYS")
 # (the test suite's receiver listens on 127.0.0.1).
 WEBHOOK_ALLOW_HTTP = env_bool("WEBHOOK_ALLOW_HTTP", DEBUG)
 WEBHOOK_ALLOW_PRIVATE = env_bool("WEBHOOK_ALLOW_PRIVATE", DEBUG)
-CELERY_BEAT_SCHEDULE["jobs-webhooks"] = {"task": "jobs.deliver_webhooks", "schedule": 15.0}
+CELERY_BEAT_SCHEDULE["outbox-deliver"] = {"task": "outbox.deliver", "schedule": 15.0}
 
 # Cloud nodes (AWS). CONTROLPLANE_ID is the value of the `controlplane:id` tag on every
 # instance we launch: the orphan sweep takes an instance with our tag and no node in the
@@ -434,10 +446,6 @@ CELERY_BEAT_SCHEDULE["costs-meter"] = {
 CELERY_BEAT_SCHEDULE["costs-spot-prices"] = {
     "task": "costs.spot_prices",
     "schedule": float(COSTS_SPOT_PRICES_EVERY_S),
-}
-CELERY_BEAT_SCHEDULE["costs-budget-webhooks"] = {
-    "task": "costs.deliver_budget_webhooks",
-    "schedule": 60.0,
 }
 
 # Checkpoints (apps/checkpoints). CHECKPOINT_ROOT_SHARED: every node mounts CHECKPOINT_ROOT

@@ -222,6 +222,8 @@ def _wait(client: Client, job_id: int, *, poll_s: float) -> int:
 
 
 def cmd_submit(client, args):
+    if args.poll is None:
+        args.poll = 2.0 if args.follow else 10.0
     spec = _load_spec(args.file)
     if not isinstance(spec, dict) or "team" not in spec:
         raise ApiError(400, {"error": {"message": f"{args.file}: a job spec with a team."}})
@@ -233,11 +235,28 @@ def cmd_submit(client, args):
     else:
         print(
             f"job {job['id']} {job['state']}: {job['name']} "
-            f"({job['nodes']} × {job['gpus_per_node']} {job['gpu_type']})"
+            f"({job['nodes']} × {job['gpus_per_node']} {job['gpu_type']})",
+            flush=True,  # a CI log shows it now, not when the wait is over
         )
+    if args.follow:
+        return _follow(client, job["id"], poll_s=args.poll)
     if args.wait:
         return _wait(client, job["id"], poll_s=args.poll)
     return 0
+
+
+def _follow(client: Client, job_id: int, *, poll_s: float) -> int:
+    """submit --wait --follow (or --follow alone): the job's output on stdout as it comes,
+    each state it moves to on stderr (so stdout is the job's own output), then its outcome
+    as the exit code."""
+    seen = []
+
+    def states(state: str) -> None:
+        if not seen or seen[-1] != state:
+            seen.append(state)
+            print(f"job {job_id}: {state}", file=sys.stderr, flush=True)
+
+    return _stream_logs(client, job_id, follow=True, poll_s=poll_s, states=states)
 
 
 def cmd_status(client, args):
@@ -265,28 +284,35 @@ def _print_lines(lines: list[dict], *, multi_rank: bool) -> None:
         print(prefix + line["text"], file=stream, flush=True)
 
 
-def cmd_logs(client, args):
-    """A job's output; with --follow, until the job ends (exit code as with submit --wait)."""
-    job = client.request("GET", f"jobs/{args.job}/")
+def _stream_logs(client: Client, job_id: int, *, follow: bool, poll_s: float, states=None) -> int:
+    """Print the job's output from its first line; with `follow`, until the job ends, then
+    its outcome as an exit code (as with submit --wait). `states`, if given, is told each
+    state the job is seen in (the logs answer carries it)."""
+    job = client.request("GET", f"jobs/{job_id}/")
     multi_rank = job["nodes"] > 1
     after = 0
     while True:
-        page = client.request(
-            "GET", f"jobs/{args.job}/logs/", query={"after": after, "limit": 1000}
-        )
+        page = client.request("GET", f"jobs/{job_id}/logs/", query={"after": after, "limit": 1000})
+        if states is not None:
+            states(page["state"])
         _print_lines(page["lines"], multi_rank=multi_rank)
         after = page["next_after"]
         if len(page["lines"]) == 1000:
             continue  # more is waiting: no pause
-        if not args.follow:
+        if not follow:
             return 0
         if page["finished"]:
             # The agents relay output apart from the exit: one more look for late lines.
-            time.sleep(min(args.poll, 2.0))
-            late = client.request("GET", f"jobs/{args.job}/logs/", query={"after": after})
+            time.sleep(min(poll_s, 2.0))
+            late = client.request("GET", f"jobs/{job_id}/logs/", query={"after": after})
             _print_lines(late["lines"], multi_rank=multi_rank)
             return FINISHED.get(page["state"], 0)
-        time.sleep(args.poll)
+        time.sleep(poll_s)
+
+
+def cmd_logs(client, args):
+    """A job's output; with --follow, until the job ends (exit code as with submit --wait)."""
+    return _stream_logs(client, args.job, follow=args.follow, poll_s=args.poll)
 
 
 def cmd_cancel(client, args):
@@ -426,7 +452,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("CPCTL_IDEMPOTENCY_KEY", ""),
         help="a retried submit with the same key makes no second job",
     )
-    submit.add_argument("--poll", type=float, default=10.0, help="seconds between checks")
+    submit.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="print the job's output as it comes (its states on stderr) until it ends, as "
+        "--wait does (which it implies)",
+    )
+    submit.add_argument(
+        "--poll",
+        type=float,
+        default=None,
+        help="seconds between checks (default 10; 2 with --follow)",
+    )
     submit.set_defaults(run=cmd_submit)
     status = sub.add_parser("status", help="a job's state, reason and timeline")
     status.add_argument("job", type=int)

@@ -103,6 +103,14 @@ def teams_visible_to(*, user) -> QuerySet[Team]:
     return teams if roles.sees_every_team else teams.filter(id__in=roles.team_ids)
 
 
+def teams_budgeted_by(*, user) -> QuerySet[Team]:
+    """The teams whose budgets the user sets: every team for finance, else those it admins."""
+    roles = roles_of(user)
+    if roles.superuser or roles.finance:
+        return Team.objects.all()
+    return Team.objects.filter(pk__in=roles.admin_team_ids)
+
+
 def quotas_visible_to(*, user) -> QuerySet[TeamQuota]:
     roles = roles_of(user)
     quotas = TeamQuota.objects.select_related("team")

@@ -372,13 +372,6 @@ def org_role_grant(*, user, role: str, by) -> OrgRole:
     return granted
 
 
-def org_role_revoke(*, org_role: OrgRole, by) -> None:
-    if by is not None and not roles_of(by).superuser:
-        raise _deny("Only superusers revoke organisation roles.")
-    audited_delete(instance=org_role, by=by, action="org_role.revoke")
-    forget_roles(org_role.user)
-
-
 # --- service accounts -----------------------------------------------------------------
 
 

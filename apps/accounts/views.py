@@ -1,6 +1,8 @@
 """Pages: signing in, and API tokens (yours, and your teams' service accounts'), for cpctl
 and CI."""
 
+from pathlib import Path
+
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
@@ -21,12 +23,29 @@ class SignInView(LoginView):
 
     authentication_form = SignInForm
 
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context["demo_logins"] = demo_logins_shown()
+        return context
+
     def form_invalid(self, form):
         response = super().form_invalid(form)
         if form.has_error(NON_FIELD_ERRORS, THROTTLED):
             response.status_code = 429
             response["Retry-After"] = str(settings.LOGIN_FAILURE_WINDOW_S)
         return response
+
+
+def demo_logins_shown() -> str:
+    """Where the demo's passwords are, for the login page to say: only under DEBUG (`make
+    run`) with the demo fleet loaded; "" otherwise."""
+    path = Path(settings.DEMO_LOGINS_PATH)
+    if not settings.DEBUG or not path.exists():
+        return ""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 @login_required

@@ -12,7 +12,7 @@ from apps.checkpoints.models import (
     CopyState,
     S3Destination,
 )
-from apps.jobs.models import Job, JobState
+from apps.jobs.models import JobState
 from controlplane.filters import ChoicesFilter, IdFilter, InstantFilter
 
 
@@ -52,7 +52,8 @@ class CheckpointCopyFilterSet(filters.FilterSet):
 
 
 class JobCheckpointsFilterSet(filters.FilterSet):
-    """The jobs of the Checkpoints page (and /api/v1/checkpoint-jobs/)."""
+    """The jobs of the Checkpoints page (and /api/v1/checkpoint-jobs/), filtering
+    selectors.trainer_jobs_visible_to (no model of its own: jobs are another app's rows)."""
 
     team_id = IdFilter(field_name="team_id")
     state = ChoicesFilter(choices=JobState.choices, label="Job state")
@@ -66,10 +67,6 @@ class JobCheckpointsFilterSet(filters.FilterSet):
     # (selectors.job_rows(..., overdue_only=overdue_only(params))).
     overdue = filters.BooleanFilter(method="_running", label="Overdue only")
     q = filters.CharFilter(field_name="name", lookup_expr="icontains", label="Name contains")
-
-    class Meta:
-        model = Job
-        fields = []
 
     def _newest(self, queryset, name, value):
         if value == "none":

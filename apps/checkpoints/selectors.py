@@ -1,11 +1,14 @@
 """Reads of the registry, scoped to what the user may see; the agents' work; the watch on jobs
 whose last verified checkpoint is overdue."""
 
+from __future__ import annotations
+
 import datetime as dt
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from django.conf import settings
-from django.db.models import Count, Max, Min, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
+from django.db.models import Count, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
 from django.utils import timezone
 
 from apps.accounts.selectors import roles_of
@@ -21,9 +24,12 @@ from apps.checkpoints.models import (
     StorageSweep,
 )
 from apps.checkpoints.retention import policy_for
-from apps.jobs.models import Job, JobKind, JobState, StepMetric
-from apps.jobs.selectors import jobs_visible_to
+from apps.jobs.models import JobKind, JobState
+from apps.jobs.selectors import jobs_visible_to, step_times
 from controlplane.exactcache import ExactCache
+
+if TYPE_CHECKING:
+    from apps.jobs.models import Job
 
 C = CheckpointState
 # "Nothing for this node": polls answered from the cache until a request is made for it.
@@ -153,26 +159,6 @@ class Watch:
         return asdict(self)
 
 
-def _step_times(job_ids) -> dict[int, float]:
-    """Wall-clock seconds per step of each job's newest attempt, from its step metrics
-    (the checkpoints' own time included)."""
-    rows = (
-        StepMetric.objects.filter(job_id__in=list(job_ids))
-        .values("job_id", "attempt")
-        .annotate(first=Min("step"), last=Max("step"), since=Min("at"), until=Max("at"))
-    )
-    newest: dict[int, dict] = {}
-    for row in rows:
-        if row["job_id"] not in newest or row["attempt"] > newest[row["job_id"]]["attempt"]:
-            newest[row["job_id"]] = row
-    times = {}
-    for job_id, row in newest.items():
-        steps = row["last"] - row["first"]
-        if steps > 0:
-            times[job_id] = (row["until"] - row["since"]).total_seconds() / steps
-    return times
-
-
 def watch_of(job: Job, *, newest_verified_at, step_time_s: float | None, now: dt.datetime) -> Watch:
     """Overdue: running, and its last verified checkpoint (or its start, if later) is older
     than twice the time it should take between checkpoints."""
@@ -243,7 +229,7 @@ def job_rows(
         .values_list("checkpoint__job_id", "total")
     )
     running = [job.pk for job in jobs if job.state == JobState.RUNNING]
-    step_times = _step_times(running) if running else {}
+    times = step_times(job_ids=running) if running else {}
     rows = []
     for job in jobs:
         held = by_job.get(job.pk, [])
@@ -259,7 +245,7 @@ def job_rows(
                 watch=watch_of(
                     job,
                     newest_verified_at=verified.committed_at if verified else None,
-                    step_time_s=step_times.get(job.pk),
+                    step_time_s=times.get(job.pk),
                     now=now,
                 ),
             )
@@ -358,7 +344,3 @@ def storage_by_team(*, user) -> list[dict]:
         row["total"] = row["node_local"] + row["shared"] + row["s3"]
         rows.append(row)
     return sorted(rows, key=lambda r: (-r["total"], r["team_slug"]))
-
-
-def sweeps_of(*, job: Job, limit: int = 5) -> list[StorageSweep]:
-    return list(StorageSweep.objects.filter(job=job).select_related("node")[:limit])

@@ -6,5 +6,6 @@ app_name = "checkpoints"
 urlpatterns = [
     path("", views.overview, name="overview"),
     path("checkpoints.csv", views.jobs_csv, name="csv"),
+    path("live/", views.overview_live, name="overview-live"),
     path("jobs/<int:job_id>/", views.job_panel, name="job-panel"),
 ]

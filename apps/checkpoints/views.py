@@ -30,8 +30,8 @@ def _filtered(request):
     return found, (found.qs if found.is_valid() else found.queryset.none())
 
 
-@login_required
-def overview(request):
+def _overview_context(request) -> dict:
+    """The Checkpoints page's tables and counts, for the page and its live region alike."""
     found, jobs = _filtered(request)
     if overdue_only(request.GET):
         # Overdue needs each job's step times: picked from every running job the filters
@@ -43,20 +43,38 @@ def overview(request):
         rows = selectors.job_rows(list(page.object_list))
     query = request.GET.copy()
     query.pop("page", None)
+    return {
+        "filter": found,
+        "rows": rows,
+        "page": page,
+        "querystring": query.urlencode(),
+        # The live region asks with the page's own query: its filters and its page.
+        "page_query": request.GET.urlencode(),
+        "storage": selectors.storage_by_team(user=request.user),
+        "now": timezone.now(),
+    }
+
+
+@login_required
+def overview(request):
     return render(
         request,
         "checkpoints/overview.html",
         {
-            "filter": found,
-            "rows": rows,
-            "page": page,
-            "querystring": query.urlencode(),
-            "storage": selectors.storage_by_team(user=request.user),
+            **_overview_context(request),
             "teams": teams_visible_to(user=request.user).order_by("slug"),
             "job_states": JobState.choices,
             "checkpoint_states": CheckpointState.choices,
-            "now": timezone.now(),
         },
+    )
+
+
+@login_required
+def overview_live(request):
+    """The Checkpoints page's live region: its jobs table and pages, with its count and the
+    storage per team (out of band), asked for again with the page's filters and page."""
+    return render(
+        request, "checkpoints/_overview_live.html", {**_overview_context(request), "live": True}
     )
 
 

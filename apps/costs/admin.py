@@ -99,4 +99,4 @@ class BudgetAdmin(ReadOnlyAdmin):
 @admin.register(BudgetAlert)
 class BudgetAlertAdmin(ReadOnlyAdmin):
     list_display = ["team", "month", "threshold", "spent", "at", "emailed_to", "webhook_state"]
-    list_filter = ["threshold", "webhook_state"]
+    list_filter = ["threshold", "webhook_call__state"]

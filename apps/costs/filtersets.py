@@ -16,6 +16,7 @@ from apps.costs.models import (
     UsageEntry,
     UsageKind,
 )
+from apps.costs.models.budgets import WEBHOOK_STATES
 from apps.fleet.models.nodes import CapacityType
 from controlplane.filters import IdFilter, InstantFilter
 
@@ -119,7 +120,13 @@ class BudgetFilterSet(filters.FilterSet):
 
 class BudgetAlertFilterSet(filters.FilterSet):
     team_id = IdFilter(field_name="team_id")
+    webhook_state = filters.ChoiceFilter(choices=WEBHOOK_STATES, method="filter_webhook_state")
 
     class Meta:
         model = BudgetAlert
-        fields = ["month", "threshold", "webhook_state"]
+        fields = ["month", "threshold"]
+
+    def filter_webhook_state(self, queryset, name, value):
+        if value == "none":
+            return queryset.filter(webhook_call__isnull=True)
+        return queryset.filter(webhook_call__state=value)

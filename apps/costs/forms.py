@@ -3,7 +3,8 @@
 from django import forms
 
 from apps.costs.models import CloudPrice, OwnedPrice, PoolDiscount
-from apps.fleet.models import NodePool, PoolKind
+from apps.fleet.models import PoolKind
+from apps.fleet.selectors import pools_of_kind
 
 
 class BudgetForm(forms.Form):
@@ -44,7 +45,7 @@ class OwnedPriceForm(forms.ModelForm):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fields["pool"].queryset = NodePool.objects.filter(kind=PoolKind.OWNED)
+        self.fields["pool"].queryset = pools_of_kind(PoolKind.OWNED)
 
 
 class CloudPriceForm(forms.ModelForm):
@@ -60,4 +61,4 @@ class PoolDiscountForm(forms.ModelForm):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fields["pool"].queryset = NodePool.objects.filter(kind=PoolKind.CLOUD)
+        self.fields["pool"].queryset = pools_of_kind(PoolKind.CLOUD)

@@ -16,7 +16,6 @@ from apps.costs.filtersets import (
     MonthlySpendFilterSet,
 )
 from apps.costs.models import DailySpend, MonthlySpend
-from apps.costs.money import ZERO
 from controlplane.errors import ApplicationError
 
 GROUP_CHOICES = [
@@ -45,7 +44,8 @@ class Report:
     spend: selectors.SpendReport
     top_jobs: list
     budgets: list
-    forecast_total: object  # the fleet's (or the user's teams') spend by the month's end
+    forecast: selectors.SpendForecast | None  # this month's, same filters and idle mode
+    forecast_total: object  # its amount
     month: dt.date
     filters: DailySpendFilterSet
     query: QueryDict
@@ -88,6 +88,31 @@ def filtered_spend(*, user, query: QueryDict):
     return spend, since, until, data
 
 
+def _rollups(*, user, data: QueryDict) -> tuple[selectors.RollUps, selectors.RollUps]:
+    """The roll-ups under the filters but the days (the report reads its range, the
+    forecast its month): those the user may see, and every team's (whose use idle is
+    spread over, whoever is looking)."""
+    undated = data.copy()
+    for key in ("since", "until"):
+        undated.pop(key, None)
+    everyone = undated.copy()
+    everyone.pop("team_id", None)
+    return (
+        selectors.RollUps(
+            daily=DailySpendFilterSet(
+                undated, queryset=selectors.daily_spend_visible_to(user=user)
+            ).qs,
+            monthly=MonthlySpendFilterSet(
+                undated, queryset=selectors.monthly_spend_visible_to(user=user)
+            ).qs,
+        ),
+        selectors.RollUps(
+            daily=DailySpendFilterSet(everyone, queryset=DailySpend.objects.all()).qs,
+            monthly=MonthlySpendFilterSet(everyone, queryset=MonthlySpend.objects.all()).qs,
+        ),
+    )
+
+
 def build(
     *,
     user,
@@ -96,6 +121,7 @@ def build(
     series: bool = True,
     jobs: bool = True,
     budgets: bool = True,
+    forecast: bool = True,
 ) -> Report:
     """The report, or the parts of it asked for (the API's endpoints each want one)."""
     spend, since, until, data = filtered_spend(user=user, query=query)
@@ -104,22 +130,21 @@ def build(
         raise _invalid(options.errors)
     group_by = options.cleaned_data.get("group_by") or "team"
     idle_mode = options.cleaned_data.get("idle") or settings.COSTS_IDLE_COST
-    months = MonthlySpendFilterSet(data, queryset=selectors.monthly_spend_visible_to(user=user))
-    # Idle spreads over every team's use under the same filters, whoever is looking.
-    everyone = data.copy()
-    everyone.pop("team_id", None)
-    spread_base = selectors.RollUps(
-        daily=DailySpendFilterSet(everyone, queryset=DailySpend.objects.all()).qs,
-        monthly=MonthlySpendFilterSet(everyone, queryset=MonthlySpend.objects.all()).qs,
-    )
+    seen, everyone = _rollups(user=user, data=data)
     report = selectors.spend_report(
-        selectors.RollUps(daily=spend.qs, monthly=months.qs),
+        seen,
         since=since,
         until=until,
         group_by=group_by,
         idle_mode=idle_mode,
-        spread_base=spread_base,
+        spread_base=everyone,
         series_groups=CHART_GROUPS if series else 0,
+    )
+    month = selectors.month_start()
+    projected = (
+        selectors.spend_forecast(seen, month=month, idle_mode=idle_mode, spread_base=everyone)
+        if forecast
+        else None
     )
     job_spend = JobDailySpendFilterSet(
         {k: data[k] for k in ("since", "until", "team_id") if data.get(k)},
@@ -129,11 +154,6 @@ def build(
     team_ids = None if roles.sees_every_team else roles.team_ids
     if spend.form.cleaned_data.get("team_id"):
         team_ids = {spend.form.cleaned_data["team_id"]}
-    month = selectors.month_start()
-    if team_ids is None:
-        forecast = selectors.forecast_month(month=month, fleet=True)
-    else:
-        forecast = sum(selectors.forecast_month(month=month, team_ids=team_ids).values(), ZERO)
     return Report(
         since=since,
         until=until,
@@ -144,7 +164,8 @@ def build(
         if jobs
         else [],
         budgets=selectors.budget_states(month=month, team_ids=team_ids) if budgets else [],
-        forecast_total=forecast,
+        forecast=projected,
+        forecast_total=projected.amount if projected else None,
         month=month,
         filters=spend,
         query=data,

@@ -5,6 +5,7 @@ from apps.costs import views
 app_name = "costs"
 urlpatterns = [
     path("", views.overview, name="overview"),
+    path("figures/", views.figures, name="figures"),
     path("spend.csv", views.spend_csv, name="spend-csv"),
     path("spend-by-day.csv", views.daily_csv, name="daily-csv"),
     path("top-jobs.csv", views.top_jobs_csv, name="top-jobs-csv"),

@@ -11,13 +11,12 @@ from django.http import Http404, HttpResponseBadRequest
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from apps.accounts.models import Team
-from apps.accounts.selectors import roles_of, teams_visible_to
+from apps.accounts.selectors import roles_of, teams_budgeted_by, teams_visible_to
 from apps.costs import reports, selectors, services
 from apps.costs.filtersets import UsageEntryFilterSet
 from apps.costs.forms import BudgetForm, CloudPriceForm, OwnedPriceForm, PoolDiscountForm
 from apps.costs.money import apportion_cents, cents, money_text, nanos_text, to_nanos
-from apps.fleet.models import InstanceType, NodePool
+from apps.fleet import selectors as fleet
 from apps.fleet.models.nodes import CapacityType
 from controlplane import charts
 from controlplane.errors import ApplicationError
@@ -25,10 +24,7 @@ from controlplane.exports import csv_stream, csv_stream_text, spreadsheet_safe
 
 
 def _budget_teams(user):
-    roles = roles_of(user)
-    if roles.superuser or roles.finance:
-        return Team.objects.all()
-    return Team.objects.filter(pk__in=roles.admin_team_ids)
+    return teams_budgeted_by(user=user)
 
 
 def _chart(report: reports.Report):
@@ -40,6 +36,32 @@ def _chart(report: reports.Report):
         y_format=lambda v: "$" + charts.compact_number(v),
         x_label=lambda day: f"{day:%b %-d}",
     )
+
+
+def _figures(request, report: reports.Report) -> dict:
+    """What the live part of the page shows (tiles, chart, table by group), from the one
+    report: the rows, the chart's days and the tiles are the same spend."""
+    spend = report.spend
+    row_cents = apportion_cents([row.total for row in spend.rows])
+    jobs_cents, idle_cents = apportion_cents([spend.jobs, spend.idle])
+    chart_total = sum(
+        (sum(days.values(), Decimal(0)) for days in spend.series.values()), Decimal(0)
+    )
+    return {
+        "report": report,
+        "rows": list(zip(spend.rows, row_cents, strict=True)),
+        "total_cents": cents(spend.total),
+        "jobs_cents": jobs_cents,
+        "idle_cents": idle_cents,
+        "idle_share": (spend.idle * 100 / spend.total) if spend.total else Decimal(0),
+        "chart": _chart(report),
+        "chart_total_cents": cents(chart_total),
+        "sees_idle": roles_of(request.user).sees_every_team,
+        "metered_until": selectors.metered_until(),
+        # Spend changes while the range reaches today; a range in the past stays as it is.
+        "live": report.until >= selectors.local_today(),
+        "querystring": report.query.urlencode(),
+    }
 
 
 @login_required
@@ -55,9 +77,6 @@ def _overview(request, *, webhook_key: str | None = None, status: int = 200):
             for problem in problems:
                 messages.error(request, f"{field}: {problem}")
         return redirect("costs:overview")
-    spend = report.spend
-    row_cents = apportion_cents([row.total for row in spend.rows])
-    jobs_cents, idle_cents = apportion_cents([spend.jobs, spend.idle])
     roles = roles_of(request.user)
     budget_teams = _budget_teams(request.user)
     finance = roles.superuser or roles.finance
@@ -65,21 +84,14 @@ def _overview(request, *, webhook_key: str | None = None, status: int = 200):
         request,
         "costs/overview.html",
         {
-            "report": report,
-            "rows": list(zip(spend.rows, row_cents, strict=True)),
-            "total_cents": cents(spend.total),
-            "jobs_cents": jobs_cents,
-            "idle_cents": idle_cents,
-            "idle_share": (spend.idle * 100 / spend.total) if spend.total else Decimal(0),
-            "chart": _chart(report),
+            **_figures(request, report),
             "filters": report.query,
             "group_choices": reports.GROUP_CHOICES,
             "idle_choices": reports.IDLE_CHOICES,
             "teams": teams_visible_to(user=request.user).order_by("slug"),
-            "pools": NodePool.objects.order_by("slug"),
-            "instance_types": InstanceType.objects.order_by("name"),
+            "pools": fleet.pools_of_kind(),
+            "instance_types": fleet.instance_types_for_listing(),
             "capacity_types": CapacityType.choices,
-            "sees_idle": roles.sees_every_team,
             "owned_prices": selectors.owned_prices(),
             "cloud_prices": [
                 (price, price.per_hour / price.instance_type.gpu_count)
@@ -89,17 +101,43 @@ def _overview(request, *, webhook_key: str | None = None, status: int = 200):
             "discounts": selectors.pool_discounts(),
             "spot_prices": selectors.spot_prices_latest(),
             "unpriced": selectors.unpriced_pools() if roles.sees_every_team else [],
-            "metered_until": selectors.metered_until(),
             "can_edit_prices": finance,
             "budget_form": BudgetForm(teams=budget_teams) if budget_teams.exists() else None,
             "owned_form": OwnedPriceForm() if finance else None,
             "cloud_form": CloudPriceForm() if finance else None,
             "discount_form": PoolDiscountForm() if finance else None,
-            "querystring": report.query.urlencode(),
             "webhook_key": webhook_key,
         },
         status=status,
     )
+
+
+def _refusals_as_400(view):
+    """A bad filter (an impossible range, an unknown group) is a 400 with the reason."""
+
+    @functools.wraps(view)
+    def wrapped(request, *args, **kwargs):
+        try:
+            return view(request, *args, **kwargs)
+        except ApplicationError as exc:
+            problems = "; ".join(
+                f"{field}: {' '.join(map(str, messages))}"
+                for field, messages in exc.details.items()
+            )
+            return HttpResponseBadRequest(
+                f"{exc.message} {problems}".strip(), content_type="text/plain; charset=utf-8"
+            )
+
+    return wrapped
+
+
+@login_required
+@_refusals_as_400
+def figures(request):
+    """The live part of the page alone (tiles, chart, table by group), asked for again
+    while the page is open, with the page's filters."""
+    report = reports.build(user=request.user, query=request.GET, jobs=False, budgets=False)
+    return render(request, "costs/_figures.html", _figures(request, report))
 
 
 def _form_errors(request, form) -> None:
@@ -160,25 +198,6 @@ def price_add(request, kind: str):
 # --- CSV: every table of the page, with its filters -----------------------------------------
 
 
-def _refusals_as_400(view):
-    """A bad filter (an impossible range, an unknown group) is a 400 with the reason."""
-
-    @functools.wraps(view)
-    def wrapped(request, *args, **kwargs):
-        try:
-            return view(request, *args, **kwargs)
-        except ApplicationError as exc:
-            problems = "; ".join(
-                f"{field}: {' '.join(map(str, messages))}"
-                for field, messages in exc.details.items()
-            )
-            return HttpResponseBadRequest(
-                f"{exc.message} {problems}".strip(), content_type="text/plain; charset=utf-8"
-            )
-
-    return wrapped
-
-
 def _money(value) -> str:
     return nanos_text(to_nanos(value))
 
@@ -187,7 +206,12 @@ def _money(value) -> str:
 @_refusals_as_400
 def spend_csv(request):
     report = reports.build(
-        user=request.user, query=request.GET, series=False, jobs=False, budgets=False
+        user=request.user,
+        query=request.GET,
+        series=False,
+        jobs=False,
+        budgets=False,
+        forecast=False,
     )
     header = [report.group_by, "jobs", "idle", "total", "gpu_hours", "spot_savings"]
     rows = (
@@ -207,7 +231,9 @@ def spend_csv(request):
 @login_required
 @_refusals_as_400
 def daily_csv(request):
-    report = reports.build(user=request.user, query=request.GET, jobs=False, budgets=False)
+    report = reports.build(
+        user=request.user, query=request.GET, jobs=False, budgets=False, forecast=False
+    )
     rows = (
         [day.isoformat(), spreadsheet_safe(label), _money(amounts[day])]
         for label, amounts in sorted(report.spend.series.items())
@@ -219,7 +245,9 @@ def daily_csv(request):
 @login_required
 @_refusals_as_400
 def top_jobs_csv(request):
-    report = reports.build(user=request.user, query=request.GET, top=500, series=False)
+    report = reports.build(
+        user=request.user, query=request.GET, top=500, series=False, forecast=False
+    )
     rows = (
         [j.job_id, spreadsheet_safe(j.name), j.team, _money(j.amount), f"{j.gpu_hours:.3f}"]
         for j in report.top_jobs
@@ -230,7 +258,9 @@ def top_jobs_csv(request):
 @login_required
 @_refusals_as_400
 def budgets_csv(request):
-    report = reports.build(user=request.user, query=request.GET, series=False, jobs=False)
+    report = reports.build(
+        user=request.user, query=request.GET, series=False, jobs=False, forecast=False
+    )
     rows = (
         [
             state.team,

@@ -4,7 +4,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db.models import Avg, Count, F, Max, Prefetch, Q, QuerySet
+from django.db.models import Avg, Count, F, Max, Min, Prefetch, Q, QuerySet, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
@@ -17,11 +17,14 @@ from apps.fleet.models import (
     GpuSample,
     InstanceType,
     Node,
+    NodeEvent,
     NodePool,
     NodeState,
+    PoolKind,
     Rack,
     Site,
 )
+from apps.fleet.models.nodes import CapacityType
 from controlplane.cache import best_effort
 
 
@@ -48,6 +51,12 @@ def pools_for_listing() -> QuerySet[NodePool]:
         .annotate(node_count=Count("nodes"))
         .order_by("name")
     )
+
+
+def pools_visible_to(*, user) -> QuerySet[NodePool]:
+    """Every pool, to every user: a pool a form or the API names by id (the fleet's pools are
+    listed to all who sign in)."""
+    return NodePool.objects.all()
 
 
 def node_counts_by_state() -> dict[str, int]:
@@ -241,6 +250,160 @@ def schedulable_node_gpus(*, pool_ids) -> list[tuple[int, int, int]]:
         Node.objects.filter(pool_id__in=pool_ids, state__in=SCHEDULABLE_STATES).values_list(
             "id", "pool_id", "gpu_count"
         )
+    )
+
+
+def node_get(*, node_id: int) -> Node:
+    """One node, fresh from the database (raises Node.DoesNotExist)."""
+    return Node.objects.get(pk=node_id)
+
+
+def node_for_launch(*, node_id: int) -> Node:
+    """A cloud node with what launching it reads: its pool, type and burst job's team."""
+    return Node.objects.select_related("pool", "instance_type", "burst_job__team").get(pk=node_id)
+
+
+def local_nodes_live() -> QuerySet[Node]:
+    """The local provider's nodes that are not gone."""
+    return Node.objects.filter(provider="local").exclude(state__in=GONE_STATES)
+
+
+def node_ids() -> list[int]:
+    """Every node's id, in order."""
+    return list(Node.objects.order_by("id").values_list("id", flat=True))
+
+
+def node_ids_where(condition: Q) -> QuerySet:
+    """The ids of the nodes matching `condition` (on a node's fields), as a subquery."""
+    return Node.objects.filter(condition).values("id")
+
+
+def instance_type_ids_by_name() -> dict[str, int]:
+    return dict(InstanceType.objects.values_list("name", "id"))
+
+
+def instance_types_for_listing() -> QuerySet[InstanceType]:
+    return InstanceType.objects.order_by("name")
+
+
+def pools_of_kind(kind: str | None = None) -> QuerySet[NodePool]:
+    """The pools (of one kind, owned or cloud, where given) by slug, for a form's choices."""
+    pools = NodePool.objects.order_by("slug")
+    return pools if kind is None else pools.filter(kind=kind)
+
+
+# --- what the cost ledger and the price book need of nodes and pools -----------------------
+
+
+@dataclass(frozen=True)
+class NodeBilling:
+    """A node's facts that price its time: its pool, type, capacity, size, power, and when it
+    began and stopped costing (owned from creation, cloud from launch, to termination)."""
+
+    id: int
+    pool_id: int
+    instance_type_id: int | None
+    capacity_type: str
+    gpus: int
+    billable_from: dt.datetime | None
+    billable_until: dt.datetime | None
+    power_w: int | None
+    region: str
+
+
+def nodes_billing(*, node_ids) -> list[NodeBilling]:
+    """Two queries for any number of nodes."""
+    ends = dict(
+        NodeEvent.objects.filter(node_id__in=node_ids, to_state=NodeState.TERMINATED)
+        .values_list("node_id")
+        .annotate(at=Min("at"))
+        .order_by()
+    )
+    return [
+        NodeBilling(
+            id=node_id,
+            pool_id=pool_id,
+            instance_type_id=type_id,
+            capacity_type=capacity,
+            gpus=gpus,
+            billable_from=created_at if capacity == CapacityType.OWNED else launched_at,
+            billable_until=ends.get(node_id),
+            power_w=measured or nameplate,
+            region=region or "",
+        )
+        for (
+            node_id,
+            pool_id,
+            type_id,
+            capacity,
+            gpus,
+            created_at,
+            launched_at,
+            measured,
+            nameplate,
+            region,
+        ) in Node.objects.filter(pk__in=node_ids).values_list(
+            "id",
+            "pool_id",
+            "instance_type_id",
+            "capacity_type",
+            "gpu_count",
+            "created_at",
+            "launched_at",
+            "power_w",
+            "nameplate_power_w",
+            "pool__region",
+        )
+    ]
+
+
+def pools_with_instance_types(*, pool_ids=None) -> dict[int, NodePool]:
+    """The pools (every one if no ids are given) by id, their instance types fetched."""
+    pools = NodePool.objects.prefetch_related("instance_types").order_by("slug")
+    if pool_ids is not None:
+        pools = pools.filter(pk__in=list(pool_ids))
+    return {pool.pk: pool for pool in pools}
+
+
+def spot_capable_pools() -> list[NodePool]:
+    """Enabled cloud pools that may launch spot, their instance types fetched."""
+    return list(
+        NodePool.objects.filter(
+            kind=PoolKind.CLOUD, enabled=True, capacity_preference="spot_then_on_demand"
+        ).prefetch_related("instance_types")
+    )
+
+
+def pool_node_sizes(*, pool_ids, live_only: bool = False) -> list[tuple[int, int, int | None]]:
+    """(pool id, GPUs, watts: measured, else nameplate) of each node of these pools; with
+    `live_only`, not the terminated or failed ones."""
+    nodes = Node.objects.filter(pool_id__in=list(pool_ids))
+    if live_only:
+        nodes = nodes.exclude(state__in=(NodeState.TERMINATED, NodeState.FAILED))
+    return [
+        (pool_id, gpus, measured or nameplate)
+        for pool_id, gpus, measured, nameplate in nodes.values_list(
+            "pool_id", "gpu_count", "power_w", "nameplate_power_w"
+        )
+    ]
+
+
+def pools_with_nodes(*, pool_ids) -> set[int]:
+    return set(
+        Node.objects.filter(pool_id__in=list(pool_ids))
+        .order_by()
+        .values_list("pool_id", flat=True)
+        .distinct()
+    )
+
+
+def schedulable_gpus_by_type() -> dict[str, int]:
+    """GPU type -> how many GPUs the schedulable nodes of enabled pools have (one query)."""
+    return dict(
+        Node.objects.filter(state__in=SCHEDULABLE_STATES, pool__enabled=True)
+        .values_list("pool__gpu_type")
+        .annotate(gpus=Sum("gpu_count"))
+        .order_by()
     )
 
 

@@ -101,6 +101,27 @@ def _distributed_env(
     }
 
 
+def processes_per_node(job: Job) -> int:
+    """How many processes (ranks) each node of the job runs: torchrun starts one per GPU for
+    the trainer; a command job's node runs its one command (its own launcher, if any, starts
+    the rest)."""
+    return job.gpus_per_node if job.kind == JobKind.TRAINER else 1
+
+
+def ranks_did(job: Job, nodes: int, did: str) -> str:
+    """What every rank of an attempt on `nodes` nodes did, counted in ranks (nodes ×
+    processes per node), not nodes: "all 8 ranks (1 node × 8 processes) exited 0"."""
+    if job.kind != JobKind.TRAINER:
+        return f"the command {did} on " + ("its node" if nodes == 1 else f"all {nodes} nodes")
+    per_node = processes_per_node(job)
+    ranks = nodes * per_node
+    return (
+        f"{'its' if ranks == 1 else 'all'} {ranks} rank{'s' if ranks != 1 else ''} "
+        f"({nodes} node{'s' if nodes != 1 else ''} × {per_node} "
+        f"process{'es' if per_node != 1 else ''}) {did}"
+    )
+
+
 def trainer_argv(job: Job, *, rank: int, nnodes: int, head: Node, port: int) -> list[str]:
     """torchrun for the bundled trainer (workers/trainer), one agent per node (c10d rendezvous);
     `nnodes`: the attempt's node count (fewer than job.nodes when placed within its range).
@@ -114,7 +135,7 @@ def trainer_argv(job: Job, *, rank: int, nnodes: int, head: Node, port: int) -> 
         "-m",
         "torch.distributed.run",
         f"--nnodes={nnodes}",
-        f"--nproc-per-node={job.gpus_per_node}",
+        f"--nproc-per-node={processes_per_node(job)}",
         f"--node-rank={rank}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={_node_address(head)}:{port}",
@@ -578,12 +599,17 @@ def _job_follows(job_id: int, *, changed: Run | None = None) -> None:
             _requeue(job, f"{_describe_failure(_to_blame(failed))} (infrastructure)")
         return
     if runs and not open_runs:
-        _transition(job, J.SUCCEEDED, f"all {len(runs)} rank(s) exited 0")
+        _transition(job, J.SUCCEEDED, ranks_did(job, len(runs), "exited 0"))
         return
     if job.state in (J.PROVISIONING, J.STARTING) and all(r.state == R.RUNNING for r in runs):
         if job.state == J.PROVISIONING:
             job = _transition(job, J.STARTING, "plans offered")
-        _transition(job, J.RUNNING, f"all {len(runs)} rank(s) started", started_at=timezone.now())
+        _transition(
+            job,
+            J.RUNNING,
+            ranks_did(job, len(runs), "started"),
+            started_at=timezone.now(),
+        )
 
 
 def _finish_stopping(job: Job) -> None:

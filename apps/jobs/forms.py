@@ -1,41 +1,144 @@
 """The Submit page's form: a person's view of the job spec, turned into the API's spec.
 
 The form reads types only; the spec it makes goes through the API's submit serializer
-and service, whose errors land back on the form's fields (errors_from_spec)."""
+and service, whose errors land back on the form's fields (add_spec_errors)."""
 
 from django import forms
 
-from apps.accounts.models import GPU_TYPES, Team
-from apps.accounts.selectors import roles_of
+from apps.accounts.models import Team
+from apps.accounts.selectors import roles_of, team_secrets_visible_to
+from apps.jobs.api.serializers import ATTENTION_BACKENDS, PIPELINE_SCHEDULES
 from apps.jobs.models import Placement, PriorityClass
+from apps.jobs.models.jobs import JOB_GPU_TYPES
 from workers.trainer.presets import PRESETS
 
 GPU_COUNTS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+CUSTOM_MODEL = "custom"
 
 # Spec fields the form asks for in another unit: their errors say which unit they count in.
 SPEC_UNITS = {"time_limit_s": "seconds (this field is in hours; 1 h = 3,600 s)"}
 
-# Where an error on a spec field (its path in the API's spec) is shown on the form.
+# Trainer settings passed on only when given: the trainer's defaults hold otherwise. The
+# form's field has the spec's name.
+TRAINER_OPTIONAL = (
+    "checkpoint_every_steps",
+    "checkpoint_every_minutes",
+    "checkpoint_keep",
+    "checkpoint_keep_every",
+    "micro_batch",
+    "lr",
+    "warmup_steps",
+    "min_lr_ratio",
+    "grad_clip",
+    "seed",
+    "collective_timeout_s",
+    "log_every",
+    "attention_backend",
+)
+# Form field: its key in trainer.model (explicit sizes, for the "custom" preset).
+MODEL_SIZES = {
+    "model_layers": "layers",
+    "model_dim": "dim",
+    "model_heads": "heads",
+    "model_kv_heads": "kv_heads",
+    "model_ffn_dim": "ffn_dim",
+    "model_vocab_size": "vocab_size",
+    "model_max_seq_len": "max_seq_len",
+}
+# Form field: its key in trainer.pipeline.
+PIPELINE = {
+    "pipeline_schedule": "schedule",
+    "pipeline_microbatches": "microbatches",
+    "pipeline_stages_per_rank": "stages_per_rank",
+}
+
+# Where an error on a spec field (its path in the API's spec) is shown on the form; a path
+# not here shows on its parent's field. Every leaf of JobSubmitSerializer has one (a test
+# holds them equal), so the form offers everything the API takes.
 SPEC_FIELDS = {
     "name": "name",
     "team": "team",
     "priority": "priority",
     "time_limit_s": "time_limit_hours",
+    "max_cost_usd": "max_cost_usd",
+    "restart_limit": "restart_limit",
+    "env": "env",
+    "secrets": "secrets",
+    "resources": "gpus",
     "resources.gpu_type": "gpu_type",
     "resources.gpus": "gpus",
     "resources.nodes": "gpus",
+    "resources.min_nodes": "min_nodes",
     "resources.gpus_per_node": "gpus_per_node",
     "resources.layout": "layout",
+    **{f"resources.layout.{part}": "layout" for part in ("dp_replicate", "dp_shard", "tp", "pp")},
     "placement.where": "placement",
     "placement.spot": "spot",
+    "trainer": "kind",
     "trainer.preset": "preset",
+    "trainer.model": "preset",
+    **{f"trainer.model.{key}": field for field, key in MODEL_SIZES.items()},
     "trainer.dataset": "dataset",
     "trainer.steps": "steps",
     "trainer.global_batch": "global_batch",
     "trainer.seq_len": "seq_len",
+    "trainer.precision": "precision",
+    "trainer.activation_checkpointing": "activation_checkpointing",
+    "trainer.compile": "compile",
+    **{f"trainer.{key}": key for key in TRAINER_OPTIONAL},
+    **{f"trainer.pipeline.{key}": field for field, key in PIPELINE.items()},
+    # A command without its code's source is told so on the code path, beside git's fields.
+    "command": "code_path",
     "command.argv": "argv",
     "command.path": "code_path",
+    "command.git": "git_repo",
+    "command.git.repo": "git_repo",
+    "command.git.ref": "git_ref",
+    "command.workdir": "workdir",
+    "nccl.profile": "nccl_profile",
+    "nccl.overrides": "nccl_overrides",
+    "nccl.reasons": "nccl_reasons",
 }
+
+# The form's folded parts (<details>): each opens when one of its fields has an error.
+SECTIONS = {
+    "training": [
+        "checkpoint_keep",
+        "checkpoint_keep_every",
+        "precision",
+        "activation_checkpointing",
+        "compile",
+        *TRAINER_OPTIONAL[4:],
+        *PIPELINE,
+    ],
+    "nccl": ["nccl_profile", "nccl_overrides", "nccl_reasons"],
+}
+
+
+class NamedValuesField(forms.CharField):
+    """NAME=value, one a line (blank lines skipped): a dict. The names are checked by the
+    API's serializer, which says which are wrong."""
+
+    widget = forms.Textarea(attrs={"rows": 3, "spellcheck": "false"})
+
+    def to_python(self, value) -> dict:
+        named = {}
+        for number, line in enumerate((value or "").splitlines(), start=1):
+            if not line.strip():
+                continue
+            name, equals, text = line.partition("=")
+            if not equals:
+                raise forms.ValidationError(f"Line {number}: write NAME=value.")
+            named[name.strip()] = text
+        return named
+
+
+def _optional_int(**kwargs):
+    return forms.IntegerField(required=False, **kwargs)
+
+
+def _optional_float(**kwargs):
+    return forms.FloatField(required=False, **kwargs)
 
 
 class SubmitForm(forms.Form):
@@ -46,11 +149,19 @@ class SubmitForm(forms.Form):
         initial="trainer",
     )
     preset = forms.CharField(
-        widget=forms.Select(choices=[(p, p) for p in PRESETS]), initial="tiny", required=False
+        widget=forms.Select(
+            choices=[*((p, p) for p in PRESETS), (CUSTOM_MODEL, "Custom sizes (below)")]
+        ),
+        initial="tiny",
+        required=False,
     )
-    gpu_type = forms.CharField(widget=forms.Select(choices=GPU_TYPES), initial="H100")
+    gpu_type = forms.CharField(widget=forms.Select(choices=JOB_GPU_TYPES), initial="H100")
     gpus = forms.IntegerField(widget=forms.Select(choices=[(n, n) for n in GPU_COUNTS]), initial=8)
     gpus_per_node = forms.IntegerField(initial=8)
+    min_nodes = _optional_int(
+        label="Fewest nodes",
+        help_text="Run on fewer nodes when all of them do not fit (default: all).",
+    )
     layout = forms.CharField(required=False, help_text="dp_replicate × dp_shard × tp × pp")
     priority = forms.CharField(
         widget=forms.Select(choices=PriorityClass.choices), initial=PriorityClass.NORMAL
@@ -60,16 +171,103 @@ class SubmitForm(forms.Form):
     )
     spot = forms.BooleanField(required=False, label="Spot allowed")
     time_limit_hours = forms.DecimalField(max_digits=12, initial=4)
-    dataset = forms.CharField(initial="synthetic", required=False)
+    max_cost_usd = forms.DecimalField(
+        required=False,
+        label="Maximum cost (USD)",
+        help_text="Refused at submission if its projected cost is above this.",
+    )
+    restart_limit = _optional_int(
+        initial=3, label="Restarts", help_text="Requeued after a failure at most this often."
+    )
+    dataset = forms.CharField(
+        initial="synthetic",
+        required=False,
+        help_text="A token file path on shared storage, or 'synthetic'.",
+    )
     steps = forms.IntegerField(initial=1000, required=False)
     global_batch = forms.IntegerField(initial=64, required=False)
     seq_len = forms.IntegerField(initial=512, required=False)
+    checkpoint_every_steps = _optional_int(
+        label="Checkpoint every (steps)", help_text="Blank: only at the end."
+    )
+    checkpoint_every_minutes = _optional_int(
+        label="Checkpoint every (minutes)", help_text="Blank: only at the end."
+    )
+    checkpoint_keep = _optional_int(label="Checkpoints kept", help_text="The newest (default 3).")
+    checkpoint_keep_every = _optional_int(
+        label="Also keep every", help_text="...checkpoint whose step is a multiple of this."
+    )
+    precision = forms.ChoiceField(
+        choices=[("bf16", "bf16"), ("fp32", "fp32")], initial="bf16", required=False
+    )
+    activation_checkpointing = forms.ChoiceField(
+        choices=[("none", "none"), ("selective", "selective"), ("full", "full")],
+        initial="selective",
+        required=False,
+    )
+    compile = forms.BooleanField(required=False, label="torch.compile")
+    micro_batch = _optional_int(help_text="Sequences per forward pass on one rank.")
+    lr = _optional_float(label="Learning rate")
+    warmup_steps = _optional_int(label="Warm-up steps")
+    min_lr_ratio = _optional_float(label="Final learning rate ratio")
+    grad_clip = _optional_float(label="Gradient clip")
+    seed = _optional_int()
+    collective_timeout_s = _optional_int(label="Collective timeout (seconds)")
+    log_every = _optional_int(label="Log every (steps)")
+    attention_backend = forms.ChoiceField(
+        choices=[("", "trainer's default"), *((b, b) for b in ATTENTION_BACKENDS)],
+        required=False,
+    )
+    pipeline_schedule = forms.ChoiceField(
+        choices=[("", "1f1b (default)"), *((s, s) for s in PIPELINE_SCHEDULES)],
+        required=False,
+        label="Pipeline schedule",
+    )
+    pipeline_microbatches = _optional_int(label="Pipeline micro-batches")
+    pipeline_stages_per_rank = _optional_int(label="Stages per rank")
+    model_layers = _optional_int(label="Layers")
+    model_dim = _optional_int(label="Model width")
+    model_heads = _optional_int(label="Heads")
+    model_kv_heads = _optional_int(label="KV heads")
+    model_ffn_dim = _optional_int(label="FFN width")
+    model_vocab_size = _optional_int(label="Vocabulary")
+    model_max_seq_len = _optional_int(label="Longest sequence")
     argv = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 3}),
         required=False,
+        label="Command",
         help_text="One argument per line (no shell).",
     )
-    code_path = forms.CharField(required=False, label="Code path")
+    code_path = forms.CharField(
+        required=False,
+        label="Code path",
+        help_text="The code's path on shared storage; or give a git source instead.",
+    )
+    git_repo = forms.CharField(
+        required=False, label="Git repository", help_text="https://, ssh:// or git@ URL."
+    )
+    git_ref = forms.CharField(required=False, label="Git ref", help_text="A branch, tag or commit.")
+    workdir = forms.CharField(required=False, label="Working directory")
+    env = NamedValuesField(required=False, label="Environment", help_text="NAME=value, one a line.")
+    secrets = forms.MultipleChoiceField(
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+        label="Team secrets",
+        help_text="Set as environment variables by name; values never appear.",
+    )
+    nccl_profile = forms.CharField(
+        required=False, label="NCCL profile", help_text="Blank: the pool's own."
+    )
+    nccl_overrides = NamedValuesField(
+        required=False,
+        label="NCCL overrides",
+        help_text="NCCL_NAME=value, one a line; linted at submission.",
+    )
+    nccl_reasons = NamedValuesField(
+        required=False,
+        label="Why kept",
+        help_text="NCCL_NAME=why, for an override the linter warns about.",
+    )
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
@@ -77,7 +275,21 @@ class SubmitForm(forms.Form):
         teams = Team.objects.order_by("name")
         if not roles.superuser:
             teams = teams.filter(id__in=[t for t in roles.team_ids if roles.can_submit_for(t)])
+        team_list = list(teams)
         self.fields["team"].queryset = teams
+        if len(team_list) == 1:  # nothing to choose: the only team, chosen
+            self.fields["team"].initial = team_list[0].pk
+            self.fields["team"].empty_label = None
+        self.fields["secrets"].choices = _secret_choices(user, team_list)
+
+    @property
+    def open_sections(self) -> set[str]:
+        """The folded parts to show open: those with an error on one of their fields."""
+        return {
+            section
+            for section, names in SECTIONS.items()
+            if any(name in self.errors for name in names)
+        }
 
     def clean_layout(self):
         value = self.cleaned_data.get("layout", "").strip()
@@ -93,6 +305,39 @@ class SubmitForm(forms.Form):
     def to_spec(self) -> dict:
         """The body the API takes, so both go through one set of rules."""
         data = self.cleaned_data
+        spec = {
+            "name": data["name"],
+            "team": data["team"].pk,
+            "priority": data["priority"],
+            "time_limit_s": int(data["time_limit_hours"] * 3600),
+            "resources": self._resources(),
+            "placement": {"where": data["placement"], "spot": data["spot"]},
+        }
+        if data.get("restart_limit") is not None:
+            spec["restart_limit"] = data["restart_limit"]
+        if data.get("max_cost_usd") is not None:
+            spec["max_cost_usd"] = str(data["max_cost_usd"])
+        if data["kind"] == "trainer":
+            spec["trainer"] = self._trainer()
+        else:
+            spec["command"] = self._command()
+        if data.get("env"):
+            spec["env"] = data["env"]
+        if data.get("secrets"):
+            spec["secrets"] = data["secrets"]
+        nccl = _given(
+            {
+                "profile": data.get("nccl_profile"),
+                "overrides": data.get("nccl_overrides"),
+                "reasons": data.get("nccl_reasons"),
+            }
+        )
+        if nccl:
+            spec["nccl"] = nccl
+        return spec
+
+    def _resources(self) -> dict:
+        data = self.cleaned_data
         gpus = data["gpus"]
         per_node = min(data["gpus_per_node"], gpus)
         resources = {
@@ -101,36 +346,52 @@ class SubmitForm(forms.Form):
             "nodes": max(gpus // per_node, 1) if per_node > 0 else 1,
             "gpus_per_node": per_node,
         }
+        if data.get("min_nodes") is not None:
+            resources["min_nodes"] = data["min_nodes"]
         if data.get("layout"):
             replicate, shard, tp, pp = (int(x) for x in data["layout"].split("x"))
             resources["layout"] = {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "pp": pp}
-        spec = {
-            "name": data["name"],
-            "team": data["team"].pk,
-            "priority": data["priority"],
-            "time_limit_s": int(data["time_limit_hours"] * 3600),
-            "resources": resources,
-            "placement": {"where": data["placement"], "spot": data["spot"]},
+        return resources
+
+    def _trainer(self) -> dict:
+        data = self.cleaned_data
+        trainer = {
+            "dataset": data.get("dataset") or "synthetic",
+            "steps": data.get("steps") or 1000,
+            "global_batch": data.get("global_batch") or 64,
+            "seq_len": data.get("seq_len") or 512,
+            "compile": data["compile"],
+            **_given({key: data.get(key) for key in TRAINER_OPTIONAL}),
+            **_given({key: data.get(key) for key in ("precision", "activation_checkpointing")}),
         }
-        if data["kind"] == "trainer":
-            spec["trainer"] = {
-                "preset": data.get("preset") or "tiny",
-                "dataset": data.get("dataset") or "synthetic",
-                "steps": data.get("steps") or 1000,
-                "global_batch": data.get("global_batch") or 64,
-                "seq_len": data.get("seq_len") or 512,
-            }
+        if data.get("preset") == CUSTOM_MODEL:
+            trainer["model"] = _given({key: data.get(field) for field, key in MODEL_SIZES.items()})
         else:
-            argv = [line.strip() for line in (data.get("argv") or "").splitlines() if line.strip()]
-            spec["command"] = {"argv": argv, "path": data.get("code_path") or ""}
-        return spec
+            trainer["preset"] = data.get("preset") or "tiny"
+        pipeline = _given({key: data.get(field) for field, key in PIPELINE.items()})
+        if pipeline:
+            trainer["pipeline"] = pipeline
+        return trainer
+
+    def _command(self) -> dict:
+        data = self.cleaned_data
+        argv = [line.strip() for line in (data.get("argv") or "").splitlines() if line.strip()]
+        command = {"argv": argv, **_given({"path": data.get("code_path")})}
+        git = _given({"repo": data.get("git_repo"), "ref": data.get("git_ref")})
+        if git:
+            command["git"] = git
+        if data.get("workdir"):
+            command["workdir"] = data["workdir"]
+        return command
 
     def add_spec_errors(self, errors: dict, path: str = "") -> None:
-        """The submit serializer's errors (nested by the spec's shape) on the fields that
-        made them; one with no such field at the top, named by its path."""
+        """The submit serializer's or service's errors (nested by the spec's shape, or keyed
+        by dotted paths) on the fields that made them; one with no such field at the top,
+        named by its path."""
         for key, problems in errors.items():
             # DRF files an error on a whole part under "non_field_errors": the part's own.
-            where = path if key == "non_field_errors" else ".".join(filter(None, [path, key]))
+            special = key in ("non_field_errors", "__all__")
+            where = path if special else ".".join(filter(None, [path, key]))
             if isinstance(problems, dict):
                 self.add_spec_errors(problems, where)
                 continue
@@ -143,6 +404,23 @@ class SubmitForm(forms.Form):
                 if where in SPEC_UNITS:
                     problem = f"{problem} In {SPEC_UNITS[where]}."
                 self.add_error(field, problem if field or not where else f"{where}: {problem}")
+
+
+def _given(values: dict) -> dict:
+    """Those of the values the form was given (blank fields are left to the defaults)."""
+    return {key: value for key, value in values.items() if value not in (None, "", {}, [])}
+
+
+def _secret_choices(user, teams: list[Team]) -> list[tuple[str, str]]:
+    """The names of the secrets of the teams the user submits for, each with its teams when
+    there are several (the job's team must have the one it names)."""
+    secrets = team_secrets_visible_to(user=user).filter(team__in=[t.pk for t in teams])
+    holders: dict[str, list[str]] = {}
+    for name, team in secrets.order_by("name", "team__slug").values_list("name", "team__slug"):
+        holders.setdefault(name, []).append(team)
+    if len(teams) <= 1:
+        return [(name, name) for name in holders]
+    return [(name, f"{name} ({', '.join(slugs)})") for name, slugs in holders.items()]
 
 
 def _form_field(path: str) -> str | None:

@@ -1,20 +1,42 @@
 """Reads of jobs and the queue, scoped to what the user may see."""
 
 import datetime as dt
+import time
 from dataclasses import dataclass
 
 from django.core.paginator import Page, Paginator
-from django.db.models import Count, F, Min, Q, QuerySet, Subquery, Sum
+from django.db.models import (
+    Count,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    Max,
+    Min,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+)
+from django.db.models.functions import Coalesce, Floor
 
 from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
 from apps.costs.selectors import projection_for
 from apps.fleet.extensions import GpuHolder
-from apps.fleet.selectors import pool_names, pools_capacity, schedulable_node_gpus
+from apps.fleet.models import SCHEDULABLE_STATES
+from apps.fleet.selectors import (
+    pool_names,
+    pools_capacity,
+    schedulable_gpus_by_type,
+    schedulable_node_gpus,
+)
 from apps.jobs import specs
+from apps.jobs.estimates import Estimate, Queued, estimate_starts
 from apps.jobs.models import (
+    OPEN_RUN_STATES,
     Allocation,
     Job,
+    JobKind,
     JobState,
     LogLine,
     RankEnvironment,
@@ -26,14 +48,17 @@ from apps.jobs.models import (
 from apps.jobs.models.jobs import (
     ACTIVE_STATES,
     FINISHED_STATES,
+    HOLDING_STATES,
     PRIORITY_RANK,
     QUEUE_ORDER_KEY,
     last_pass_read_at,
     slots_of,
     waiting_reason,
 )
+from apps.jobs.scheduler.read import Epoch
 from apps.tuning.services import RenderedEnvironment, nccl_environments_render
 from controlplane import webhooks
+from controlplane.bulk import InArray
 from controlplane.cache import best_effort
 
 
@@ -62,6 +87,7 @@ QUEUE_COLUMNS = (
     "state_changed_at",
     "wait__reason",
     "wait__estimated_start",
+    "started_at",
 )
 
 
@@ -99,6 +125,7 @@ def _queue_rows(jobs: QuerySet[Job], *, user, position: dict[int, int]) -> dict[
         changed_at,
         wait_reason,
         wait_start,
+        started_at,
     ) in jobs.values_list(*QUEUE_COLUMNS):
         mine = roles.sees_every_team or team_id in roles.team_ids
         row = {
@@ -109,8 +136,12 @@ def _queue_rows(jobs: QuerySet[Job], *, user, position: dict[int, int]) -> dict[
             "state": state,
             "priority": priority,
             "estimated_start": wait_start if state == pending else None,
+            "estimate_basis": "",
             "position": position.get(job_id),
             "anonymous": not mine,
+            # Since when it runs (its latest start), while it holds GPUs.
+            "started_at": started_at if state in HOLDING_STATES else None,
+            "nodes": [],
         }
         if mine:
             row.update(
@@ -131,13 +162,15 @@ def _in_queue_order(ids, position: dict[int, int]) -> list[int]:
 
 
 def queue_for(*, user, jobs: QuerySet[Job] | None = None) -> list[dict]:
-    """Every active job, in queue order; other teams' jobs as anonymous rows.
+    """Every active job, in queue order, with its nodes and estimated start; other teams'
+    jobs as anonymous rows.
 
     An anonymous row says only team, GPUs, state, priority and estimated start:
-    no name, spec, logs or cost.
+    no name, spec, nodes, logs or cost.
     """
     position = _queue_order()
     rows = _queue_rows(_active(jobs), user=user, position=position)
+    _with_estimates_and_nodes(rows, position=position)
     return [rows[job_id] for job_id in _in_queue_order(rows, position)]
 
 
@@ -152,6 +185,7 @@ def queue_ids(*, jobs: QuerySet[Job] | None = None) -> tuple[list[int], dict[int
 def queue_rows(ids: list[int], *, user, position: dict[int, int]) -> list[dict]:
     """queue_for's rows of these jobs, in the order given (jobs gone since are left out)."""
     rows = _queue_rows(Job.objects.filter(id__in=ids).order_by(), user=user, position=position)
+    _with_estimates_and_nodes(rows, position=position)
     return [rows[job_id] for job_id in ids if job_id in rows]
 
 
@@ -162,6 +196,149 @@ def queue_page(*, user, jobs: QuerySet[Job] | None = None, page, per_page: int) 
     shown = Paginator(ids, per_page).get_page(page)
     shown.object_list = queue_rows(shown.object_list, user=user, position=position)
     return shown
+
+
+def _with_estimates_and_nodes(rows: dict[int, dict], *, position: dict[int, int]) -> None:
+    """Give these queue rows (by job id) their start estimates (pending jobs) and the
+    names of the nodes they hold (the user's own jobs), in five queries at most."""
+    pending = [job_id for job_id, row in rows.items() if row["state"] == JobState.PENDING]
+    for job_id, estimate in start_estimates(wanted=pending, position=position).items():
+        if job_id in rows:
+            row = rows[job_id]
+            row["estimated_start"] = (
+                None
+                if estimate.start is None
+                else dt.datetime.fromtimestamp(estimate.start, tz=dt.UTC)
+            )
+            row["estimate_basis"] = estimate.basis
+    holding = [
+        job_id
+        for job_id, row in rows.items()
+        if row["state"] in HOLDING_STATES and not row["anonymous"]
+    ]
+    for job_id, names in nodes_held_by(job_ids=holding).items():
+        rows[job_id]["nodes"] = names
+
+
+def nodes_held_by(*, job_ids: list[int]) -> dict[int, list[str]]:
+    """Job id -> the names of the nodes it holds now, by name (one query)."""
+    if not job_ids:
+        return {}
+    held: dict[int, list[str]] = {}
+    for job_id, name in (
+        Allocation.objects.filter(InArray("job_id", job_ids), ended_at__isnull=True)
+        .order_by("job_id", "node__name")
+        .values_list("job_id", "node__name")
+    ):
+        held.setdefault(job_id, []).append(name)
+    return held
+
+
+def nodes_ran_on(*, job_ids: list[int]) -> dict[int, list[str]]:
+    """Job id -> the names of the nodes its newest attempt ran on, rank 0 first (one
+    query): where a finished job ran."""
+    if not job_ids:
+        return {}
+    ran: dict[int, tuple[int, list[str]]] = {}
+    for job_id, attempt, name in (
+        Run.objects.filter(InArray("job_id", job_ids))
+        .order_by("job_id", "-attempt", "node_rank")
+        .values_list("job_id", "attempt", "node__name")
+    ):
+        newest, names = ran.setdefault(job_id, (attempt, []))
+        if attempt == newest:
+            names.append(name)
+    return {job_id: names for job_id, (_, names) in ran.items()}
+
+
+def gpu_releases() -> dict[str, list[tuple[float, int]]]:
+    """GPU type -> (when, GPUs): when the GPUs held on schedulable nodes come back at the
+    latest (their job's admission plus its time limit, to the minute, as the scheduler's
+    reserved starts are), in one grouped read of the open allocations."""
+    started = Epoch(Coalesce("job__admitted_at", "started_at"))
+    back = ExpressionWrapper(
+        Floor((started + F("job__time_limit_s")) / 60.0) * 60, output_field=FloatField()
+    )
+    releases: dict[str, list[tuple[float, int]]] = {}
+    for gpu_type, when, gpus in (
+        Allocation.objects.filter(
+            ended_at__isnull=True, node__state__in=SCHEDULABLE_STATES, node__pool__enabled=True
+        )
+        .annotate(back=back)
+        .values_list("node__pool__gpu_type", "back")
+        .annotate(gpus=Sum("gpus"))
+        .order_by()
+    ):
+        releases.setdefault(gpu_type, []).append((when, gpus))
+    return releases
+
+
+def _pending_order(*, wanted: set[int], position: dict[int, int]) -> list[int]:
+    """The pending jobs from the queue's head to the last wanted one: in the last pass's
+    order (the cache, no query), then those submitted since, by age (one query, only if a
+    wanted job is among them)."""
+    if all(job_id in position for job_id in wanted):
+        return list(position)[: max(position[job_id] for job_id in wanted)]
+    missing = wanted - position.keys()
+    later = []
+    for job_id in (
+        Job.objects.live()
+        .filter(state=JobState.PENDING)
+        .order_by("queued_at", "id")
+        .values_list("id", flat=True)
+    ):
+        if job_id not in position:
+            later.append(job_id)
+            missing.discard(job_id)
+            if not missing:
+                break
+    return [*position, *later]
+
+
+def start_estimates(*, wanted: list[int], position: dict[int, int]) -> dict[int, Estimate]:
+    """The start estimate (apps/jobs/estimates.py) of each wanted pending job: the pending
+    jobs ahead of it are read in queue order (`position`: the last pass's places), then
+    the GPUs on schedulable nodes and when the held ones come back (gpu_supply). One to
+    four queries, none if no job is wanted."""
+    if not wanted:
+        return {}
+    ahead = _pending_order(wanted=set(wanted), position=position)
+    rows = {
+        row[0]: row
+        for row in Job.objects.filter(InArray("id", ahead), state=JobState.PENDING)
+        .annotate(reserved=Epoch("wait__estimated_start"))
+        .values_list("id", "gpu_type", "nodes", "gpus_per_node", "time_limit_s", "reserved")
+        .order_by()
+    }
+    queue = [
+        Queued(job_id, gpu_type, nodes * per_node, limit, reserved)
+        for job_id in ahead
+        if job_id in rows
+        for _, gpu_type, nodes, per_node, limit, reserved in (rows[job_id],)
+    ]
+    capacity, releases = gpu_supply()
+    return estimate_starts(queue, now=time.time(), capacity=capacity, releases=releases)
+
+
+GPU_SUPPLY_KEY = "jobs:gpu-supply:{}"  # per scheduling pass, by when it read
+GPU_SUPPLY_CACHE_S = 600  # bounds what a pass's entry costs once the next has replaced it
+
+
+def gpu_supply() -> tuple[dict[str, int], dict[str, list[tuple[float, int]]]]:
+    """The GPUs of each type on schedulable nodes and when the held ones come back
+    (schedulable_gpus_by_type, gpu_releases): read once per scheduling pass for every
+    page and poll, since only a pass places jobs; a job that ends early is seen at the
+    pass that its end asks for."""
+    last_pass_at = last_pass_read_at()
+    key = GPU_SUPPLY_KEY.format(last_pass_at)
+    if last_pass_at is not None:
+        supply = best_effort.get(key)
+        if supply is not None:
+            return supply
+    supply = schedulable_gpus_by_type(), gpu_releases()
+    if last_pass_at is not None:
+        best_effort.set(key, supply, GPU_SUPPLY_CACHE_S)
+    return supply
 
 
 def queue_choices() -> tuple[list[str], list[str]]:
@@ -500,30 +677,71 @@ def _pools_that_could_hold(job: Job) -> list[int]:
     )
 
 
-def job_log_lines(*, job: Job, after: int = 0, limit: int = 500, **_) -> list[dict]:
-    """The job's output lines after line id `after`, oldest first."""
-    rows = (
-        LogLine.objects.filter(job=job, id__gt=after)
-        .order_by("id")
-        .values_list("id", "at", "run__node_rank", "run__attempt", "stream", "text")[:limit]
-    )
+_LOG_FIELDS = ("id", "at", "run__node_rank", "run__attempt", "stream", "text")
+
+
+def _log_dicts(rows) -> list[dict]:
     return [
         {"id": i, "at": at, "rank": rank, "attempt": attempt, "stream": stream, "text": text}
         for i, at, rank, attempt, stream, text in rows
     ]
 
 
-def job_log_tail(*, job: Job, limit: int = 200) -> list[dict]:
-    """The job's newest output lines, oldest of them first (the Job page's tail)."""
-    newest = list(
-        LogLine.objects.filter(job=job)
-        .order_by("-id")
-        .values_list("id", "at", "run__node_rank", "run__attempt", "stream", "text")[:limit]
+def _log_filtered(
+    *, job: Job, rank: int | None = None, attempt: int | None = None, text: str = ""
+) -> QuerySet[LogLine]:
+    """The job's lines, of one node rank and one attempt when given, holding `text` (any
+    case) when given."""
+    lines = LogLine.objects.filter(job=job)
+    if rank is not None:
+        lines = lines.filter(run__node_rank=rank)
+    if attempt is not None:
+        lines = lines.filter(run__attempt=attempt)
+    if text:
+        lines = lines.filter(text__icontains=text)
+    return lines
+
+
+def job_log_lines(*, job: Job, after: int = 0, limit: int = 500, **_) -> list[dict]:
+    """The job's output lines after line id `after`, oldest first."""
+    rows = (
+        LogLine.objects.filter(job=job, id__gt=after)
+        .order_by("id")
+        .values_list(*_LOG_FIELDS)[:limit]
     )
-    return [
-        {"id": i, "at": at, "rank": rank, "attempt": attempt, "stream": stream, "text": text}
-        for i, at, rank, attempt, stream, text in reversed(newest)
-    ]
+    return _log_dicts(rows)
+
+
+def job_log_tail(
+    *,
+    job: Job,
+    limit: int = 200,
+    after: int = 0,
+    rank: int | None = None,
+    attempt: int | None = None,
+    text: str = "",
+) -> list[dict]:
+    """The job's newest output lines (after line id `after`, through the filters of
+    _log_filtered), at most `limit`, oldest of them first: the Job page's log viewer."""
+    newest = list(
+        _log_filtered(job=job, rank=rank, attempt=attempt, text=text)
+        .filter(id__gt=after)
+        .order_by("-id")
+        .values_list(*_LOG_FIELDS)[:limit]
+    )
+    return _log_dicts(reversed(newest))
+
+
+def job_log_every_line(*, job: Job, chunk: int = 5000):
+    """Every stored line of the job, oldest first, read `chunk` lines a query (by id, so a
+    log of millions of lines is never held whole): the whole-log download."""
+    after = 0
+    while True:
+        rows = job_log_lines(job=job, after=after, limit=chunk)
+        yield from rows
+        if len(rows) < chunk:
+            return
+        after = rows[-1]["id"]
 
 
 def run_on_node(*, node_id: int, run_id: int) -> Run | None:
@@ -534,9 +752,65 @@ def run_on_node(*, node_id: int, run_id: int) -> Run | None:
     )
 
 
+def job_with_team(*, job_id: int) -> Job | None:
+    """The job, its team loaded; None if there is none."""
+    return Job.objects.select_related("team").filter(pk=job_id).first()
+
+
+def trainer_jobs_finished_since(*, since: dt.datetime) -> QuerySet[Job]:
+    """The trainer jobs that finished at or after `since`, with their teams (a job's
+    checkpoint directory names its team): for the checkpoint registry to narrow by its own
+    rows (those not yet swept)."""
+    return Job.objects.select_related("team").filter(
+        kind=JobKind.TRAINER, state__in=FINISHED_STATES, finished_at__gte=since
+    )
+
+
+def node_has_open_runs(*, node_id: int) -> bool:
+    return Run.objects.filter(node_id=node_id, state__in=OPEN_RUN_STATES).exists()
+
+
+def job_has_open_runs(*, job_id: int) -> bool:
+    """Whether any of the job's runs is planned or running (it may still write)."""
+    return Run.objects.filter(job_id=job_id, state__in=OPEN_RUN_STATES).exists()
+
+
+def job_newest_attempt(*, job_id: int) -> int | None:
+    """The job's newest attempt number among its runs; None before its first."""
+    return Run.objects.filter(job_id=job_id).aggregate(n=Max("attempt"))["n"]
+
+
+def job_last_run_ended_at(*, job_id: int) -> dt.datetime | None:
+    """When the last of the job's runs to end ended; None if none has."""
+    return Run.objects.filter(job_id=job_id).aggregate(at=Max("ended_at"))["at"]
+
+
+def first_rank_nodes(*, job_ids) -> dict[int, list[int | None]]:
+    """Per job, the node of each attempt's rank 0 (the one that writes its checkpoints),
+    newest attempt first, in one query; jobs with no runs are left out."""
+    nodes: dict[int, list[int | None]] = {}
+    for job_id, node_id in (
+        Run.objects.filter(job_id__in=list(job_ids), node_rank=0)
+        .order_by("job_id", "-attempt")
+        .values_list("job_id", "node_id")
+    ):
+        nodes.setdefault(job_id, []).append(node_id)
+    return nodes
+
+
+def run_plans(*, job_ids) -> list[tuple[int, dict]]:
+    """(job id, plan) of every run of these jobs: what each run was told (its run.json)."""
+    return list(Run.objects.filter(job_id__in=list(job_ids)).values_list("job_id", "plan"))
+
+
 def job_runs(*, job: Job) -> list[Run]:
     """Every attempt's runs, newest attempt first, with their nodes."""
     return list(job.runs.select_related("node").order_by("-attempt", "node_rank"))
+
+
+def job_attempts_ranks(*, job: Job) -> list[tuple[int, int]]:
+    """(attempt, node rank) of each of the job's runs: the log viewer's filter choices."""
+    return list(job.runs.order_by().values_list("attempt", "node_rank"))
 
 
 def attempt_nodes(runs: list[Run]) -> int | None:
@@ -576,6 +850,68 @@ def job_training_series(*, job: Job) -> dict:
                 series[key].setdefault(name, []).append((step, value))
     latest = StepMetric.objects.filter(job=job).order_by("-attempt", "-step").first()
     return {"latest": latest, **series}
+
+
+def step_times(*, job_ids) -> dict[int, float]:
+    """Wall-clock seconds per step of each job's newest attempt, from its step metrics
+    (the checkpoints' own time included), in one query; jobs without two steps left out."""
+    rows = (
+        StepMetric.objects.filter(job_id__in=list(job_ids))
+        .values("job_id", "attempt")
+        .annotate(first=Min("step"), last=Max("step"), since=Min("at"), until=Max("at"))
+    )
+    newest: dict[int, dict] = {}
+    for row in rows:
+        if row["job_id"] not in newest or row["attempt"] > newest[row["job_id"]]["attempt"]:
+            newest[row["job_id"]] = row
+    times = {}
+    for job_id, row in newest.items():
+        steps = row["last"] - row["first"]
+        if steps > 0:
+            times[job_id] = (row["until"] - row["since"]).total_seconds() / steps
+    return times
+
+
+def jobs_compared_series(*, job_ids: list[int]) -> dict[int, dict]:
+    """Loss and tokens/s by step for each of these jobs, to overlay them: per job, the
+    newest attempt's value where attempts overlap, thinned to CHART_POINTS steps. Two
+    queries whatever the number of jobs (their step counts, then the steps drawn)."""
+    from django.db.models.functions import Mod
+
+    counts = dict(
+        StepMetric.objects.filter(job_id__in=job_ids)
+        .order_by()
+        .values_list("job_id")
+        .annotate(n=Count("id"))
+        .values_list("job_id", "n")
+    )
+    series = {job_id: {"loss": {}, "tokens_per_s": {}, "steps": 0} for job_id in job_ids}
+    if not counts:
+        return series
+    # Each job thinned to every k-th step, its own k: one Mod(step, k) column per k.
+    every = {job_id: max(1, -(-count // CHART_POINTS)) for job_id, count in counts.items()}
+    wanted = Q()
+    for job_id, k in every.items():
+        wanted |= Q(job_id=job_id, **({f"slot_{k}": 0} if k > 1 else {}))
+    rows = StepMetric.objects.filter(job_id__in=list(counts)).annotate(
+        **{f"slot_{k}": Mod("step", k) for k in set(every.values()) if k > 1}
+    )
+    for job_id, step, loss, tokens in (
+        rows.filter(wanted)
+        .order_by("job_id", "attempt", "step")
+        .values_list("job_id", "step", "loss", "tokens_per_s")
+    ):
+        drawn = series[job_id]
+        drawn["steps"] = max(drawn["steps"], step)
+        # A later attempt's step replaces an earlier one's (a resume ran it again).
+        if loss is not None:
+            drawn["loss"][step] = loss
+        if tokens is not None:
+            drawn["tokens_per_s"][step] = tokens
+    for drawn in series.values():
+        drawn["loss"] = sorted(drawn["loss"].items())
+        drawn["tokens_per_s"] = sorted(drawn["tokens_per_s"].items())
+    return series
 
 
 # --- cost ----------------------------------------------------------------------------------

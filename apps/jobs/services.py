@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from apps.accounts.secrets import decrypt, encrypt
+from apps.accounts.secrets import encrypt
 from apps.accounts.selectors import quota_limits, roles_of, team_secret_names
 from apps.accounts.services import audit_record, snapshot
 from apps.costs import selectors as costs
@@ -26,10 +26,16 @@ from apps.jobs.models import (
     JobState,
     Reservation,
     Webhook,
-    WebhookDelivery,
 )
-from apps.jobs.models.jobs import NOT_STARTED_STATES
-from apps.jobs.transitions import actor_label, job_transition, schedule_soon
+from apps.jobs.models.jobs import FINISHED_STATES, NOT_STARTED_STATES
+from apps.jobs.transitions import (
+    JOB_TRANSITIONS,
+    actor_label,
+    job_transition,
+    schedule_soon,
+    webhook_source,
+)
+from apps.outbox import services as outbox
 from apps.tuning import services as tuning
 from controlplane import webhooks
 from controlplane.errors import ApplicationError
@@ -254,6 +260,23 @@ def _can_manage(by, job: Job) -> bool:
     return job_can_manage(user=by, team_id=job.team_id, submitted_by_id=job.submitted_by_id)
 
 
+def job_actions(*, state: str) -> list[str]:
+    """The operations (cancel, hold, release, requeue) that a job in `state` can take, as
+    the services below would accept them: what a page offers as buttons."""
+    moves = JOB_TRANSITIONS[state]
+    actions = []
+    waiting = state in (J.PENDING, J.HELD) or state in NOT_STARTED_STATES
+    if (J.CANCELLED if waiting else J.STOPPING) in moves:  # as job_cancel moves it
+        actions.append("cancel")
+    if J.HELD in moves:
+        actions.append("hold")
+    if state == J.HELD:
+        actions.append("release")
+    if state in (J.STARTING, J.RUNNING) or (state in FINISHED_STATES and J.PENDING in moves):
+        actions.append("requeue")
+    return actions
+
+
 def job_cancel(*, job: Job, by, reason: str = "") -> Job:
     """Cancel: a waiting or not yet started job at once; a running one stops keeping its work."""
     if by is not None and not _can_manage(by, job):
@@ -458,43 +481,5 @@ def webhook_delete(*, webhook: Webhook, by) -> None:
             team=webhook.team,
             before={"url": webhook.url},
         )
+        outbox.calls_drop(source=webhook_source(webhook.pk))
         webhook.delete()
-
-
-def webhook_deliveries_send(*, now: dt.datetime | None = None, limit: int = 100) -> dict:
-    """Send the calls that are due. Each is claimed for a minute first, so two workers
-    never send the same call, and the network wait holds no database lock."""
-    now = now or timezone.now()
-    with transaction.atomic():
-        due = list(
-            WebhookDelivery.objects.select_for_update(skip_locked=True)
-            .filter(state=WebhookDelivery.State.PENDING, next_attempt_at__lte=now)
-            .order_by("next_attempt_at")[:limit]
-            .values_list("id", flat=True)
-        )
-        WebhookDelivery.objects.filter(pk__in=due).update(
-            next_attempt_at=now + dt.timedelta(seconds=60)
-        )
-    counts = {"delivered": 0, "retrying": 0, "failed": 0}
-    for delivery in WebhookDelivery.objects.select_related("webhook").filter(pk__in=due):
-        status, error = webhooks.attempt(
-            delivery.webhook.url,
-            decrypt(delivery.webhook.signing_key).encode(),
-            delivery.payload,
-        )
-        attempts = delivery.attempts + 1
-        if webhooks.answered(status):
-            changes = {"state": WebhookDelivery.State.DELIVERED, "delivered_at": timezone.now()}
-            counts["delivered"] += 1
-        else:
-            retry_at = webhooks.next_attempt(attempts, timezone.now())
-            if retry_at is None:
-                changes = {"state": WebhookDelivery.State.FAILED}
-                counts["failed"] += 1
-            else:
-                changes = {"next_attempt_at": retry_at}
-                counts["retrying"] += 1
-        WebhookDelivery.objects.filter(pk=delivery.pk).update(
-            attempts=attempts, last_status=status, last_error=error, **changes
-        )
-    return counts

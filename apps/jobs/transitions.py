@@ -25,12 +25,12 @@ from apps.jobs.models import (
     Run,
     RunState,
     Webhook,
-    WebhookDelivery,
 )
 from apps.jobs.models.jobs import FINISHED_STATES, HOLDING_STATES
+from apps.outbox import services as outbox
 from controlplane.bulk import InArray, update_logged
 from controlplane.cache import best_effort
-from controlplane.celery import app, enqueue_on_commit
+from controlplane.celery import app
 from controlplane.errors import ApplicationError
 
 log = logging.getLogger(__name__)
@@ -275,7 +275,7 @@ def _allocations_end(allocation_ids: list[int], *, now: dt.datetime) -> None:
 def _owe_webhook_calls(job_ids: list[int], *, now: dt.datetime) -> None:
     jobs = list(Job.objects.select_related("team").filter(InArray("id", job_ids)))
     hooks = list(Webhook.objects.filter(team_id__in={j.team_id for j in jobs}, active=True))
-    rows = []
+    calls = []
     for job in jobs:
         payload = {
             "job": job.pk,
@@ -286,14 +286,24 @@ def _owe_webhook_calls(job_ids: list[int], *, now: dt.datetime) -> None:
             "reason": job.state_reason,
             "finished_at": now.isoformat(),
         }
-        rows += [
-            WebhookDelivery(webhook=hook, job=job, payload=payload, next_attempt_at=now)
+        calls += [
+            outbox.Call(
+                team_id=job.team_id,
+                topic="job.finished",
+                source=webhook_source(hook.pk),
+                url=hook.url,
+                signing_key=hook.signing_key,
+                payload=payload,
+            )
             for hook in hooks
             if hook.team_id == job.team_id and hook.job_id in (None, job.pk)
         ]
-    if rows:
-        WebhookDelivery.objects.bulk_create(rows)
-        enqueue_on_commit("jobs.deliver_webhooks", covered_by="the beat")
+    outbox.calls_owe(calls, now=now)
+
+
+def webhook_source(webhook_id: int) -> str:
+    """The outbox's name for a job webhook: its calls are dropped when it is removed."""
+    return f"webhook:{webhook_id}"
 
 
 def runs_stop_for(*, job_ids: list[int], reasons: dict[int, str]) -> int:

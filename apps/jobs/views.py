@@ -1,30 +1,35 @@
 """Pages: the Queue, the History (finished jobs), the Submit form (with the layouts that
 fit), and each Job's page."""
 
+import datetime as dt
+import hashlib
+import itertools
 import json
 from decimal import Decimal
+from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.db.models import QuerySet
-from django.http import Http404
+from django.http import Http404, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from apps.accounts.models import GPU_TYPES
 from apps.accounts.selectors import roles_of, team_ids_by_slug, teams_visible_to
 from apps.jobs import selectors, services, specs
 from apps.jobs.api.serializers import JobSubmitSerializer
 from apps.jobs.api.views import submit_request
 from apps.jobs.filtersets import JobFilterSet
-from apps.jobs.forms import SubmitForm
+from apps.jobs.forms import CUSTOM_MODEL, MODEL_SIZES, SubmitForm
 from apps.jobs.models import Job, Placement
-from apps.jobs.models.jobs import FINISHED_STATES
+from apps.jobs.models.jobs import FINISHED_STATES, JOB_GPU_TYPES
 from controlplane import charts
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
-from workers.trainer.presets import PRESETS
+from workers.trainer.presets import PRESETS, ModelShape
 
 QUEUE_PAGE_SIZE = 100
 QUEUE_COLUMNS = [
@@ -36,8 +41,11 @@ QUEUE_COLUMNS = [
     "priority",
     "gpus",
     "gpu_type",
+    "nodes",
     "reason",
     "estimated_start",
+    "started_at",
+    "elapsed_s",
     "submitted_at",
 ]
 
@@ -54,8 +62,8 @@ def _filtered(request, jobs: QuerySet[Job]) -> QuerySet[Job]:
     return chosen.qs if chosen.is_valid() else jobs.none()
 
 
-@login_required
-def queue(request):
+def _queue_context(request) -> dict:
+    """The Queue's table and counts, for the page and for its live region alike."""
     filters = _filters(request)
     # A page at a time: a queue of 50,000 jobs is not one page (the CSV has every row).
     page = selectors.queue_page(
@@ -74,19 +82,34 @@ def queue(request):
         )
     query = request.GET.copy()
     query.pop("page", None)
+    # The live region asks with the page's own query (filters and page), and a Cancel
+    # inside it comes back to the page, not to the fragment.
+    here = request.GET.urlencode()
+    return {
+        "rows": rows,
+        "page": page,
+        "querystring": query.urlencode(),
+        "page_query": here,
+        "page_path": reverse("jobs:queue") + (f"?{here}" if here else ""),
+        "filters": filters,
+    }
+
+
+@login_required
+def queue(request):
     states, teams = selectors.queue_choices()
     return render(
         request,
         "jobs/queue.html",
-        {
-            "rows": rows,
-            "page": page,
-            "querystring": query.urlencode(),
-            "states": states,
-            "teams": teams,
-            "filters": filters,
-        },
+        {**_queue_context(request), "states": states, "teams": teams},
     )
+
+
+@login_required
+def queue_live(request):
+    """The Queue's live region: its table, pages and count, asked for again every few
+    seconds with the page's filters and page."""
+    return render(request, "jobs/_queue_live.html", {**_queue_context(request), "live": True})
 
 
 HISTORY_PAGE_SIZE = 50
@@ -98,12 +121,14 @@ HISTORY_COLUMNS = [
     "state_reason",
     "gpus",
     "gpu_type",
+    "nodes",
     "submitted_by",
     "submitted_at",
     "started_at",
     "finished_at",
     "ran_s",
 ]
+HISTORY_CSV_BATCH = 2000  # rows whose nodes are read in one query
 
 
 def _history(request) -> QuerySet:
@@ -120,11 +145,15 @@ def history(request):
     page = page.get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
+    rows = [selectors.history_row(row) for row in page.object_list]
+    nodes = selectors.nodes_ran_on(job_ids=[row["id"] for row in rows])
+    for row in rows:
+        row["nodes"] = nodes.get(row["id"], [])
     return render(
         request,
         "jobs/history.html",
         {
-            "rows": [selectors.history_row(row) for row in page.object_list],
+            "rows": rows,
             "page": page,
             "querystring": query.urlencode(),
             "states": sorted(FINISHED_STATES),
@@ -132,18 +161,81 @@ def history(request):
             .order_by("slug")
             .values_list("slug", flat=True),
             "filters": filters,
+            "compare_most": COMPARED_MAX,
         },
     )
 
 
+COMPARED_MAX = len(charts.DISTINCT)  # jobs on one compare page, each its own colour
+
+
 @login_required
-def history_csv(request):
-    rows = (selectors.history_row(row) for row in _history(request))
-    return csv_response(
-        "history.csv",
-        HISTORY_COLUMNS,
-        (
-            [
+def compare(request):
+    """Jobs compared: their loss and tokens/s curves by step, overlaid (`?job=1&job=2`, as
+    the History's ticks send them). Jobs the user may not see are left out, as if unknown."""
+    wanted = []
+    for value in request.GET.getlist("job"):
+        job_id = _whole_number(value)
+        if job_id is not None and job_id not in wanted:
+            wanted.append(job_id)
+    too_many = len(wanted) > COMPARED_MAX
+    wanted = wanted[:COMPARED_MAX]
+    found = {
+        job.pk: job
+        for job in selectors.jobs_visible_to(user=request.user)
+        .filter(pk__in=wanted)
+        .select_related("team")
+    }
+    jobs = [found[job_id] for job_id in wanted if job_id in found]
+    series = selectors.jobs_compared_series(job_ids=[job.pk for job in jobs])
+    colours = charts.DISTINCT
+    rows = []
+    for i, job in enumerate(jobs):
+        drawn = series[job.pk]
+        tokens = [value for _, value in drawn["tokens_per_s"]]
+        rows.append(
+            {
+                "job": job,
+                "label": f"#{job.pk} {job.name}",
+                "swatch": charts.swatch(colours[i]),
+                "steps": drawn["steps"],
+                "loss": drawn["loss"][-1][1] if drawn["loss"] else None,
+                "tokens_per_s": sum(tokens) / len(tokens) if tokens else None,
+            }
+        )
+
+    def chart(key: str, title: str):
+        return charts.line_chart(
+            {row["label"]: series[row["job"].pk][key] for row in rows},
+            title=title,
+            colours=colours,
+            legend=False,
+            width=720,
+            height=260,
+        )
+
+    return render(
+        request,
+        "jobs/compare.html",
+        {
+            "rows": rows,
+            "charts": [chart("loss", "Loss"), chart("tokens_per_s", "Tokens per second")]
+            if rows
+            else [],
+            "unknown": len(wanted) - len(jobs),
+            "too_many": too_many,
+            "most": COMPARED_MAX,
+        },
+    )
+
+
+def _history_csv_rows(rows):
+    """The History's CSV lines, with where each job ran, its nodes read a batch at a time."""
+    rows = iter(rows)
+    while batch := list(itertools.islice(rows, HISTORY_CSV_BATCH)):
+        nodes = selectors.nodes_ran_on(job_ids=[row["id"] for row in batch])
+        for row in map(selectors.history_row, batch):
+            yield [
                 row["id"],
                 row["team__slug"],
                 row["name"],
@@ -151,22 +243,32 @@ def history_csv(request):
                 row["state_reason"],
                 row["gpus"],
                 row["gpu_type"],
+                " ".join(nodes.get(row["id"], ())),
                 row["submitted_by__username"] or "",
                 row["submitted_at"],
                 row["started_at"] or "",
                 row["finished_at"] or "",
                 "" if row["ran"] is None else round(row["ran"].total_seconds()),
             ]
-            for row in rows
-        ),
-    )
+
+
+@login_required
+def history_csv(request):
+    return csv_response("history.csv", HISTORY_COLUMNS, _history_csv_rows(_history(request)))
 
 
 @login_required
 def queue_csv(request):
     rows = selectors.queue_for(user=request.user, jobs=_filtered(request, Job.objects.all()))
+    now = timezone.now()
+    for row in rows:
+        row["nodes"] = " ".join(row["nodes"])
+        if row["started_at"]:
+            row["elapsed_s"] = round((now - row["started_at"]).total_seconds())
     return csv_response(
-        "queue.csv", QUEUE_COLUMNS, ([row.get(c, "") for c in QUEUE_COLUMNS] for row in rows)
+        "queue.csv",
+        QUEUE_COLUMNS,
+        ([row.get(c) for c in QUEUE_COLUMNS] for row in rows),
     )
 
 
@@ -184,11 +286,7 @@ def submit(request):
                     user=request.user, spec=dict(body.validated_data), idempotency_key=""
                 )
             except ApplicationError as exc:
-                for field, problems in (exc.details or {"__all__": [exc.message]}).items():
-                    for problem in problems:
-                        form.add_error(
-                            None, f"{field}: {problem}" if field != "__all__" else problem
-                        )
+                form.add_spec_errors(exc.details or {"__all__": [exc.message]})
             else:
                 messages.success(request, f"Job {job.pk} submitted.")
                 return redirect("jobs:detail", job_id=job.pk)
@@ -216,15 +314,30 @@ def _gpu_counts(params) -> tuple[int, int]:
 
 def _layouts_for(params) -> tuple[list[specs.Layout], str]:
     """(the layouts that fit, "") or ([], why the counts are refused)."""
-    preset = params.get("preset") or "tiny"
+    shape = _model_shape(params)
     try:
         gpus, per_node = _gpu_counts(params)
-        if preset not in PRESETS or gpus % per_node:
+        if shape is None or gpus % per_node:
             return [], ""
-        shape = PRESETS[preset]
         return specs.valid_layouts(shape, nodes=gpus // per_node, gpus_per_node=per_node), ""
     except ValueError as refused:
         return [], str(refused)
+
+
+def _model_shape(params) -> ModelShape | None:
+    """The form's model: its preset, or its explicit sizes once they are all whole numbers
+    (the layouts depend on its layers, heads and KV heads alone)."""
+    preset = params.get("preset") or "tiny"
+    if preset != CUSTOM_MODEL:
+        return PRESETS.get(preset)
+    sizes = {}
+    for field, key in MODEL_SIZES.items():
+        value = (params.get(field) or "").strip()
+        if key != "max_seq_len":
+            if not value.isdigit() or int(value) < 1:
+                return None
+            sizes[key] = int(value)
+    return ModelShape(**sizes)
 
 
 @login_required
@@ -249,7 +362,7 @@ def outlook(request):
     if (
         gpus % per_node
         or not 0 < hours <= 720
-        or gpu_type not in dict(GPU_TYPES)
+        or gpu_type not in dict(JOB_GPU_TYPES)
         or where not in Placement.values
     ):
         context["problem"] = "The outlook shows once the resources above are valid."
@@ -287,29 +400,49 @@ def layouts(request):
     )
 
 
+def _job_for_page(request, job_id: int) -> Job:
+    """The job, if the user may see it (404 otherwise), with what its head shows."""
+    return get_object_or_404(
+        selectors.jobs_visible_to(user=request.user).select_related(
+            "team", "submitted_by", "pool", "wait"
+        ),
+        pk=job_id,
+    )
+
+
+def _live_context(request, job: Job) -> dict:
+    """What the Job page's live parts show (its head, timeline and runs)."""
+    runs = selectors.job_runs(job=job)
+    return {
+        "job": job,
+        "runs": runs,
+        "attempt_runs": [run for run in runs if run.attempt == runs[0].attempt],
+        "attempt_nodes": selectors.attempt_nodes(runs),
+        "events": list(job.events.all()),
+        "finished": job.state in FINISHED_STATES,
+        "actions": services.job_actions(state=job.state),
+        "can_manage": services.job_can_manage(
+            user=request.user, team_id=job.team_id, submitted_by_id=job.submitted_by_id
+        ),
+    }
+
+
 @login_required
 def detail(request, job_id: int):
-    job = get_object_or_404(
-        selectors.jobs_visible_to(user=request.user).prefetch_related("events"), pk=job_id
-    )
-    runs = selectors.job_runs(job=job)
+    job = _job_for_page(request, job_id)
+    live = _live_context(request, job)
     return render(
         request,
         "jobs/detail.html",
         {
-            "job": job,
-            "attempt_nodes": selectors.attempt_nodes(runs),
-            "events": list(job.events.all()),
-            "finished": job.state in FINISHED_STATES,
-            "can_manage": services.job_can_manage(
-                user=request.user, team_id=job.team_id, submitted_by_id=job.submitted_by_id
-            ),
+            **live,
             "nccl_environments": selectors.job_nccl_environments(job=job),
             "rank_environments": selectors.job_rank_environments(job=job),
             "cost": selectors.job_cost(job=job),
-            "runs": runs,
             **_training_context(job),
-            "log_lines": selectors.job_log_tail(job=job),
+            **_log_context(
+                request, job, attempts_ranks=[(r.attempt, r.node_rank) for r in live["runs"]]
+            ),
             "spec_json": json.dumps(
                 {k: v for k, v in job.spec.items() if k != "fingerprint"},
                 indent=2,
@@ -319,22 +452,33 @@ def detail(request, job_id: int):
     )
 
 
+@login_required
+def live(request, job_id: int):
+    """The Job page's head (state, reason, actions, nodes), with its timeline and runs out of
+    band: asked every few seconds while the job is not finished."""
+    job = _job_for_page(request, job_id)
+    return render(request, "jobs/_live.html", _live_context(request, job))
+
+
 def _training_context(job) -> dict:
     series = selectors.job_training_series(job=job)
 
     def percent(value: float) -> str:
         return f"{value * 100:.0f}%"
 
-    return {
-        "latest": series["latest"],
-        "charts": [
-            charts.line_chart(series["loss"], title="Loss"),
-            charts.line_chart(series["tokens_per_s"], title="Tokens per second"),
-            charts.line_chart(series["mfu"], title="Model FLOPs utilisation", y_format=percent),
-        ]
-        if series["latest"]
-        else [],
-    }
+    if not series["latest"]:
+        return {"latest": None, "charts": [], "mfu_reported": False}
+    drawn = [
+        charts.line_chart(series["loss"], title="Loss"),
+        charts.line_chart(series["tokens_per_s"], title="Tokens per second"),
+    ]
+    # Steps without MFU are steps on CPU (no peak FLOPs to divide by): say so, rather than
+    # draw an empty chart that waits for data that will never come.
+    if series["mfu"]:
+        drawn.append(
+            charts.line_chart(series["mfu"], title="Model FLOPs utilisation", y_format=percent)
+        )
+    return {"latest": series["latest"], "charts": drawn, "mfu_reported": bool(series["mfu"])}
 
 
 @login_required
@@ -348,19 +492,97 @@ def training(request, job_id: int):
     )
 
 
+LOG_LINES = 200  # the viewer opens with the newest lines, and takes at most this many a poll
+LOG_SEARCH_MAX = 200
+# Agents relay output apart from the exit: the viewer keeps asking this long after the end.
+LOG_LATE_S = 20
+
+
+def _whole_number(value: str | None) -> int | None:
+    try:
+        number = int(value or "")
+    except ValueError:
+        return None
+    return number if 0 <= number < 2**31 else None
+
+
+def _log_context(request, job: Job, *, attempts_ranks: list | None = None) -> dict:
+    """The log viewer's lines through its filters (node rank, attempt, search), the choices
+    for its filters when the runs' (attempt, node rank) are given, and the query its next
+    poll asks with."""
+    params = request.GET
+    filters = {
+        "rank": _whole_number(params.get("rank")),
+        "attempt": _whole_number(params.get("attempt")),
+        "text": (params.get("q") or "").strip()[:LOG_SEARCH_MAX],
+    }
+    after = _whole_number(params.get("after"))
+    # One more than shown: when it comes, lines between `after` and these were left out.
+    lines = selectors.job_log_tail(job=job, limit=LOG_LINES + 1, after=after or 0, **filters)
+    skipped = len(lines) > LOG_LINES
+    lines = lines[-LOG_LINES:]
+    last = lines[-1]["id"] if lines else (after or 0)
+    finished = job.state in FINISHED_STATES
+    late = finished and job.finished_at and timezone.now() - job.finished_at < _LATE
+    poll = {k: filters[k] for k in ("rank", "attempt") if filters[k] is not None}
+    if filters["text"]:
+        poll["q"] = filters["text"]
+    context = {
+        "job": job,
+        "log_lines": lines,
+        "log_skipped": skipped and after is not None,
+        "log_filters": filters,
+        # Names the view these filters make: new lines are added to it alone.
+        "log_view": "v"
+        + hashlib.blake2s(repr(sorted(filters.items())).encode(), digest_size=6).hexdigest(),
+        "log_filtered": any(v not in (None, "") for v in filters.values()),
+        "log_following": not finished or bool(late),
+        "log_poll_query": urlencode({**poll, "after": last}),
+        "log_prefix": job.nodes > 1 or job.restarts > 0,
+        "log_limit": LOG_LINES,
+        "finished": finished,
+    }
+    if attempts_ranks is not None:
+        context["log_ranks"] = sorted({rank for _, rank in attempts_ranks})
+        context["log_attempts"] = sorted({attempt for attempt, _ in attempts_ranks}, reverse=True)
+    return context
+
+
+_LATE = dt.timedelta(seconds=LOG_LATE_S)
+
+
 @login_required
 def log_tail(request, job_id: int):
-    """The Job page's output panel; while the job is active the panel asks again (htmx)."""
+    """The Job page's log viewer. Asked with `after` (the newest line it shows) by its poll
+    while the job is active: the lines after it, appended to the viewer (out of band) and the
+    poll again. Asked without: the whole viewer, through its filters."""
     job = get_object_or_404(selectors.jobs_visible_to(user=request.user), pk=job_id)
+    if "after" in request.GET:
+        return render(request, "jobs/_log_new.html", _log_context(request, job))
     return render(
         request,
         "jobs/_log_tail.html",
-        {
-            "job": job,
-            "log_lines": selectors.job_log_tail(job=job),
-            "finished": job.state in FINISHED_STATES,
-        },
+        _log_context(request, job, attempts_ranks=selectors.job_attempts_ranks(job=job)),
     )
+
+
+@login_required
+def log_download(request, job_id: int):
+    """Every stored line of the job as plain text, streamed (a long log is never held whole):
+    the same lines as `cpctl logs`, each with its time, attempt and node rank."""
+    job = get_object_or_404(selectors.jobs_visible_to(user=request.user), pk=job_id)
+
+    def text():
+        for line in selectors.job_log_every_line(job=job):
+            stream = "" if line["stream"] == "stdout" else f" {line['stream']}"
+            yield (
+                f"{line['at']:%Y-%m-%dT%H:%M:%S.%fZ} [attempt {line['attempt']} "
+                f"rank {line['rank']}{stream}] {line['text']}\n"
+            )
+
+    response = StreamingHttpResponse(text(), content_type="text/plain; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="job-{job.pk}.log"'
+    return response
 
 
 OPERATIONS = {

@@ -53,3 +53,32 @@ def test_a_researcher_finds_an_overdue_job_and_its_checkpoints(
     expect(panel.locator("#checkpoint-overdue")).to_contain_text("min ago")
     expect(panel.locator('#checkpoints-table tr[data-step="20"]')).to_contain_text("Verified")
     expect(panel.locator('#checkpoints-table tr[data-step="10"]')).to_be_visible()
+
+
+def test_the_checkpoints_page_follows_a_new_checkpoint_and_a_job_ending_without_a_reload(
+    page,
+    browser_login,
+    researcher,
+    team,
+    checkpointed,  # noqa: F811
+):
+    base = browser_login(page, researcher)
+    page.goto(f"{base}/checkpoints/?team_id={team.pk}")
+    page.evaluate("window.notReloaded = true")
+    row = page.locator(f'#checkpoint-jobs-table tr[data-job="{checkpointed.pk}"]')
+    expect(row.locator("td.num").first).to_have_text("20")
+
+    Checkpoint.objects.create(
+        job=checkpointed,
+        team=team,
+        attempt=1,
+        step=30,
+        manifest_sha256="0" * 64,
+        committed_at=timezone.now(),
+    )
+    Job.objects.filter(pk=checkpointed.pk).update(state="succeeded", finished_at=timezone.now())
+
+    expect(row.locator("td.num").first).to_have_text("30", timeout=25_000)
+    expect(row.locator(".badge").first).to_have_text("Succeeded")
+    assert page.evaluate("window.notReloaded") is True
+    assert page.url.endswith(f"/checkpoints/?team_id={team.pk}")

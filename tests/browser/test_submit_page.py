@@ -86,3 +86,44 @@ def test_more_gpus_bring_new_layout_choices(page, browser_login, fleet, research
     expect(page.locator("#id_layout option", has_text="replicate 2").first).to_be_attached()
     assert "FSDP 16" in layout_labels(page)
     assert "replicate 2 × FSDP 8" in layout_labels(page)
+
+
+def test_submit_a_trainer_job_with_environment_checkpoints_and_a_cost_cap(
+    page, browser_login, fleet, team, researcher
+):
+    from apps.jobs.models import Job
+
+    base = browser_login(page, researcher)
+    page.goto(f"{base}/jobs/submit/")
+    expect(page.locator("#id_team")).to_have_value(str(team.pk))  # the only team, chosen
+
+    page.fill("#id_name", "checkpointed-run")
+    page.fill("#id_checkpoint_every_steps", "50")
+    page.fill("#id_max_cost_usd", "250")
+    page.fill("#id_env", "WANDB_PROJECT=pretrain\nJUSTANAME")
+    expect(page.locator("#id_git_repo")).to_be_hidden()  # a command job's field
+    expect(page.locator("#id_nccl_overrides")).to_be_hidden()  # folded until asked for
+    page.get_by_role("button", name="Submit", exact=True).click()
+
+    # A line without a value is refused on its field, and what was typed stays.
+    env = page.locator(".field", has=page.locator("#id_env"))
+    expect(env.locator(".field-error")).to_have_text("Line 2: write NAME=value.")
+    expect(page.locator("#id_checkpoint_every_steps")).to_have_value("50")
+    page.fill("#id_env", "WANDB_PROJECT=pretrain\nLOG_LEVEL=debug")
+    page.locator("summary", has_text="NCCL").click()
+    page.fill("#id_nccl_overrides", "NCCL_ALGO=Ring")
+    page.get_by_role("button", name="Submit", exact=True).click()
+
+    overrides = page.locator(".field", has=page.locator("#id_nccl_overrides"))
+    expect(overrides.locator(".field-error")).to_contain_text("Give nccl.reasons.NCCL_ALGO")
+    expect(page.locator("#id_nccl_overrides")).to_be_visible()  # its part opens on an error
+    page.fill("#id_nccl_reasons", "NCCL_ALGO=Tree hangs on 2.26 here")
+    page.get_by_role("button", name="Submit", exact=True).click()
+
+    expect(page).to_have_url(re.compile(r"/jobs/\d+/$"))
+    expect(page.locator("h1")).to_have_text("checkpointed-run")
+    job = Job.objects.get(pk=re.search(r"/jobs/(\d+)/$", page.url).group(1))
+    assert job.spec["trainer"]["checkpoint_every_steps"] == 50
+    assert job.spec["env"] == {"WANDB_PROJECT": "pretrain", "LOG_LEVEL": "debug"}
+    assert job.spec["nccl"]["overrides"] == {"NCCL_ALGO": "Ring"}
+    assert str(job.max_cost_usd) == "250.00"

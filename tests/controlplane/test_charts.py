@@ -6,7 +6,15 @@ import re
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from controlplane.charts import heat_grid, line_chart, nice_ticks, stacked_bar_chart
+from controlplane.charts import (
+    DISTINCT,
+    PALETTE,
+    heat_grid,
+    line_chart,
+    nice_ticks,
+    stacked_bar_chart,
+    swatch,
+)
 
 finite = st.floats(min_value=-1e9, max_value=1e9, allow_nan=False, allow_infinity=False)
 
@@ -37,6 +45,18 @@ def test_a_chart_draws_one_line_per_series_and_escapes_text():
     assert "<script>" not in svg and "&lt;script&gt;" in svg and "attempt &lt;2&gt;" in svg
     xs = [float(p.split(",")[0]) for p in re.findall(r'points="([^"]+)"', svg)[0].split()]
     assert xs == sorted(xs)  # drawn left to right by step
+
+
+def test_series_of_equal_standing_take_the_colours_given_and_the_page_keeps_the_legend():
+    series = {f"#{i} run": [(1, 3.0 + i), (2, 2.0 + i)] for i in range(3)}
+    svg = str(line_chart(series, title="Loss", colours=DISTINCT, legend=False))
+    assert re.findall(r'<polyline[^>]*stroke="([^"]+)"', svg) == list(DISTINCT[:3])
+    assert 'class="legend"' not in svg and "<title>#2 run</title>" in svg
+    assert 'fill="#2563eb"' in str(swatch(DISTINCT[0]))
+    # Without colours, the newest series (drawn last) is the boldest, and the legend is drawn.
+    svg = str(line_chart(series, title="Loss"))
+    assert re.findall(r'stroke="([^"]+)"', svg)[-1] == PALETTE[-1]
+    assert svg.count('class="legend"') == 3
 
 
 def test_no_data_is_said_in_words():

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,96 @@ def test_importing_cpctl_imports_no_django():
     ).stdout.split()
     assert "cpctl.cli" in loaded
     assert not [m for m in loaded if m.split(".")[0] in ("django", "controlplane", "apps")]
+
+
+def _lines_of(stream):
+    """`next_line()`: the stream's next line, read on a thread so that a line that never
+    comes fails the test in 30 s instead of hanging it."""
+    import queue
+    import threading
+
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+
+    def next_line() -> str:
+        try:
+            return lines.get(timeout=30).rstrip("\n")
+        except queue.Empty:
+            raise AssertionError("no line from cpctl within 30 s") from None
+
+    return next_line, lines
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "outcome", "cpctl_exit"), [(0, "succeeded", 0), (3, "failed", 3)]
+)
+def test_submit_wait_follow_streams_the_output_and_exits_with_the_outcome(
+    live_server, team, researcher, tmp_path, exit_code, outcome, cpctl_exit
+):
+    from apps.accounts import services as accounts
+    from apps.jobs.dispatch import job_dispatch, run_logs_append, run_report
+    from apps.jobs.models import Job, Run
+    from apps.jobs.scheduler.run import scheduling_pass
+
+    pool = factories.make_owned_pool(slug="follow-pool")
+    ready_node(pool=pool, name="follow-node", gpu_count=8)
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=8, by=None)
+    spec = tmp_path / "job.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "name": "followed",
+                "team": team.slug,
+                "time_limit_s": 600,
+                "command": {"argv": ["python3", "train.py"], "path": "/shared/code"},
+                "resources": {"gpu_type": "H100", "gpus": 8},
+                "placement": {"where": "owned"},
+            }
+        )
+    )
+    env = {**os.environ, "CPCTL_URL": live_server.url, "CPCTL_TOKEN": token_of(researcher)}
+    following = subprocess.Popen(
+        [sys.executable, "-m", "cpctl", "submit", str(spec), "--wait", "--follow", "--poll", "0.2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    next_line, rest = _lines_of(following.stdout)
+    try:
+        job = _wait_for_job(Job, "followed")
+        scheduling_pass()
+        job_dispatch(job_id=job.pk)
+        run = Run.objects.get(job=job)
+        run_report(node_id=run.node_id, run_id=run.pk, report={"state": "running", "pid": 5})
+        for seq in range(3):
+            line = {"seq": seq, "stream": "stdout", "at": 1.7e9 + seq, "text": f"step {seq}"}
+            run_logs_append(node_id=run.node_id, run_id=run.pk, lines=[line])
+            time.sleep(0.3)  # lines arrive over time, as the agent relays them
+        # Streamed while the job runs: its lines are out before it ends.
+        shown = [next_line() for _ in range(4)]
+        oops = {"seq": 3, "stream": "stderr", "at": 1.7e9 + 3, "text": "last words"}
+        run_logs_append(node_id=run.node_id, run_id=run.pk, lines=[oops])
+        report = {"state": "exited", "exit_code": exit_code}
+        run_report(node_id=run.node_id, run_id=run.pk, report=report)
+        following.wait(timeout=60)
+        err = following.stderr.read()
+    finally:
+        following.kill()
+    time.sleep(0.2)  # the reader thread takes the last lines
+    out = []
+    while not rest.empty():
+        out.append(rest.get().rstrip("\n"))
+    assert following.returncode == cpctl_exit, (shown, out, err)
+    assert Job.objects.get(pk=job.pk).state == outcome
+    # stdout: what submit says, then the job's own output, every line in order.
+    assert shown + out == [
+        f"job {job.pk} pending: followed (1 × 8 H100)",
+        "step 0",
+        "step 1",
+        "step 2",
+    ]
+    states = [line for line in err.splitlines() if line.startswith(f"job {job.pk}: ")]
+    assert states[-1] == f"job {job.pk}: {outcome}" and f"job {job.pk}: running" in states
+    assert len(states) == len(set(states))  # each state once, as it moves
+    assert "last words" in err  # stderr lines go to stderr

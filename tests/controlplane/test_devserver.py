@@ -84,3 +84,28 @@ def test_var_keeps_the_control_planes_files_from_jobs(var_dir):
         ).returncode
         == 0
     )
+
+
+def test_make_run_prints_every_request_but_the_agents_polls_that_succeeded():
+    import io
+
+    from controlplane.devserver import print_all_but_agent_polls
+
+    lines = [
+        '[05/Dec/2026 06:30:00] "POST /api/v1/agent/heartbeat HTTP/1.1" 200 45\n',
+        '[05/Dec/2026 06:30:00] "GET /api/v1/agent/runs/ HTTP/1.1" 200 2\n',
+        '[05/Dec/2026 06:30:00] "GET /api/v1/agent/runs/?wait=5 HTTP/1.1" 304 0\n',
+        '[05/Dec/2026 06:30:00] "GET /api/v1/agent/checkpoints/work HTTP/1.1" 200 2\n',
+        '\x1b[32;1m[05/Dec/2026 06:30:01] "POST /api/v1/agent/heartbeat HTTP/1.1" 200 45\x1b[0m\n',
+        '[05/Dec/2026 06:30:01] "POST /api/v1/agent/heartbeat HTTP/1.1" 401 80\n',
+        '[05/Dec/2026 06:30:01] "GET /api/v1/agent/runs/ HTTP/1.1" 500 145\n',
+        '[05/Dec/2026 06:30:02] "POST /api/v1/agent/runs/7/logs HTTP/1.1" 200 20\n',
+        '[05/Dec/2026 06:30:02] "GET /jobs/7/ HTTP/1.1" 200 9123\n',
+        "Traceback (most recent call last):\n",
+        '  File "x.py", line 1, in heartbeat\n',
+    ]
+    printed = io.StringIO()
+
+    print_all_but_agent_polls(io.StringIO("".join(lines)), printed)
+
+    assert printed.getvalue().splitlines(keepends=True) == lines[5:]

@@ -19,9 +19,10 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from apps.costs import services
-from apps.costs.models import BudgetAlert, SpotPrice, UsageEntry, WebhookState
+from apps.costs.models import BudgetAlert, SpotPrice, UsageEntry
 from apps.jobs import services as jobs
 from apps.jobs.scheduler.run import scheduling_pass
+from apps.outbox.models import WebhookCall
 from controlplane.celery import app
 from tests.apps.costs.conftest import (
     cloud_node,
@@ -33,7 +34,8 @@ from tests.apps.jobs.conftest import command_spec, fleet_pool, quota  # noqa: F4
 from tests.apps.jobs.test_webhooks import receiver  # noqa: F401 (a fixture)
 from tests.workers.providers.test_aws import config_for
 from workers.providers.aws import AwsProvider
-from workers.tasks.costs import deliver_budget_webhooks, meter, meter_run, spot_prices_fetch
+from workers.tasks.costs import meter, meter_run, spot_prices_fetch
+from workers.tasks.outbox import deliver
 
 pytestmark = pytest.mark.django_db
 
@@ -162,20 +164,20 @@ def test_budget_alert_webhooks_are_signed_like_job_webhooks(team, receiver):  # 
     services.budgets_check()
     receiver["answers"].append(503)
 
-    first = deliver_budget_webhooks.apply().get()
+    first = deliver.apply().get()
     alert = BudgetAlert.objects.get()
-    later = deliver_budget_webhooks.apply().get()  # the retry waits its turn
-    BudgetAlert.objects.filter(pk=alert.pk).update(webhook_next_at=timezone.now())
-    delivered = deliver_budget_webhooks.apply().get()
+    later = deliver.apply().get()  # the retry waits its turn
+    WebhookCall.objects.filter(pk=alert.webhook_call_id).update(next_attempt_at=timezone.now())
+    delivered = deliver.apply().get()
 
-    assert first == {"pending": 1} and later == {} and delivered == {"delivered": 1}
+    assert first["retrying"] == 1 and later["retrying"] == 0 and delivered["delivered"] == 1
     headers, body, _ = receiver["calls"][-1]
     expected = "sha256=" + hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
     assert headers["X-Controlplane-Signature"] == expected
     payload = json.loads(body)
     assert (payload["team"], payload["threshold_percent"]) == (team.slug, 50)
     alert.refresh_from_db()
-    assert (alert.webhook_state, alert.webhook_attempts) == (WebhookState.DELIVERED, 2)
+    assert (alert.webhook_state, alert.webhook_attempts) == (WebhookCall.State.DELIVERED, 2)
 
 
 def test_the_beat_runs_the_costs_tasks(settings):
@@ -183,6 +185,6 @@ def test_the_beat_runs_the_costs_tasks(settings):
     assert schedule["costs-meter"]["task"] == "costs.meter"
     assert schedule["costs-meter"]["schedule"] == float(settings.COSTS_METER_EVERY_S)
     assert schedule["costs-spot-prices"]["task"] == "costs.spot_prices"
-    assert schedule["costs-budget-webhooks"]["task"] == "costs.deliver_budget_webhooks"
-    for name in ("costs.meter", "costs.spot_prices", "costs.deliver_budget_webhooks"):
+    assert schedule["outbox-deliver"]["task"] == "outbox.deliver"
+    for name in ("costs.meter", "costs.spot_prices", "outbox.deliver"):
         assert app.tasks[name].acks_late is True

@@ -80,9 +80,9 @@ def aws_provider_for(node) -> tuple[AwsNodeProvider, AwsNodeSpec]:
     """(provider, spec) for an aws node row: its pool's launch settings, its job's tags,
     spot unless the job, the pool or the pool's interruption rate says on-demand."""
     from apps.fleet import agents
-    from apps.fleet.models import Node
+    from apps.fleet.selectors import node_for_launch
 
-    node = Node.objects.select_related("pool", "instance_type", "burst_job__team").get(pk=node.pk)
+    node = node_for_launch(node_id=node.pk)
     pool = node.pool
     if node.instance_type is None:
         raise errors.ConfigurationError(f"Cloud node {node.name} has no instance type.")

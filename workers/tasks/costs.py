@@ -1,4 +1,4 @@
-"""Costs: metering the fleet into the ledger, spot prices from EC2, budget alert webhooks.
+"""Costs: metering the fleet into the ledger, spot prices from EC2.
 
 costs.meter                    every COSTS_METER_EVERY_S: the jobs' allocations are read
                                here (tasks sit above every app) and handed to costs'
@@ -6,7 +6,6 @@ costs.meter                    every COSTS_METER_EVERY_S: the jobs' allocations 
                                their max_cost_usd are stopped with a checkpoint
 costs.spot_prices              every COSTS_SPOT_PRICES_EVERY_S: describe_spot_price_history
                                for each spot-capable cloud pool's instance types
-costs.deliver_budget_webhooks  budget alerts' webhook calls, signed as job webhooks are
 """
 
 import datetime as dt
@@ -113,17 +112,3 @@ def spot_prices() -> dict:
         if not got_it:
             return {"skipped": "another fetch is going"}
         return spot_prices_fetch()
-
-
-@shared_task(name="costs.deliver_budget_webhooks", acks_late=True, reject_on_worker_lost=True)
-def deliver_budget_webhooks() -> dict:
-    """POST each due budget alert, signed as job webhooks are (controlplane/webhooks.py)."""
-    from apps.costs.services import budget_webhook_result, budget_webhooks_claim
-    from controlplane import webhooks
-
-    counts: dict[str, int] = {}
-    for call in budget_webhooks_claim():
-        status, error = webhooks.attempt(call.url, call.key, call.payload)
-        state = budget_webhook_result(alert_id=call.alert_id, status=status, error=error)
-        counts[state] = counts.get(state, 0) + 1
-    return counts

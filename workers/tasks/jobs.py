@@ -124,11 +124,3 @@ def purge_logs() -> dict:
     from apps.jobs.dispatch import log_lines_delete_old
 
     return {"deleted": log_lines_delete_old()}
-
-
-@shared_task(name="jobs.deliver_webhooks", acks_late=True, reject_on_worker_lost=True)
-def deliver_webhooks() -> dict:
-    """Send the webhook calls that are due (finished jobs), with retries and backoff."""
-    from apps.jobs.services import webhook_deliveries_send
-
-    return webhook_deliveries_send()

@@ -95,11 +95,10 @@ def provision_node(node_id: int) -> str:
 
     Raises a retryable ProviderError when trying again later may work (the task retries).
     """
-    from apps.fleet import agents
+    from apps.fleet import agents, selectors
     from apps.fleet import services as fleet
-    from apps.fleet.models import Node
 
-    node = Node.objects.get(pk=node_id)
+    node = selectors.node_get(node_id=node_id)
     if node.state not in STARTABLE and node.state != "awaiting_host_key":
         return node.state
     if node.state in ("requested", "failed", "drained"):
@@ -133,16 +132,15 @@ def provision_node(node_id: int) -> str:
         if node.state in ("provisioning", "awaiting_host_key", "bootstrapping"):
             fleet.node_transition(node=node, to="failed", reason=reason, by=None)
         return "failed"
-    return Node.objects.get(pk=node_id).state
+    return selectors.node_get(node_id=node_id).state
 
 
 def terminate_node(node_id: int) -> str:
     """Stop the node's agent and remove what bootstrap put there (local, ssh)."""
-    from apps.fleet import agents
+    from apps.fleet import agents, selectors
     from apps.fleet import services as fleet
-    from apps.fleet.models import Node
 
-    node = Node.objects.get(pk=node_id)
+    node = selectors.node_get(node_id=node_id)
     if node.state == "terminated":
         return node.state
     if node.state != "terminating":
@@ -157,10 +155,10 @@ def terminate_node(node_id: int) -> str:
 def local_nodes_revive() -> dict[str, int]:
     """Local nodes are processes of this machine: after a restart of `make run` their agents
     are gone while their rows say READY. Start those agents again, with new tokens."""
-    from apps.fleet.models import GONE_STATES, Node
+    from apps.fleet.selectors import local_nodes_live
 
     counts = {"restarted": 0}
-    for node in Node.objects.filter(provider="local").exclude(state__in=GONE_STATES):
+    for node in local_nodes_live():
         if node.state in ("requested", "provisioning"):
             continue  # a provisioning task is on its way
         provider, spec = provider_for(node)
@@ -177,15 +175,15 @@ def agent_upgrade_node(node_id: int) -> str:
     Cloud nodes are not upgraded in place: they fetch the current agent when launched.
     """
     from apps.fleet import agents
-    from apps.fleet.models import Node
-    from apps.jobs.models import OPEN_RUN_STATES, Run
+    from apps.fleet.selectors import node_get
+    from apps.jobs.selectors import node_has_open_runs
 
-    node = Node.objects.get(pk=node_id)
+    node = node_get(node_id=node_id)
     if node.provider not in ("local", "ssh") or node.state not in ("ready", "drained"):
         return "skipped"
     if not agents.version_older(node.agent_version, settings.AGENT_VERSION):
         return "current"
-    if Run.objects.filter(node=node, state__in=OPEN_RUN_STATES).exists():
+    if node_has_open_runs(node_id=node.pk):
         return "busy"
     provider, spec = provider_for(node)
     _bootstrap(node, provider, spec)

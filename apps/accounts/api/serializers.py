@@ -166,11 +166,19 @@ class AuditEventSerializer(StrictModelSerializer):
         read_only_fields = fields
 
 
+class MeTeamSerializer(StrictSerializer):
+    id = serializers.IntegerField(read_only=True)
+    slug = Text(read_only=True)
+    role = serializers.ChoiceField(choices=TeamRole.choices, read_only=True)
+
+
 class MeSerializer(StrictSerializer):
     username = Text(read_only=True)
     superuser = serializers.BooleanField(read_only=True)
     org_roles = serializers.ListField(child=serializers.CharField(), read_only=True)
-    teams = serializers.ListField(child=serializers.DictField(), read_only=True)
+    teams = MeTeamSerializer(
+        many=True, read_only=True, help_text="Your teams and your role in each."
+    )
     token_scopes = serializers.ListField(
         child=serializers.CharField(), allow_null=True, read_only=True
     )

@@ -6,7 +6,7 @@ from rest_framework import serializers
 
 from apps.accounts.selectors import teams_visible_to
 from apps.checkpoints.models import Checkpoint, CheckpointCopy, CheckpointEvent, S3Destination
-from apps.fleet.models import NodePool
+from apps.fleet.selectors import pools_visible_to
 from controlplane.api import ScopedPrimaryKeyField, StrictModelSerializer, StrictSerializer, Text
 
 
@@ -169,13 +169,9 @@ class StorageSerializer(StrictSerializer):
     copies = serializers.IntegerField()
 
 
-def _pools(user):
-    return NodePool.objects.all()
-
-
 class S3DestinationSerializer(StrictModelSerializer):
     team = ScopedPrimaryKeyField(selector=teams_visible_to, required=False, allow_null=True)
-    pool = ScopedPrimaryKeyField(selector=_pools, required=False, allow_null=True)
+    pool = ScopedPrimaryKeyField(selector=pools_visible_to, required=False, allow_null=True)
 
     class Meta:
         model = S3Destination

@@ -14,18 +14,3 @@ from apps.checkpoints.models.checkpoints import (
     StorageSweep,
 )
 from apps.checkpoints.models.destinations import S3Destination
-
-__all__ = [
-    "LIVE_STATES",
-    "ON_STORAGE_COPY_STATES",
-    "PRESENT_COPY_STATES",
-    "Checkpoint",
-    "CheckpointCopy",
-    "CheckpointEvent",
-    "CheckpointState",
-    "CopyKind",
-    "CopyRequest",
-    "CopyState",
-    "S3Destination",
-    "StorageSweep",
-]

@@ -26,26 +26,3 @@ from apps.checkpoints.services.verification import (
     copy_request_retry,
     copy_verification_record,
 )
-
-__all__ = [
-    "agent_work_vet",
-    "checkpoint_delete",
-    "checkpoint_event_record",
-    "checkpoint_resume_prepare",
-    "checkpoint_verify_request",
-    "checkpoints_collect",
-    "copies_vet",
-    "copy_delete",
-    "copy_deletion_record",
-    "copy_request_retry",
-    "copy_verification_record",
-    "invalid_input",
-    "requests_reoffer",
-    "retention_apply",
-    "s3_copy_settings",
-    "s3_destination_create",
-    "s3_destination_delete",
-    "s3_destination_update",
-    "sweep_record",
-    "sweep_request",
-]

@@ -1,10 +1,13 @@
 """Deletion, sweeps of a job's directory, retention and garbage collection."""
 
+from __future__ import annotations
+
 import datetime as dt
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Exists, Max, OuterRef, Q
+from django.db.models import Count, Exists, OuterRef, Q
 from django.utils import timezone
 
 from apps.checkpoints import retention
@@ -48,10 +51,19 @@ from apps.checkpoints.services.states import (
 )
 from apps.checkpoints.services.verification import _answered_by, _answerer, _backoff, _may_manage
 from apps.fleet.selectors import nodes_among
-from apps.jobs.models import Job, JobKind, Run
-from apps.jobs.models.jobs import ACTIVE_STATES, FINISHED_STATES
+from apps.jobs.models.jobs import ACTIVE_STATES
 from apps.jobs.runconfig import checkpoint_dir
+from apps.jobs.selectors import (
+    first_rank_nodes,
+    job_has_open_runs,
+    job_newest_attempt,
+    job_with_team,
+    trainer_jobs_finished_since,
+)
 from controlplane.errors import ApplicationError
+
+if TYPE_CHECKING:
+    from apps.jobs.models import Job
 
 # --- deletion ------------------------------------------------------------------------------
 
@@ -173,7 +185,7 @@ def _sweep_ask(job: Job, node_id: int, *, why: str, tidy: bool, now) -> StorageS
 
 def sweep_request(*, job: Job, node_id: int, why: str = "asked", by=None) -> StorageSweep:
     """List the job's checkpoint directory from this node and compare it with the registry."""
-    tidy = not Run.objects.filter(job=job, state__in=["planned", "running"]).exists()
+    tidy = not job_has_open_runs(job_id=job.pk)
     return _sweep_ask(job, node_id, why=why, tidy=tidy, now=timezone.now())
 
 
@@ -306,7 +318,7 @@ def _adopt(job: Job, entry: dict, *, node_id: int, actor: str, now) -> Checkpoin
     step = step if isinstance(step, int) and 0 <= step < 2**31 else 0
     attempt = entry.get("attempt")
     if not (isinstance(attempt, int) and 0 < attempt < 2**15):
-        attempt = Run.objects.filter(job=job).aggregate(n=Max("attempt"))["n"] or 1
+        attempt = job_newest_attempt(job_id=job.pk) or 1
 
     def number(name, maximum):
         value = entry.get(name)
@@ -354,7 +366,7 @@ def retention_apply(*, job_ids=None, now: dt.datetime | None = None) -> dict[str
     collected = 0
     for job_id in [row["job_id"] for row in jobs]:
         with transaction.atomic():
-            job = Job.objects.get(pk=job_id)
+            job = job_with_team(job_id=job_id)
             live = list(
                 Checkpoint.objects.select_for_update(no_key=True)
                 .filter(job_id=job_id, state__in=LIVE_STATES)
@@ -429,29 +441,25 @@ def finished_jobs_sweep(*, now: dt.datetime | None = None, limit: int = 100) -> 
     done = StorageSweep.objects.filter(
         job=OuterRef("pk"), requested_at__gte=OuterRef("finished_at")
     )
-    jobs = (
-        Job.objects.filter(kind=JobKind.TRAINER, state__in=FINISHED_STATES, finished_at__gte=recent)
+    jobs = list(
+        trainer_jobs_finished_since(since=recent)
         .annotate(swept=Exists(done))
         .filter(swept=False)
         .order_by("-finished_at")[: limit * 5]
     )
+    writers_of = first_rank_nodes(job_ids=[job.pk for job in jobs])
+    # Node-local: only the last attempt's writer holds the directory; shared: any writer.
+    if storage_kind() == CopyKind.NODE_LOCAL:
+        writers_of = {job_id: writers[:1] for job_id, writers in writers_of.items()}
+    live = nodes_among(
+        node_ids={n for writers in writers_of.values() for n in writers}, states=READER_STATES
+    )
     for job in jobs:
         if swept >= limit:
             break
-        writers = list(
-            Run.objects.filter(job=job, node_rank=0)
-            .order_by("-attempt")
-            .values_list("node_id", flat=True)
-        )
-        if not writers:
-            continue
-        # Node-local: only the last attempt's writer holds the directory; shared: any writer.
-        if storage_kind() == CopyKind.NODE_LOCAL:
-            writers = writers[:1]
-        live = nodes_among(node_ids=writers, states=READER_STATES)
-        node_id = next((n for n in writers if n in live), None)
+        node_id = next((n for n in writers_of.get(job.pk, []) if n in live), None)
         if node_id is None:
-            continue  # nobody reaches it now: asked again on a later pass
+            continue  # it never ran, or nobody reaches it now: asked again on a later pass
         _sweep_ask(job, node_id, why="after the job ended", tidy=True, now=now)
         swept += 1
     return {"swept": swept}

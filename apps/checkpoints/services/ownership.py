@@ -1,8 +1,11 @@
 """What a job owns (its directory, its S3 prefix), and refusing what it does not."""
 
+from __future__ import annotations
+
 import json
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.db import transaction
@@ -26,9 +29,12 @@ from apps.checkpoints.services.states import (
     _note,
     _settle,
 )
-from apps.jobs.models import Job, Run
 from apps.jobs.runconfig import checkpoint_dir
+from apps.jobs.selectors import run_plans
 from controlplane.errors import ApplicationError
+
+if TYPE_CHECKING:
+    from apps.jobs.models import Job, Run
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +126,7 @@ def _own(jobs, *, s3: bool = True) -> dict[int, Own]:
     """Each job's own places (its team loaded); with `s3`, its runs' prefixes too."""
     prefixes: dict[int, set[str]] = {job.pk: set() for job in jobs}
     if s3 and prefixes:
-        for job_id, plan in Run.objects.filter(job_id__in=prefixes).values_list("job_id", "plan"):
+        for job_id, plan in run_plans(job_ids=prefixes):
             target = _s3_of(plan) or {}
             bucket, prefix = target.get("bucket"), str(target.get("prefix") or "").strip("/")
             if isinstance(bucket, str) and bucket and prefix:

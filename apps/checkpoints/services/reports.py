@@ -1,5 +1,9 @@
 """What the agents report: the trainer's checkpoint lines, recorded once validated."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -36,8 +40,10 @@ from apps.checkpoints.services.states import (
     _settle,
     storage_kind,
 )
-from apps.jobs.models import Run
 from apps.jobs.transitions import job_note
+
+if TYPE_CHECKING:
+    from apps.jobs.models import Run
 
 
 def checkpoint_event_record(*, run: Run, report: dict) -> dict:

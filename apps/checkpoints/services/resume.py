@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Max
 from django.utils import timezone
 
 from apps.checkpoints.models import (
@@ -18,8 +17,8 @@ from apps.checkpoints.models import (
 from apps.checkpoints.services.gc import _sweep_ask
 from apps.checkpoints.services.ownership import _own, s3_copy_settings
 from apps.checkpoints.services.states import C, S, _actor, _ask, _locked_copy, _note
-from apps.jobs.models import Job, JobKind, JobState, Run
-from apps.jobs.selectors import job_nodes_held
+from apps.jobs.models import JobKind, JobState
+from apps.jobs.selectors import job_last_run_ended_at, job_nodes_held, job_with_team
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ def checkpoint_resume_prepare(*, job_id: int, now: dt.datetime | None = None) ->
     first node (committed checkpoints whose reports were lost are registered) and newer
     committed copies they reach are checked, for at most CHECKPOINT_RESUME_WAIT_S."""
     now = now or timezone.now()
-    job = Job.objects.select_related("team").filter(pk=job_id).first()
+    job = job_with_team(job_id=job_id)
     if job is None or job.kind != JobKind.TRAINER:
         return ResumePlan()
     s3 = s3_copy_settings(job)
@@ -60,7 +59,7 @@ def checkpoint_resume_prepare(*, job_id: int, now: dt.datetime | None = None) ->
     if job.state != JobState.ADMITTED or not nodes:
         return ResumePlan(s3=s3)
     head = nodes[0]
-    last_ended = Run.objects.filter(job=job).aggregate(at=Max("ended_at"))["at"]
+    last_ended = job_last_run_ended_at(job_id=job.pk)
     if last_ended is None and not Checkpoint.objects.filter(job=job).exists():
         return ResumePlan(s3=s3)  # its first attempt
     deadline = (job.admitted_at or now) + dt.timedelta(seconds=settings.CHECKPOINT_RESUME_WAIT_S)

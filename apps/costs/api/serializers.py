@@ -19,6 +19,7 @@ from apps.costs.models import (
     SpotPrice,
     UsageEntry,
 )
+from apps.costs.models.budgets import WEBHOOK_STATES
 from apps.costs.reports import GROUP_CHOICES, IDLE_CHOICES
 from apps.costs.services import ENTRY_FIELDS
 from controlplane.api import ScopedPrimaryKeyField, StrictModelSerializer, StrictSerializer, Text
@@ -258,6 +259,10 @@ class BudgetCreatedSerializer(BudgetSerializer):
 class BudgetAlertSerializer(StrictModelSerializer):
     team_slug = serializers.CharField(source="team.slug", read_only=True)
     spent = Money(read_only=True)
+    webhook_state = serializers.ChoiceField(
+        choices=WEBHOOK_STATES, read_only=True, help_text="The call to the budget's webhook."
+    )
+    webhook_attempts = serializers.IntegerField(read_only=True)
 
     class Meta:
         model = BudgetAlert

@@ -172,7 +172,7 @@ class DailySpendView(APIView):
     )
     def get(self, request):
         report = reports.build(
-            user=request.user, query=request.query_params, jobs=False, budgets=False
+            user=request.user, query=request.query_params, jobs=False, budgets=False, forecast=False
         )
         rows = [
             {"day": day, "group": label, "amount": amounts[day]}
@@ -191,7 +191,11 @@ class TopJobsView(APIView):
     )
     def get(self, request):
         report = reports.build(
-            user=request.user, query=request.query_params, series=False, budgets=False
+            user=request.user,
+            query=request.query_params,
+            series=False,
+            budgets=False,
+            forecast=False,
         )
         rows = [
             {

@@ -1,6 +1,6 @@
 """Costs: the price book, the usage ledger and its roll-ups, budgets and their alerts."""
 
-from apps.costs.models.budgets import THRESHOLDS, Budget, BudgetAlert, WebhookState
+from apps.costs.models.budgets import THRESHOLDS, Budget, BudgetAlert
 from apps.costs.models.ledger import (
     DailySpend,
     JobDailySpend,
@@ -10,20 +10,3 @@ from apps.costs.models.ledger import (
     UsageKind,
 )
 from apps.costs.models.prices import CloudPrice, OwnedPrice, PoolDiscount, SpotPrice
-
-__all__ = [
-    "THRESHOLDS",
-    "Budget",
-    "BudgetAlert",
-    "CloudPrice",
-    "DailySpend",
-    "JobDailySpend",
-    "MeterMark",
-    "MonthlySpend",
-    "OwnedPrice",
-    "PoolDiscount",
-    "SpotPrice",
-    "UsageEntry",
-    "UsageKind",
-    "WebhookState",
-]

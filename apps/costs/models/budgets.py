@@ -5,6 +5,7 @@ from django.core.validators import MinValueValidator
 from django.db import models
 
 from apps.costs.money import MoneyField
+from apps.outbox.models import WebhookCall
 
 THRESHOLDS = (50, 80, 100)
 
@@ -40,11 +41,7 @@ class Budget(models.Model):
         return f"{self.team}: {self.monthly_limit} a month"
 
 
-class WebhookState(models.TextChoices):
-    NONE = "none", "No webhook"
-    PENDING = "pending", "Pending"
-    DELIVERED = "delivered", "Delivered"
-    FAILED = "failed", "Failed"
+WEBHOOK_STATES = [("none", "No webhook"), *WebhookCall.State.choices]
 
 
 class BudgetAlert(models.Model):
@@ -57,12 +54,14 @@ class BudgetAlert(models.Model):
     monthly_limit = models.DecimalField(max_digits=14, decimal_places=2)
     at = models.DateTimeField()
     emailed_to = models.CharField(max_length=1000, blank=True)
-    webhook_state = models.CharField(
-        max_length=10, choices=WebhookState.choices, default=WebhookState.NONE
+    webhook_call = models.OneToOneField(
+        WebhookCall,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        help_text="The call to the budget's webhook, where it had one.",
     )
-    webhook_attempts = models.PositiveSmallIntegerField(default=0)
-    webhook_next_at = models.DateTimeField(null=True, blank=True)
-    webhook_last_error = models.CharField(max_length=300, blank=True)
 
     class Meta:
         ordering = ["-at", "-id"]
@@ -72,3 +71,12 @@ class BudgetAlert(models.Model):
 
     def __str__(self) -> str:
         return f"{self.team}: {self.threshold}% of {self.month:%Y-%m}"
+
+    @property
+    def webhook_state(self) -> str:
+        """The call's state (pending, delivered, failed, dropped), or none."""
+        return self.webhook_call.state if self.webhook_call else "none"
+
+    @property
+    def webhook_attempts(self) -> int:
+        return self.webhook_call.attempts if self.webhook_call else 0

@@ -23,18 +23,22 @@ from apps.costs.models import (
 from apps.costs.money import ZERO, money_text
 from apps.costs.selectors.months import (
     CAPACITY_LABELS,
-    local_midnight,
-    local_today,
     month_after,
     month_start,
     time_zone,
 )
 from apps.costs.selectors.prices import NodeRow, PriceBook, rate_now
-from apps.costs.selectors.spend import RollUps, _of_visible_teams, fleet_cost, rollups_between
+from apps.costs.selectors.spend import (
+    ForecastWindow,
+    RollUps,
+    _of_visible_teams,
+    fleet_cost,
+    rollups_between,
+)
 from apps.fleet import cloud
+from apps.fleet import selectors as fleet_reads
 from apps.fleet.models import (
     CapacityPreference,
-    NodePool,
 )
 from apps.fleet.models.nodes import CapacityType
 from controlplane import webhooks
@@ -98,24 +102,17 @@ def forecast_month(
     """Spend to the month's end: spent so far + the average of the last COSTS_FORECAST_DAYS
     whole days × the days left. Per team ({team id: amount}), or with `fleet` for the whole
     fleet (one amount)."""
-    now = now or timezone.now()
-    today = local_today(now)
-    following = month_after(month)
-    last = following - dt.timedelta(days=1)
-    days = settings.COSTS_FORECAST_DAYS
-    window = (today - dt.timedelta(days=days), today - dt.timedelta(days=1))
-    left = (
-        Decimal((local_midnight(following) - now).total_seconds()) / 86400
-        if month <= today < following
-        else ZERO  # a past (or future) month: nothing left to forecast
-    )
+    window = ForecastWindow.of(month, now)
+    left = window.days_left
     if fleet:
-        spent = fleet_cost(since=month, until=last)
-        return spent + (fleet_cost(since=window[0], until=window[1]) / days * left if left else 0)
-    spent = team_spend(since=month, until=last, team_ids=team_ids)
-    recent = team_spend(since=window[0], until=window[1], team_ids=team_ids) if left else {}
+        spent = fleet_cost(since=month, until=window.last)
+        if not left:
+            return spent
+        return spent + fleet_cost(since=window.since, until=window.until) / window.days * left
+    spent = team_spend(since=month, until=window.last, team_ids=team_ids)
+    recent = team_spend(since=window.since, until=window.until, team_ids=team_ids) if left else {}
     return {
-        team_id: spent.get(team_id, ZERO) + recent.get(team_id, ZERO) / days * left
+        team_id: spent.get(team_id, ZERO) + recent.get(team_id, ZERO) / window.days * left
         for team_id in set(spent) | set(recent)
     }
 
@@ -163,7 +160,7 @@ def budget_webhook_url_seen_by(*, budget: Budget, user) -> str:
 
 
 def budget_alerts_visible_to(*, user) -> QuerySet[BudgetAlert]:
-    return _of_visible_teams(BudgetAlert.objects.select_related("team"), user)
+    return _of_visible_teams(BudgetAlert.objects.select_related("team", "webhook_call"), user)
 
 
 # The budget boundary: read on every scheduling pass for every team with pending jobs,
@@ -231,7 +228,7 @@ def burst_prices(*, wants, at: dt.datetime | None = None) -> dict[tuple, BurstPr
     zone, or on-demand while no spot price is known). A few queries for any number."""
     at = at or timezone.now()
     wants = set(wants)
-    pools = NodePool.objects.prefetch_related("instance_types").in_bulk({w[0] for w in wants})
+    pools = fleet_reads.pools_with_instance_types(pool_ids={w[0] for w in wants})
     nodes: dict[tuple, NodeRow | None] = {}
     for key in wants:
         pool_id, gpus_per_node, spot = key

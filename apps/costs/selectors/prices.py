@@ -18,13 +18,8 @@ from apps.costs.models import (
     SpotPrice,
 )
 from apps.costs.money import ZERO
-from apps.fleet.models import (
-    Node,
-    NodeEvent,
-    NodePool,
-    NodeState,
-    PoolKind,
-)
+from apps.fleet import selectors as fleet
+from apps.fleet.models import PoolKind
 from apps.fleet.models.nodes import CapacityType
 
 # --- the price book, for a batch of nodes --------------------------------------------------
@@ -43,16 +38,8 @@ def owned_terms(price: OwnedPrice) -> pricing.OwnedTerms:
 
 
 @dataclass(frozen=True)
-class NodeRow:
-    id: int
-    pool_id: int
-    instance_type_id: int | None
-    capacity_type: str
-    gpus: int
-    billable_from: dt.datetime | None
-    billable_until: dt.datetime | None
-    power_w: int | None
-    region: str
+class NodeRow(fleet.NodeBilling):
+    """A node as the meter prices it."""
 
     @property
     def facts(self):
@@ -133,50 +120,7 @@ class PriceBook:
 
 
 def node_rows(node_ids: list[int]) -> dict[int, NodeRow]:
-    ends = dict(
-        NodeEvent.objects.filter(node_id__in=node_ids, to_state=NodeState.TERMINATED)
-        .values_list("node_id")
-        .annotate(at=Min("at"))
-        .order_by()
-    )
-    rows = {}
-    for (
-        node_id,
-        pool_id,
-        type_id,
-        capacity,
-        gpus,
-        created_at,
-        launched_at,
-        measured,
-        nameplate,
-        region,
-    ) in Node.objects.filter(pk__in=node_ids).values_list(
-        "id",
-        "pool_id",
-        "instance_type_id",
-        "capacity_type",
-        "gpu_count",
-        "created_at",
-        "launched_at",
-        "power_w",
-        "nameplate_power_w",
-        "pool__region",
-    ):
-        # Owned nodes cost from the moment they exist; cloud nodes from their launch.
-        start = created_at if capacity == CapacityType.OWNED else launched_at
-        rows[node_id] = NodeRow(
-            id=node_id,
-            pool_id=pool_id,
-            instance_type_id=type_id,
-            capacity_type=capacity,
-            gpus=gpus,
-            billable_from=start,
-            billable_until=ends.get(node_id),
-            power_w=measured or nameplate,
-            region=region or "",
-        )
-    return rows
+    return {n.id: NodeRow(**vars(n)) for n in fleet.nodes_billing(node_ids=node_ids)}
 
 
 def rate_now(timeline: pricing.Timeline, at: dt.datetime) -> pricing.Rate:
@@ -201,17 +145,13 @@ class PoolRate:
 def pool_rates(*, pool_ids, spot_allowed: bool = False, at: dt.datetime | None = None):
     """Per GPU-hour rates of these pools now, from the price book (a few queries)."""
     at = at or timezone.now()
-    pools = list(NodePool.objects.filter(pk__in=list(pool_ids)).prefetch_related("instance_types"))
+    pools = list(fleet.pools_with_instance_types(pool_ids=pool_ids).values())
     if not pools:
         return []
     owned_ids = [p.pk for p in pools if p.kind == PoolKind.OWNED]
     fleet_nodes: dict[int, list[tuple]] = defaultdict(list)
-    for pool_id, gpus, measured, nameplate in (
-        Node.objects.filter(pool_id__in=owned_ids)
-        .exclude(state__in=(NodeState.TERMINATED, NodeState.FAILED))
-        .values_list("pool_id", "gpu_count", "power_w", "nameplate_power_w")
-    ):
-        fleet_nodes[pool_id].append((gpus, measured or nameplate))
+    for pool_id, gpus, watts in fleet.pool_node_sizes(pool_ids=owned_ids, live_only=True):
+        fleet_nodes[pool_id].append((gpus, watts))
     facts = []
     for pool in pools:
         if pool.kind == PoolKind.OWNED:
@@ -309,12 +249,10 @@ def owned_prices() -> list[OwnedPriceView]:
     prices = list(owned_price_rows())
     power: dict[int, list[int]] = defaultdict(list)
     gpus: dict[int, int] = {}
-    for pool_id, count, measured, nameplate in Node.objects.filter(
-        pool_id__in={p.pool_id for p in prices}
-    ).values_list("pool_id", "gpu_count", "power_w", "nameplate_power_w"):
+    for pool_id, count, watts in fleet.pool_node_sizes(pool_ids={p.pool_id for p in prices}):
         gpus[pool_id] = max(gpus.get(pool_id, 0), count)
-        if measured or nameplate:
-            power[pool_id].append(measured or nameplate)
+        if watts:
+            power[pool_id].append(watts)
     views = []
     for price in prices:
         watts = power.get(price.pool_id)
@@ -371,9 +309,12 @@ def unpriced_pools() -> list[str]:
     missing = []
     owned = set(OwnedPrice.objects.values_list("pool_id", flat=True))
     listed = set(CloudPrice.objects.values_list("instance_type_id", "region"))
-    for pool in NodePool.objects.prefetch_related("instance_types").order_by("slug"):
+    pools = fleet.pools_with_instance_types().values()
+    unpriced = [p.pk for p in pools if p.kind == PoolKind.OWNED and p.pk not in owned]
+    with_nodes = fleet.pools_with_nodes(pool_ids=unpriced) if unpriced else set()
+    for pool in pools:
         if pool.kind == PoolKind.OWNED:
-            if pool.pk not in owned and pool.nodes.exists():
+            if pool.pk not in owned and pool.pk in with_nodes:
                 missing.append(pool.slug)
         elif any((t.pk, pool.region) not in listed for t in pool.instance_types.all()):
             missing.append(pool.slug)
@@ -388,9 +329,7 @@ def metered_until() -> dt.datetime | None:
 def spot_price_targets() -> list[tuple[str, str, dt.datetime | None]]:
     """(region, instance type, newest spot price stored) for every enabled cloud pool that
     may launch spot: what the spot price task asks EC2 about."""
-    pools = NodePool.objects.filter(
-        kind=PoolKind.CLOUD, enabled=True, capacity_preference="spot_then_on_demand"
-    ).prefetch_related("instance_types")
+    pools = fleet.spot_capable_pools()
     pairs = {(p.region, t.name, t.pk) for p in pools for t in p.instance_types.all()}
     newest = {
         (type_id, region): at

@@ -2,11 +2,11 @@
 
 import datetime as dt
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 
 from django.conf import settings
-from django.db.models import Min, QuerySet, Sum
+from django.db.models import Min, OuterRef, Q, QuerySet, Subquery, Sum
 from django.utils import timezone
 
 from apps.accounts.selectors import roles_of, team_slugs
@@ -18,7 +18,13 @@ from apps.costs.models import (
     UsageEntry,
 )
 from apps.costs.money import ZERO
-from apps.costs.selectors.months import CAPACITY_LABELS, IDLE_LABEL, month_after
+from apps.costs.selectors.months import (
+    CAPACITY_LABELS,
+    IDLE_LABEL,
+    local_midnight,
+    local_today,
+    month_after,
+)
 from apps.costs.selectors.prices import (
     PriceBook,
     node_rows,
@@ -193,29 +199,43 @@ def whole_months(since: dt.date, until: dt.date) -> list[dt.date]:
     return months
 
 
+_SUMS = {"amount": Sum("amount"), "savings": Sum("savings"), "gpu_seconds": Sum("gpu_seconds")}
+_IDLE = Q(team_id=0)
+# Job spend and idle apart, in one pass over the rows (what a report with idle spread needs).
+_SPLIT_SUMS = {
+    "jobs": Sum("amount", filter=~_IDLE),
+    "idle": Sum("amount", filter=_IDLE),
+    "jobs_savings": Sum("savings", filter=~_IDLE),
+    "idle_savings": Sum("savings", filter=_IDLE),
+    "jobs_gpu_seconds": Sum("gpu_seconds", filter=~_IDLE),
+    "idle_gpu_seconds": Sum("gpu_seconds", filter=_IDLE),
+}
+
+
 @dataclass(frozen=True)
 class RollUps:
-    """The roll-ups a report reads, filtered alike: `daily` already cut to [since, until],
-    `monthly` not cut (whole months inside the range are read from it, the days at either
-    end from `daily`)."""
+    """The roll-ups a report reads, filtered alike but for the days: `daily` is cut to the
+    range asked for, and whole months inside it are read from `monthly` (the days at
+    either end from `daily`)."""
 
     daily: QuerySet
     monthly: QuerySet | None = None
 
-    def sums(self, fields: tuple, *, since: dt.date, until: dt.date) -> list[dict]:
+    def sums(
+        self, fields: tuple, *, since: dt.date, until: dt.date, split: bool = False
+    ) -> list[dict]:
+        """Amount, savings and GPU-seconds by `fields` over [since, until]; with `split`,
+        each of job spend and idle apart (jobs, idle, jobs_savings, idle_savings...)."""
+        daily = self.daily.filter(day__gte=since, day__lte=until)
         whole = whole_months(since, until) if self.monthly is not None else []
         if whole:
             parts = [
                 self.monthly.filter(month__in=whole),
-                self.daily.exclude(day__gte=whole[0], day__lt=month_after(whole[-1])),
+                daily.exclude(day__gte=whole[0], day__lt=month_after(whole[-1])),
             ]
         else:
-            parts = [self.daily]
-        sums = {
-            "amount": Sum("amount"),
-            "savings": Sum("savings"),
-            "gpu_seconds": Sum("gpu_seconds"),
-        }
+            parts = [daily]
+        sums = _SPLIT_SUMS if split else _SUMS
         merged: dict[tuple, dict] = {}
         for part in parts:
             if fields:
@@ -228,14 +248,11 @@ class RollUps:
                     key,
                     {
                         **dict(zip(fields, key, strict=True)),
-                        "amount": ZERO,
-                        "savings": ZERO,
-                        "gpu_seconds": 0,
+                        **{name: 0 if name.endswith("seconds") else ZERO for name in sums},
                     },
                 )
-                cell["amount"] += row["amount"] or ZERO
-                cell["savings"] += row["savings"] or ZERO
-                cell["gpu_seconds"] += row["gpu_seconds"] or 0
+                for name in sums:
+                    cell[name] += row[name] or 0
         return list(merged.values())
 
 
@@ -281,6 +298,109 @@ class SpendReport:
     days: list = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Spread:
+    """Idle spread over teams by use: under the report's filters, every team carries the
+    idle cost × its job spend ÷ every team's job spend over the whole period. The same
+    shares apply to each group's and each day's idle, so a report's rows, its days and its
+    total agree whichever way it is grouped, and a team's total is the same in every
+    grouping."""
+
+    by_team: bool
+    share: dict  # group key -> the part of the idle it carries
+    idle: dict  # group key (() grouped by team: all idle is every team's) -> idle row
+
+    def idle_of(self, key) -> dict:
+        return self.idle.get(() if self.by_team else key) or {}
+
+    @classmethod
+    def read(cls, base: RollUps, scope: dict, *, column: str, since, until) -> "_Spread | None":
+        """None when nobody used anything under the filters: then idle stays idle."""
+        by_team = column == "team_id"
+        fields = () if by_team else (column,)
+        rows = base.sums(fields, since=since, until=until, split=True)
+        used = sum((row["jobs"] for row in rows), ZERO)
+        if not used:
+            return None
+        if by_team:
+            share = {key: row["jobs"] / used for key, row in scope.items() if key != 0}
+        else:
+            part = sum((row["jobs"] for row in scope.values()), ZERO) / used
+            share = dict.fromkeys({*scope, *(row[column] for row in rows)}, part)
+        return cls(by_team=by_team, share=share, idle={_key(row, fields): row for row in rows})
+
+
+def _key(row: dict, fields: tuple):
+    """A row's group key: () for one total, the value of one field, else a tuple."""
+    if not fields:
+        return ()
+    return row[fields[0]] if len(fields) == 1 else tuple(row[f] for f in fields)
+
+
+def _spend_row(key, got: dict | None, spread: _Spread | None) -> SpendRow:
+    """One group's row from its sums (job spend and idle apart), idle spread or not."""
+    got = got or {}
+    jobs = got.get("jobs", ZERO)
+    if spread is None:
+        return SpendRow(
+            key=key,
+            label="",
+            jobs=jobs,
+            idle=got.get("idle", ZERO),
+            savings=got.get("jobs_savings", ZERO) + got.get("idle_savings", ZERO),
+            gpu_hours=Decimal(got.get("jobs_gpu_seconds", 0) + got.get("idle_gpu_seconds", 0))
+            / 3600,
+        )
+    share = spread.share.get(key, ZERO)
+    idle = spread.idle_of(key)
+    return SpendRow(
+        key=key,
+        label="",
+        jobs=jobs,
+        idle=idle.get("idle", ZERO) * share,
+        savings=got.get("jobs_savings", ZERO) + idle.get("idle_savings", ZERO) * share,
+        gpu_hours=Decimal(got.get("jobs_gpu_seconds", 0)) / 3600,
+    )
+
+
+def _spend_rows(
+    source: RollUps, base: RollUps, column: str, idle_mode: str, *, since, until
+) -> tuple[list[SpendRow], _Spread | None]:
+    """The rows of a report by `column`, unlabelled: job spend and idle as metered, or
+    with idle spread (over `base`'s use)."""
+    scope = {
+        row[column]: row for row in source.sums((column,), since=since, until=until, split=True)
+    }
+    spread = None
+    if idle_mode == "spread":
+        spread = _Spread.read(base, scope, column=column, since=since, until=until)
+    keys = set(scope)
+    if spread is not None:  # the groups that carry spend or idle (idle itself, spread, not)
+        keys = {k for k in keys if not (spread.by_team and k == 0)}
+        keys |= {k for k, share in spread.share.items() if share}
+    return [_spend_row(key, scope.get(key), spread) for key in keys], spread
+
+
+def spend_total(
+    source: RollUps,
+    *,
+    since: dt.date,
+    until: dt.date,
+    idle_mode: str | None = None,
+    spread_base: RollUps | None = None,
+) -> Decimal:
+    """What spend_report's total would be (in any grouping), without the rest of it."""
+    rows, _ = _spend_rows(
+        source,
+        spread_base if spread_base is not None else source,
+        "team_id",
+        idle_mode or settings.COSTS_IDLE_COST,
+        since=since,
+        until=until,
+    )
+    return sum((row.total for row in rows), ZERO)
+
+
 def spend_report(
     source: RollUps | QuerySet,
     *,
@@ -293,49 +413,34 @@ def spend_report(
 ) -> SpendReport:
     """Spend over [since, until] (days, inclusive) grouped by team, pool, capacity type or
     instance type, from the roll-ups (already filtered; a queryset of days alone will do).
-    With idle spread, each team also carries idle cost in proportion to its use over the
-    period (`spread_base`: the same filters over every team, so a team sees its share of
-    the whole fleet's idle).
+    With idle spread, each team carries idle cost in proportion to its use over the period
+    (`spread_base`: the same filters over every team, so a team carries its share of the
+    whole fleet's idle), in every grouping (see _Spread).
 
-    The series by day (for the chart) holds the `series_groups` largest groups and the rest
-    as "other"; 0 leaves it out."""
+    Every figure of the Costs page, its CSVs and the API comes from here: the rows, their
+    total, and the series by day (for the chart), which adds up to the same total: it
+    holds the `series_groups` largest groups and the rest as "other"; 0 leaves it out."""
     idle_mode = idle_mode or settings.COSTS_IDLE_COST
     column = GROUPS[group_by]
     source = _as_rollups(source)
-    fields = (column, "team_id") if column != "team_id" else ("team_id",)
-    cells: dict[object, SpendRow] = {}
-    for row in source.sums(fields, since=since, until=until):
-        key = row[column]
-        if group_by == "team" and key == 0 and idle_mode == "spread":
-            key = None  # spread below
-        cell = cells.setdefault(key, SpendRow(key=key, label=""))
-        if row["team_id"] == 0:
-            cell.idle += row["amount"] or ZERO
-        else:
-            cell.jobs += row["amount"] or ZERO
-        cell.savings += row["savings"] or ZERO
-        cell.gpu_hours += Decimal(row["gpu_seconds"] or 0) / 3600
-    if group_by == "team" and idle_mode == "spread":
-        base = _as_rollups(spread_base) if spread_base is not None else source
-        idle = used = ZERO
-        for row in base.sums(("team_id",), since=since, until=until):
-            if row["team_id"] == 0:
-                idle += row["amount"]
-            else:
-                used += row["amount"]
-        spread = cells.pop(None, None)
-        if used:
-            for key, cell in cells.items():
-                cell.idle = idle * cell.jobs / used if key else ZERO
-        elif spread is not None:
-            cells[0] = spread  # nobody used anything: idle stays idle
-    labels = _labels(group_by, [k for k in cells if k is not None])
-    rows = []
-    for key, cell in cells.items():
-        cell.label = labels.get(key, str(key))
-        rows.append(cell)
+    base = _as_rollups(spread_base) if spread_base is not None else source
+    rows, spread = _spend_rows(source, base, column, idle_mode, since=since, until=until)
+    keys = [row.key for row in rows]
+    labels = _labels(group_by, keys)
+    for row in rows:
+        row.label = labels.get(row.key, str(row.key))
     rows.sort(key=lambda r: (-r.total, r.label))
-    series = _series(source.daily, column, rows[:series_groups]) if series_groups else {}
+    series = {}
+    if series_groups:
+        series = _series(
+            source.daily,
+            base.daily,
+            spread,
+            column=column,
+            top=rows[:series_groups],
+            since=since,
+            until=until,
+        )
     days = []
     day = since
     while day <= until:
@@ -358,25 +463,103 @@ def spend_report(
     )
 
 
-def _series(qs: QuerySet[DailySpend], column: str, top: list[SpendRow]) -> dict[str, dict]:
-    """{label: {day: amount}} for the largest groups, and every other group as "other"
-    (two small queries however many groups there are)."""
-    keys = {row.key: row.label for row in top if row.key is not None}
+def _series(
+    daily: QuerySet,
+    base_daily: QuerySet | None,
+    spread: _Spread | None,
+    *,
+    column: str,
+    top: list[SpendRow],
+    since: dt.date,
+    until: dt.date,
+) -> dict[str, dict]:
+    """{label: {day: amount}} for the largest groups, and every other group as "other":
+    each day's cells worked out as the rows are (the same shares), so the days add up to
+    the rows (one query, two with idle spread)."""
+    labels = {row.key: row.label for row in top}
+    cells: dict[dt.date, dict] = defaultdict(dict)
+    for row in RollUps(daily=daily).sums(("day", column), since=since, until=until, split=True):
+        cells[row["day"]][row[column]] = row
+    idle: dict[dt.date, dict] = defaultdict(dict)
+    if spread is not None:
+        fields = ("day",) if spread.by_team else ("day", column)
+        for row in RollUps(daily=base_daily).sums(fields, since=since, until=until, split=True):
+            idle[row["day"]][_key(row, fields[1:])] = row
     series: dict[str, dict] = defaultdict(dict)
-    shown: dict = defaultdict(lambda: ZERO)
-    for day, key, amount in (
-        qs.filter(**{f"{column}__in": list(keys)})
-        .values_list("day", column)
-        .annotate(amount=Sum("amount"))
-        .order_by("day")
-    ):
-        series[keys[key]][day] = amount or ZERO
-        shown[day] += amount or ZERO
-    for day, amount in qs.values_list("day").annotate(amount=Sum("amount")).order_by("day"):
-        rest = (amount or ZERO) - shown[day]
-        if rest:
-            series["other"][day] = rest
+    for day in sorted(set(cells) | set(idle)):
+        on_day = None if spread is None else replace(spread, idle=idle.get(day, {}))
+        for key in cells[day] if spread is None else spread.share:
+            amount = _spend_row(key, cells[day].get(key), on_day).total
+            if amount:
+                name = labels.get(key, "other")
+                series[name][day] = series[name].get(day, ZERO) + amount
     return dict(series)
+
+
+@dataclass(frozen=True)
+class ForecastWindow:
+    """What a forecast of a month's spend averages: the last `days` whole days before
+    today (today is not whole yet), and the days left in the month from now."""
+
+    month: dt.date
+    last: dt.date  # the month's last day
+    days: int
+    since: dt.date
+    until: dt.date
+    days_left: Decimal  # 0 for a month that is over (or not begun)
+
+    @classmethod
+    def of(cls, month: dt.date, now: dt.datetime | None = None) -> "ForecastWindow":
+        now = now or timezone.now()
+        today = local_today(now)
+        following = month_after(month)
+        days = settings.COSTS_FORECAST_DAYS
+        return cls(
+            month=month,
+            last=following - dt.timedelta(days=1),
+            days=days,
+            since=today - dt.timedelta(days=days),
+            until=today - dt.timedelta(days=1),
+            days_left=Decimal((local_midnight(following) - now).total_seconds()) / 86400
+            if month <= today < following
+            else ZERO,
+        )
+
+
+@dataclass(frozen=True)
+class SpendForecast:
+    """A month's spend by its end: spent so far + the recent days' average × days left."""
+
+    window: ForecastWindow
+    spent: Decimal
+    per_day: Decimal
+
+    @property
+    def amount(self) -> Decimal:
+        return self.spent + self.per_day * self.window.days_left
+
+
+def spend_forecast(
+    source: RollUps,
+    *,
+    month: dt.date,
+    idle_mode: str | None = None,
+    spread_base: RollUps | None = None,
+    now: dt.datetime | None = None,
+) -> SpendForecast:
+    """The forecast of the month for the same roll-ups (filters) and idle mode as a
+    report, worked out as its total is (spend_total).
+    `source` and `spread_base` are not cut to any days (the month and the window are read)."""
+    window = ForecastWindow.of(month, now)
+
+    def total(since: dt.date, until: dt.date) -> Decimal:
+        return spend_total(
+            source, since=since, until=until, idle_mode=idle_mode, spread_base=spread_base
+        )
+
+    spent = total(month, window.last)
+    recent = total(window.since, window.until) if window.days_left else ZERO
+    return SpendForecast(window=window, spent=spent, per_day=recent / window.days)
 
 
 @dataclass(frozen=True)
@@ -422,7 +605,16 @@ def fleet_cost(*, since: dt.date, until: dt.date) -> Decimal:
 
 # --- the ledger as CSV ------------------------------------------------------------------------
 
-USAGE_CSV_COLUMNS = [
+# Beside each id, what it names (a team's and a pool's slug, a node's, an instance type's
+# and a job's name), blank once the row named is gone: the ledger keeps ids alone.
+_NAMES = {
+    "node_id": ("node", "name"),
+    "pool_id": ("pool", "slug"),
+    "instance_type_id": ("instance_type", "name"),
+    "team_id": ("team", "slug"),
+    "job_id": ("job", "name"),
+}
+_LEDGER_COLUMNS = [
     "id",
     "day",
     "start",
@@ -444,9 +636,21 @@ USAGE_CSV_COLUMNS = [
     "corrects_id",
     "note",
 ]
+USAGE_CSV_COLUMNS = [
+    name
+    for column in _LEDGER_COLUMNS
+    for name in ((column, _NAMES[column][0]) if column in _NAMES else (column,))
+]
 _MONEY_COLUMNS = {"rate_per_hour", "amount", "savings"}
 _TIME_COLUMNS = {"start", "end"}
-_TEXT_COLUMNS = {"price_ref", "note"}
+_TEXT_COLUMNS = {"price_ref", "note", *(name for name, _ in _NAMES.values())}
+
+
+def _named(column: str):
+    """The model a ledger id refers to (through the loose reference: costs never imports
+    jobs) and the field that names it."""
+    name, field_name = _NAMES[column]
+    return UsageEntry._meta.get_field(name).related_model, field_name
 
 
 def _utc_text(moment: dt.datetime) -> str:
@@ -463,13 +667,22 @@ def usage_csv_chunks(rows: QuerySet[UsageEntry]):
 
     from controlplane.exports import spreadsheet_safe
 
-    raw = rows.order_by().values_list(*USAGE_CSV_COLUMNS)
+    raw = rows.order_by().values_list(*_LEDGER_COLUMNS)
     if connection.vendor == "postgresql":
         inner, params = raw.query.sql_with_params()
         bound = connection.ops.compose_sql(inner, params)
 
+        names, joins = {}, []
+        for column, (name, _) in _NAMES.items():
+            model, field_name = _named(column)
+            names[name] = f'"n_{name}"."{model._meta.get_field(field_name).column}"'
+            joins.append(
+                f'LEFT JOIN "{model._meta.db_table}" AS "n_{name}" '
+                f'ON "n_{name}"."{model._meta.pk.column}" = e."{column}"'
+            )
+
         def shown(column: str) -> str:
-            value = f'e."{column}"'
+            value = names.get(column, f'e."{column}"')
             if column in _MONEY_COLUMNS:  # nano-units × 10⁻⁹: exact, nine decimals
                 return f"{value} * 0.000000001"
             if column in _TEXT_COLUMNS:  # what a spreadsheet would run as a formula
@@ -481,7 +694,8 @@ def usage_csv_chunks(rows: QuerySet[UsageEntry]):
 
         select = ", ".join(shown(c) for c in USAGE_CSV_COLUMNS)
         copy_sql = (
-            f"COPY (SELECT {select} FROM ({bound}) AS e ORDER BY e.day, e.id) "  # noqa: S608
+            f"COPY (SELECT {select} FROM ({bound}) AS e {' '.join(joins)} "  # noqa: S608
+            "ORDER BY e.day, e.id) "
             "TO STDOUT WITH (FORMAT csv)"
         )
         # Read in (day, id) order, which the ledger's index gives without sorting: with its
@@ -505,7 +719,13 @@ def usage_csv_chunks(rows: QuerySet[UsageEntry]):
 
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    for count, row in enumerate(raw.order_by("day", "id").iterator(chunk_size=5000), 1):
+    names = {}
+    for column, (name, _) in _NAMES.items():
+        model, field_name = _named(column)
+        names[name] = Subquery(model.objects.filter(pk=OuterRef(column)).values(field_name)[:1])
+    named = rows.order_by().annotate(**{f"named_{name}": value for name, value in names.items()})
+    shown = [f"named_{c}" if c in names else c for c in USAGE_CSV_COLUMNS]
+    for count, row in enumerate(named.values_list(*shown).order_by("day", "id").iterator(5000), 1):
         writer.writerow(
             [
                 f"{value:f}"

@@ -3,8 +3,6 @@
 from apps.costs.services.budgets import (
     budget_delete,
     budget_set,
-    budget_webhook_result,
-    budget_webhooks_claim,
     budgets_check,
 )
 from apps.costs.services.ledger import (
@@ -24,24 +22,3 @@ from apps.costs.services.prices import (
     price_update,
     spot_prices_record,
 )
-
-__all__ = [
-    "ENTRY_FIELDS",
-    "Held",
-    "SpotQuote",
-    "budget_delete",
-    "budget_set",
-    "budget_webhook_result",
-    "budget_webhooks_claim",
-    "budgets_check",
-    "cloud_price_create",
-    "owned_price_create",
-    "pool_discount_create",
-    "price_create",
-    "price_delete",
-    "price_update",
-    "rollups_rebuild",
-    "spot_prices_record",
-    "usage_correct",
-    "usage_meter",
-]

@@ -3,16 +3,15 @@
 import datetime as dt
 import logging
 import secrets
-from dataclasses import dataclass
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from apps.accounts.models import Team
-from apps.accounts.secrets import decrypt, encrypt
+from apps.accounts.secrets import encrypt
 from apps.accounts.selectors import team_admin_emails
 from apps.accounts.services import (
     audit_record,
@@ -22,13 +21,15 @@ from apps.costs import selectors
 from apps.costs.models import (
     Budget,
     BudgetAlert,
-    WebhookState,
 )
 from apps.costs.money import money_text
 from apps.costs.services.access import _by, _require_budget_setter
+from apps.outbox import services as outbox
 from controlplane import webhooks
-from controlplane.celery import enqueue_on_commit
 from controlplane.errors import ApplicationError
+
+if TYPE_CHECKING:
+    from apps.accounts.models import Team
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def _budget_snapshot(budget: Budget) -> dict:
 @transaction.atomic
 def budget_set(
     *,
-    team: Team,
+    team: "Team",
     monthly_limit: Decimal,
     by,
     stop_submissions: bool = False,
@@ -88,6 +89,8 @@ def budget_set(
     new_key = None
     if budget is None:
         budget = Budget(team=team)
+    if budget.pk and webhook_url != budget.webhook_url:
+        outbox.calls_drop(source=_source(budget))
     if webhook_url and webhook_url != budget.webhook_url:
         new_key = secrets.token_urlsafe(32)
         budget.webhook_signing_key = encrypt(new_key)
@@ -112,6 +115,11 @@ def budget_set(
     return budget, new_key
 
 
+def _source(budget: Budget) -> str:
+    """The outbox's name for a budget's webhook: its calls are dropped when it moves."""
+    return f"budget:{budget.pk}"
+
+
 @transaction.atomic
 def budget_delete(*, budget: Budget, by) -> None:
     _require_budget_setter(by, budget.team)
@@ -122,6 +130,7 @@ def budget_delete(*, budget: Budget, by) -> None:
         before=_budget_snapshot(budget),
         team=budget.team,
     )
+    outbox.calls_drop(source=_source(budget))
     budget.delete()
     selectors.forget_budget_state()
 
@@ -155,12 +164,10 @@ def budgets_check(*, now: dt.datetime | None = None) -> list[BudgetAlert]:
                             "spent": state.spent,
                             "monthly_limit": budget.monthly_limit,
                             "at": now,
-                            "webhook_state": (
-                                WebhookState.PENDING if budget.webhook_url else WebhookState.NONE
-                            ),
-                            "webhook_next_at": now if budget.webhook_url else None,
                         },
                     )
+                    if created and budget.webhook_url:
+                        _owe_webhook_call(budget, alert, now=now)
             except IntegrityError:  # another check made it first
                 continue
             if created:
@@ -170,8 +177,25 @@ def budgets_check(*, now: dt.datetime | None = None) -> list[BudgetAlert]:
             alerts.extend(made)
     if alerts:
         selectors.forget_budget_state()
-        _send_webhooks_soon()
     return alerts
+
+
+def _owe_webhook_call(budget: Budget, alert: BudgetAlert, *, now: dt.datetime) -> None:
+    alert.team = budget.team
+    (alert.webhook_call,) = outbox.calls_owe(
+        [
+            outbox.Call(
+                team_id=budget.team_id,
+                topic="budget.alert",
+                source=_source(budget),
+                url=budget.webhook_url,
+                signing_key=budget.webhook_signing_key,
+                payload=selectors.alert_payload(alert),
+            )
+        ],
+        now=now,
+    )
+    alert.save(update_fields=["webhook_call"])
 
 
 def _email(budget: Budget, alerts: list[BudgetAlert]) -> None:
@@ -205,68 +229,3 @@ def _email(budget: Budget, alerts: list[BudgetAlert]) -> None:
     BudgetAlert.objects.filter(pk__in=[a.pk for a in alerts]).update(
         emailed_to=", ".join(recipients)[:1000]
     )
-
-
-def _send_webhooks_soon() -> None:
-    enqueue_on_commit("costs.deliver_budget_webhooks", covered_by="the beat")
-
-
-@dataclass(frozen=True)
-class WebhookCall:
-    alert_id: int
-    url: str
-    key: bytes
-    payload: dict
-
-
-def budget_webhooks_claim(*, now: dt.datetime | None = None, limit: int = 50) -> list[WebhookCall]:
-    """The alert webhook calls that are due, each claimed for a minute (two workers never
-    send the same call, and the network wait holds no lock)."""
-    now = now or timezone.now()
-    with transaction.atomic():
-        due = list(
-            BudgetAlert.objects.select_for_update(skip_locked=True)
-            .filter(webhook_state=WebhookState.PENDING, webhook_next_at__lte=now)
-            .order_by("webhook_next_at")[:limit]
-            .values_list("id", flat=True)
-        )
-        BudgetAlert.objects.filter(pk__in=due).update(
-            webhook_next_at=now + dt.timedelta(seconds=60)
-        )
-    calls = []
-    for alert in BudgetAlert.objects.filter(pk__in=due).select_related("team"):
-        budget = Budget.objects.filter(team_id=alert.team_id).first()
-        if budget is None or not budget.webhook_url or not budget.webhook_signing_key:
-            BudgetAlert.objects.filter(pk=alert.pk).update(webhook_state=WebhookState.NONE)
-            continue
-        calls.append(
-            WebhookCall(
-                alert_id=alert.pk,
-                url=budget.webhook_url,
-                key=decrypt(budget.webhook_signing_key).encode(),
-                payload=selectors.alert_payload(alert),
-            )
-        )
-    return calls
-
-
-def budget_webhook_result(
-    *, alert_id: int, status: int | None, error: str = "", now: dt.datetime | None = None
-) -> str:
-    now = now or timezone.now()
-    alert = BudgetAlert.objects.get(pk=alert_id)
-    attempts = alert.webhook_attempts + 1
-    next_at = None if webhooks.answered(status) else webhooks.next_attempt(attempts, now)
-    if webhooks.answered(status):
-        state = WebhookState.DELIVERED
-    elif next_at is None:
-        state = WebhookState.FAILED
-    else:
-        state = WebhookState.PENDING
-    BudgetAlert.objects.filter(pk=alert_id).update(
-        webhook_state=state,
-        webhook_attempts=attempts,
-        webhook_next_at=next_at,
-        webhook_last_error=(error or (f"HTTP {status}" if status else ""))[:300],
-    )
-    return state

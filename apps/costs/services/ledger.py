@@ -31,7 +31,7 @@ from apps.costs.models import (
 )
 from apps.costs.money import NANOS, ZERO, from_nanos, to_nanos
 from apps.costs.services.access import _require_finance
-from apps.fleet.models import Node
+from apps.fleet import selectors as fleet
 from controlplane.bulk import insert_rows, update_rows
 from controlplane.errors import ApplicationError
 
@@ -234,10 +234,12 @@ def usage_meter(
     now = timezone.now()
     until = until or now - dt.timedelta(seconds=settings.COSTS_METER_LAG_S)
     report = MeterReport(until=until)
-    finished = MeterMark.objects.filter(closed=True, reprice_from__isnull=True).values("node_id")
-    node_ids = list(
-        Node.objects.exclude(pk__in=finished).order_by("id").values_list("id", flat=True)
+    finished = set(
+        MeterMark.objects.filter(closed=True, reprice_from__isnull=True).values_list(
+            "node_id", flat=True
+        )
     )
+    node_ids = [n for n in fleet.node_ids() if n not in finished]
     for start in range(0, len(node_ids), batch_size):
         _meter_batch(node_ids[start : start + batch_size], until, allocations_for, report, now)
         report.batches += 1

@@ -22,7 +22,8 @@ from apps.costs.models import (
     SpotPrice,
 )
 from apps.costs.services.access import _by, _require_finance
-from apps.fleet.models import InstanceType, Node, PoolKind
+from apps.fleet import selectors as fleet
+from apps.fleet.models import PoolKind
 from apps.fleet.models.nodes import CapacityType
 from controlplane.errors import ApplicationError
 
@@ -41,7 +42,7 @@ def _nodes_priced_by(price) -> Q:
 def _reprice_after(nodes: Q, since: dt.datetime) -> int:
     """Ask the next metering run to correct what these nodes booked since `since`."""
     marks = MeterMark.objects.filter(
-        node_id__in=Node.objects.filter(nodes).values("id"), metered_until__gt=since
+        node_id__in=fleet.node_ids_where(nodes), metered_until__gt=since
     ).filter(Q(reprice_from__isnull=True) | Q(reprice_from__gt=since))
     return marks.update(reprice_from=since)
 
@@ -131,7 +132,7 @@ class SpotQuote:
 def spot_prices_record(*, region: str, quotes: Iterable[SpotQuote]) -> int:
     """Store spot prices with their effective times (known ones are skipped); where a new
     one takes effect behind what was metered, the next metering run corrects it."""
-    types = dict(InstanceType.objects.values_list("name", "id"))
+    types = fleet.instance_type_ids_by_name()
     rows = {
         (types[q.instance_type], q.availability_zone, q.effective_at): q
         for q in quotes

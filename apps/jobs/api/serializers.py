@@ -53,6 +53,9 @@ def _count(maximum: int, **kwargs):
 
 
 class LayoutSerializer(SpecSerializer):
+    """How the job's GPUs are split: dp_replicate × dp_shard × tp × pp must equal its GPUs
+    (default: FSDP over all of them)."""
+
     dp_replicate = _count(4096, required=False)
     dp_shard = _count(4096, required=False)
     tp = _count(specs.MAX_GPUS_PER_NODE, required=False)
@@ -60,6 +63,8 @@ class LayoutSerializer(SpecSerializer):
 
 
 class ResourcesSerializer(SpecSerializer):
+    """The GPUs the job asks for: a type, a count (or nodes × GPUs per node) and a layout."""
+
     gpu_type = serializers.ChoiceField(choices=[*GPU_TYPES, (ANY_GPU, "Any")], default=ANY_GPU)
     gpus = _count(specs.MAX_GPUS, required=False)
     nodes = _count(specs.MAX_NODES, required=False)
@@ -74,11 +79,16 @@ class ResourcesSerializer(SpecSerializer):
 
 
 class PlacementSerializer(SpecSerializer):
+    """Where the job may run: owned racks, the cloud, or owned first; and whether spot
+    instances will do."""
+
     where = serializers.ChoiceField(choices=Placement.choices, default=Placement.OWNED_THEN_CLOUD)
     spot = serializers.BooleanField(default=False)
 
 
 class ModelSizesSerializer(SpecSerializer):
+    """The model's sizes, for a model that is not one of the presets."""
+
     layers = _count(1024)
     dim = _count(65536)
     heads = _count(1024)
@@ -89,12 +99,17 @@ class ModelSizesSerializer(SpecSerializer):
 
 
 class PipelineSerializer(SpecSerializer):
+    """Pipeline parallelism (with pp above 1): its schedule and micro-batches."""
+
     schedule = serializers.ChoiceField(choices=PIPELINE_SCHEDULES, default="1f1b")
     microbatches = _count(100_000, required=False)
     stages_per_rank = _count(64, required=False)
 
 
 class TrainerSerializer(SpecSerializer):
+    """A run of the bundled trainer: a model (a preset or explicit sizes), its data, how long
+    it trains, and how often it checkpoints (by default only at the end)."""
+
     preset = serializers.ChoiceField(choices=sorted(PRESETS), required=False)
     model = ModelSizesSerializer(required=False)
     dataset = Text(
@@ -132,6 +147,8 @@ class TrainerSerializer(SpecSerializer):
 
 
 class GitSourceSerializer(SpecSerializer):
+    """A git repository and the branch, tag or commit to check out on each node."""
+
     repo = Text(max_length=1024)
     ref = Text(max_length=255)
 
@@ -161,6 +178,9 @@ class ArgvField(serializers.ListField):
 
 
 class CommandSerializer(SpecSerializer):
+    """Your own program: its argument list (no shell) and where its code comes from, git or a
+    path on shared storage (one of them)."""
+
     argv = ArgvField(min_length=1, max_length=512)
     git = GitSourceSerializer(required=False)
     path = Text(max_length=1024, required=False, help_text="The code's path on shared storage.")
@@ -168,6 +188,8 @@ class CommandSerializer(SpecSerializer):
 
 
 class NcclSerializer(SpecSerializer):
+    """NCCL settings for the job: a profile (default: the pool's) and overrides on top of it."""
+
     profile = Text(max_length=100, required=False, help_text="An NCCL profile's name.")
     overrides = TextKeyedDictField(
         child=Text(max_length=1024),
@@ -195,6 +217,11 @@ class EnvField(TextKeyedDictField):
 
 
 class JobSubmitSerializer(SpecSerializer):
+    """A job to queue: what to run (trainer or command, one of them), on which GPUs, for which
+    team, and for how long. Rules that tie fields together (layout against GPUs, tp
+    against heads, the team's quota and budget) are checked too; every problem is listed
+    in one answer, by field path."""
+
     name = Text(max_length=100)
     team = serializers.IntegerField(
         min_value=1,
@@ -229,6 +256,8 @@ class JobEventSerializer(StrictModelSerializer):
 
 
 class JobSerializer(SharedFieldsMixin, StrictModelSerializer):
+    """A job: its state, resources, placement, timings and the spec it was submitted with."""
+
     team_slug = serializers.CharField(source="team.slug", read_only=True)
     submitted_by = serializers.CharField(
         source="submitted_by.username", read_only=True, default=None, allow_null=True
@@ -361,6 +390,8 @@ class JobCostSerializer(serializers.Serializer):
 
 
 class JobDetailSerializer(JobSerializer):
+    """A job with its timeline, NCCL environments, cost and checkpoints."""
+
     events = JobEventSerializer(many=True, read_only=True)
     nccl_environments = serializers.SerializerMethodField(
         help_text="The NCCL environment the job gets on each pool it runs in (or may run in)."
@@ -425,9 +456,21 @@ class QueueRowSerializer(StrictSerializer):
     gpu_type = serializers.CharField()
     state = serializers.CharField()
     priority = serializers.CharField()
-    estimated_start = serializers.DateTimeField(allow_null=True)
+    estimated_start = serializers.DateTimeField(
+        allow_null=True,
+        help_text="A pending job's: the scheduler's reserved start, else the estimate of the "
+        "Queue page's model; null where nothing bounds it.",
+    )
+    estimate_basis = serializers.CharField(help_text="What the estimated start rests on.")
     position = serializers.IntegerField(allow_null=True)
     anonymous = serializers.BooleanField()
+    nodes = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="The nodes it holds now (empty for other teams' jobs).",
+    )
+    started_at = serializers.DateTimeField(
+        allow_null=True, help_text="Since when it runs, while it holds GPUs."
+    )
     name = serializers.CharField(required=False)
     reason = serializers.CharField(required=False)
     submitted_at = serializers.DateTimeField(required=False)

@@ -21,26 +21,4 @@ from apps.jobs.models.runs import (
     StepMetric,
 )
 from apps.jobs.models.usage import TeamUsage
-from apps.jobs.models.webhooks import Webhook, WebhookDelivery
-
-__all__ = [
-    "OPEN_RUN_STATES",
-    "Allocation",
-    "Job",
-    "JobEvent",
-    "JobKind",
-    "JobState",
-    "JobWait",
-    "LogLine",
-    "NodeFault",
-    "Placement",
-    "PriorityClass",
-    "RankEnvironment",
-    "Reservation",
-    "Run",
-    "RunState",
-    "StepMetric",
-    "TeamUsage",
-    "Webhook",
-    "WebhookDelivery",
-]
+from apps.jobs.models.webhooks import Webhook

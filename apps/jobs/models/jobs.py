@@ -209,10 +209,6 @@ class Job(models.Model):
         """The fewest nodes an attempt may run on: min_nodes, or nodes without a range."""
         return self.min_nodes or self.nodes
 
-    @property
-    def priority_rank(self) -> int:
-        return PRIORITY_RANK[self.priority_class]
-
     def wait_row(self):
         """The job's JobWait, or None (a job the last pass did not try has none)."""
         try:

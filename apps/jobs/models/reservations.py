@@ -38,7 +38,3 @@ class Reservation(models.Model):
 
     def __str__(self) -> str:
         return self.name
-
-    @property
-    def is_maintenance(self) -> bool:
-        return self.team_id is None

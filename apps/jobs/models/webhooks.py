@@ -33,31 +33,3 @@ class Webhook(models.Model):
 
     def __str__(self) -> str:
         return f"{self.team.slug} → {self.url}"
-
-
-class WebhookDelivery(models.Model):
-    """One call owed to a webhook for one finished job; retried until delivered or given up."""
-
-    class State(models.TextChoices):
-        PENDING = "pending", "Pending"
-        DELIVERED = "delivered", "Delivered"
-        FAILED = "failed", "Failed"
-
-    id = models.BigAutoField(primary_key=True)
-    webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
-    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="deliveries")
-    payload = models.JSONField()
-    state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
-    attempts = models.PositiveSmallIntegerField(default=0)
-    next_attempt_at = models.DateTimeField()
-    last_status = models.PositiveSmallIntegerField(null=True, blank=True)
-    last_error = models.CharField(max_length=300, blank=True)
-    delivered_at = models.DateTimeField(null=True, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
-
-    class Meta:
-        ordering = ["-created_at", "-id"]
-        indexes = [models.Index(fields=["state", "next_attempt_at"])]
-
-    def __str__(self) -> str:
-        return f"{self.webhook_id} for job {self.job_id}: {self.state}"

@@ -1,6 +1,6 @@
 """JSON shapes of NCCL profiles, the catalogue and lint verdicts."""
 
-from drf_spectacular.utils import extend_schema_field
+from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
 from apps.fleet.models import Fabric
@@ -77,7 +77,10 @@ class NcclProfileSerializer(StrictModelSerializer):
         return [verdict.as_dict() for verdict in profile.lint()]
 
 
+@extend_schema_serializer(component_name="Lint")
 class LintRequestSerializer(StrictSerializer):
+    """NCCL variables to check: as text or as a mapping, for a fabric and NCCL version."""
+
     text = Text(
         max_length=200_000,
         required=False,

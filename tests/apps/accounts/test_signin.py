@@ -116,3 +116,19 @@ def test_behind_a_proxy_the_address_is_the_one_the_proxy_saw(client, researcher,
         HTTP_X_FORWARDED_FOR="203.0.113.51",
     )
     assert other_client.status_code == 302
+
+
+def test_the_login_page_says_where_the_demo_passwords_are_only_under_make_run(
+    client, settings, tmp_path
+):
+    settings.DEMO_LOGINS_PATH = tmp_path / "demo-logins.json"
+    settings.DEBUG = True
+    assert "demo-logins.json" not in client.get("/login/").content.decode()  # no demo fleet
+
+    settings.DEMO_LOGINS_PATH.write_text('{"alice": "s3cret-demo-pw"}')
+    html = client.get("/login/").content.decode()
+    assert f"<code>{settings.DEMO_LOGINS_PATH}</code>" in html
+    assert "s3cret-demo-pw" not in html  # where they are, never what they are
+
+    settings.DEBUG = False  # a real deployment never mentions them
+    assert "demo-logins.json" not in client.get("/login/").content.decode()

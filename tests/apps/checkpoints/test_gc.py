@@ -362,3 +362,38 @@ def test_node_local_copies_resume_only_on_their_node(fleet_pool, quota, team, re
     assert plan.resume_from is None and not plan.wait
     assert Checkpoint.objects.get().copies.get().state == "verified"  # still there, on its node
     assert dt.timedelta(0) <= timezone.now() - Checkpoint.objects.get().offered_at
+
+
+def test_a_finished_jobs_directory_is_swept_once_from_its_writer_in_fixed_reads(
+    fleet_pool, quota, team, researcher
+):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from apps.checkpoints.models import StorageSweep
+    from apps.checkpoints.services.gc import finished_jobs_sweep
+    from apps.jobs.dispatch import run_report
+
+    def finished(count):
+        runs = []
+        for _ in range(count):
+            run = start(submit_trainer(team, researcher))
+            report = {"state": "exited", "exit_code": 0}
+            run_report(node_id=run.node_id, run_id=run.pk, report=report)
+            runs.append(run)
+        return runs
+
+    def reads_of_a_pass(expected):
+        with CaptureQueriesContext(connection) as counted:
+            assert finished_jobs_sweep() == {"swept": expected}
+        return [q["sql"] for q in counted.captured_queries if q["sql"].startswith("SELECT")]
+
+    one = finished(1)
+    reads = reads_of_a_pass(1)
+    many = finished(3)
+    more = reads_of_a_pass(3)
+    assert len(more) == len(reads) == 3  # the jobs (and teams), their writers, the live nodes
+    for run in one + many:
+        (sweep,) = StorageSweep.objects.filter(job=run.job)
+        assert (sweep.node_id, sweep.why, sweep.tidy) == (run.node_id, "after the job ended", True)
+    assert finished_jobs_sweep() == {"swept": 0}  # each finished job is listed once

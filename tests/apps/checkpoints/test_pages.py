@@ -104,7 +104,7 @@ def test_the_job_page_loads_its_checkpoint_panel_which_lists_every_checkpoint(
     assert [int(s) for s in _steps(panel)] == [30, 20, 10]
     assert 'data-step="30" data-state="corrupt"' in panel
     assert "Resumes from</dt><dd>step 20" in panel
-    assert 'hx-trigger="every 10s"' in panel
+    assert 'hx-trigger="every 10s, live:resume"' in panel
     assert "checkpoint-overdue" not in panel
     Job.objects.filter(pk=checkpointed.pk).update(state="succeeded")
     assert "every 10s" not in client.get(f"/checkpoints/jobs/{checkpointed.pk}/").content.decode()
@@ -162,3 +162,42 @@ def test_the_page_makes_a_fixed_number_of_queries(
 # session, user, memberships, count, jobs, their checkpoints and copies, storage used by job,
 # storage per team, teams, step times, budget banner
 QUERIES = 12
+
+
+def test_the_page_follows_changes_through_a_live_region_that_keeps_its_filters(
+    client, checkpointed, researcher, team
+):
+    client.force_login(researcher)
+    page = client.get("/checkpoints/", {"team_id": team.pk, "page": 1}).content.decode()
+    assert (
+        f'<div id="checkpoints-live" data-live hx-get="/checkpoints/live/?team_id={team.pk}'
+        '&amp;page=1" hx-trigger="every 10s, live:resume" hx-swap="outerHTML">' in page
+    )
+
+    waiting = submit_trainer(team, researcher, steps=50)
+    Job.objects.filter(pk=checkpointed.pk).update(state="succeeded")
+    html = client.get("/checkpoints/live/", {"team_id": team.pk, "page": 1}).content.decode()
+
+    assert html.lstrip().startswith('<div id="checkpoints-live" data-live')
+    assert "<html" not in html
+    row = html[html.index(f'data-job="{checkpointed.pk}"') :]
+    assert "state-succeeded" in row[: row.index("</tr>")]
+    assert f'data-job="{waiting.pk}"' in html
+    # The head's count and the storage table come out of band.
+    assert '<p class="muted" id="checkpoint-count" hx-swap-oob="true">2 training jobs match' in html
+    assert '<section class="site" id="storage" aria-labelledby="storage-title" hx-swap-oob' in html
+    other = client.get("/checkpoints/live/", {"team_id": 999_999}).content.decode()
+    assert f'data-job="{checkpointed.pk}"' not in other
+
+
+def test_the_live_region_makes_a_fixed_number_of_queries(
+    client, checkpointed, researcher, team, django_assert_max_num_queries
+):
+    client.force_login(researcher)
+    client.get("/checkpoints/live/")  # warm the session and roles
+    for n in range(3):
+        submit_trainer(team, researcher, steps=10 + n)
+    # As the page's, less the filters' teams.
+    with django_assert_max_num_queries(QUERIES - 1):
+        html = client.get("/checkpoints/live/").content.decode()
+    assert html.count("<tr data-job=") == 4

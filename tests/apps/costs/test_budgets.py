@@ -4,6 +4,7 @@ what is left; a job's max_cost_usd refuses it at submission and stops it, with a
 checkpoint, when its metered cost reaches it."""
 
 import datetime as dt
+import re
 import time
 from decimal import Decimal
 
@@ -331,13 +332,14 @@ def test_the_job_page_and_api_show_cost_so_far_and_the_projection(
     )
 
     before = api_for(researcher).get(f"/api/v1/jobs/{job.pk}/").json()["cost"]
+    client.force_login(researcher)
+    pending = client.get(f"/jobs/{job.pk}/").content.decode()
     scheduling_pass()
     meter(Allocations(), until=timezone.now())  # nothing held yet: idle only
     from workers.tasks.costs import meter_run
 
     meter_run(until=timezone.now() + dt.timedelta(hours=1))
     after = api_for(researcher).get(f"/api/v1/jobs/{job.pk}/").json()["cost"]
-    client.force_login(researcher)
     page = client.get(f"/jobs/{job.pk}/").content.decode()
 
     per_node_hour = Decimal("12.121644")
@@ -349,6 +351,11 @@ def test_the_job_page_and_api_show_cost_so_far_and_the_projection(
     expected = Decimal(after["so_far"]) + per_node_hour * 2
     assert Decimal(after["projected"]) == pytest.approx(expected, rel=Decimal("0.01"))
     assert 'id="job-cost"' in page and "Cost so far" in page
+    # $0 until metered is explained; once metered, when, and how often.
+    assert "cost is metered every 5 minutes, so it shows $0 until the first metering run" in (
+        pending
+    )
+    assert re.search(r"metered up to [A-Z][a-z]{2} \d+ \d\d:\d\d; cost is metered every 5", page)
 
 
 def test_only_finance_and_the_teams_admins_set_its_budget(team, other_team, user_for_role):

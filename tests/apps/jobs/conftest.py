@@ -22,6 +22,13 @@ def quota(team):
     return accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=32, by=None)
 
 
+@pytest.fixture
+def other_member(other_team):
+    """A researcher of another team, with a quota of its own."""
+    accounts.team_quota_set(team=other_team, gpu_type="H100", max_gpus=32, by=None)
+    return factories.make_member(team=other_team, role="researcher")
+
+
 def command_spec(team, **overrides) -> dict:
     spec = {
         "name": "smoke",
@@ -56,3 +63,26 @@ def trainer_spec(team, *, preset="8b", nodes=2, gpus_per_node=8, layout=None, **
         },
         "placement": {"where": "owned"},
     }
+
+
+def form_data(team, **overrides) -> dict:
+    """A good Submit form's fields: a tiny trainer job on 8 H100s."""
+    data = {
+        "name": "tiny-run",
+        "team": team.pk,
+        "kind": "trainer",
+        "preset": "tiny",
+        "gpu_type": "H100",
+        "gpus": 8,
+        "gpus_per_node": 8,
+        "layout": "",
+        "priority": "normal",
+        "placement": "owned",
+        "time_limit_hours": "2",
+        "dataset": "synthetic",
+        "steps": 10,
+        "global_batch": 64,
+        "seq_len": 128,
+    }
+    data.update(overrides)
+    return data

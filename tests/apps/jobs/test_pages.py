@@ -10,7 +10,7 @@ from apps.accounts import services as accounts
 from apps.jobs import services
 from apps.jobs.models import Job, JobState
 from tests import factories
-from tests.apps.jobs.conftest import command_spec
+from tests.apps.jobs.conftest import command_spec, form_data
 
 pytestmark = pytest.mark.django_db
 
@@ -36,12 +36,6 @@ def select_options(html: str, name: str) -> list[str]:
     match = re.search(rf'<select name="{name}"[^>]*>(.*?)</select>', html, re.S)
     assert match, f"no <select name={name}> in the page"
     return re.findall(r'<option value="([^"]*)"', match.group(1))
-
-
-@pytest.fixture
-def other_member(other_team):
-    accounts.team_quota_set(team=other_team, gpu_type="H100", max_gpus=32, by=None)
-    return factories.make_member(team=other_team, role="researcher")
 
 
 def test_the_queue_shows_own_jobs_by_name_and_others_anonymously(
@@ -261,28 +255,6 @@ def test_the_outlook_warns_of_a_quota_it_would_exceed_and_of_a_gang_no_pool_hold
         assert "Quota:" not in outlook_of(client, researcher, team=team_id)
 
 
-def form_data(team, **overrides) -> dict:
-    data = {
-        "name": "tiny-run",
-        "team": team.pk,
-        "kind": "trainer",
-        "preset": "tiny",
-        "gpu_type": "H100",
-        "gpus": 8,
-        "gpus_per_node": 8,
-        "layout": "",
-        "priority": "normal",
-        "placement": "owned",
-        "time_limit_hours": "2",
-        "dataset": "synthetic",
-        "steps": 10,
-        "global_batch": 64,
-        "seq_len": 128,
-    }
-    data.update(overrides)
-    return data
-
-
 def test_the_submit_page_offers_the_layouts_that_fit(client, fleet_pool, quota, researcher):
     response = logged_in(client, researcher).get("/jobs/submit/")
 
@@ -305,22 +277,24 @@ def test_a_good_form_submits_a_pending_job(client, fleet_pool, quota, team, rese
     assert (job.state, job.dp_shard, job.tp, job.time_limit_s) == (JobState.PENDING, 4, 2, 7200)
 
 
+def field_errors(html: str, name: str) -> list[str]:
+    """The errors shown beside one field of the Submit form."""
+    start = html.index(f'name="{name}"')
+    end = html.find('<div class="field', start)
+    return re.findall(r'<span class="field-error">([^<]*)</span>', html[start:end])
+
+
 def test_a_bad_layout_shows_the_error_and_makes_no_job(client, fleet_pool, quota, team, researcher):
     response = logged_in(client, researcher).post(
         "/jobs/submit/", form_data(team, layout="1x2x4x1")
     )
 
     assert response.status_code == 200
-    errors = element_text(response.content.decode(), "form-errors")
-    assert "resources.layout.tp" in errors and "4 heads" in errors
+    html = response.content.decode()
+    errors = field_errors(html, "layout")
+    assert len(errors) == 1 and "tp 4 must divide the model&#x27;s 4 heads" in errors[0]
+    assert 'class="form-errors"' not in html  # the service's error is on its field
     assert not Job.objects.exists()
-
-
-def field_errors(html: str, name: str) -> list[str]:
-    """The errors shown beside one field of the Submit form."""
-    start = html.index(f'name="{name}"')
-    end = html.find('<div class="field', start)
-    return re.findall(r'<span class="field-error">([^<]*)</span>', html[start:end])
 
 
 def test_the_forms_spec_is_checked_by_the_apis_serializer_its_errors_on_the_fields(
@@ -467,10 +441,10 @@ def test_a_jobs_page_shows_its_runs_and_output_and_follows_while_active(
     assert "What ran (attempt 1, rank 0)" in page and '<pre class="spec">x</pre>' in page
     with django_assert_max_num_queries(12):
         tail = client.get(f"/jobs/{job.pk}/log-tail/").content.decode()
-    assert 'hx-trigger="every 3s"' in tail  # active: the panel asks again
+    assert re.search(r'id="log-poll"[^>]* data-live [^>]*hx-trigger="every 3s', tail)  # it asks
     Job.objects.filter(pk=job.pk).update(state=JobState.SUCCEEDED)
     tail = client.get(f"/jobs/{job.pk}/log-tail/").content.decode()
-    assert "hx-trigger" not in tail and "step 299" in tail  # finished: it stops asking
+    assert "data-live" not in tail and "step 299" in tail  # finished: it stops asking
 
 
 def test_another_teams_output_is_not_found(
@@ -515,7 +489,13 @@ def test_a_trainer_jobs_page_draws_its_curves_from_the_reported_steps(
     logged_in(client, researcher)
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert page.count("<polyline") == 2  # loss and tokens/s; no MFU on CPU
-    assert "no data yet" in page  # the MFU chart says so
+    assert "no data yet" not in page  # no chart waiting for MFU that will never come...
+    assert "Model FLOPs utilisation: not reported" in page  # ...but why there is none
     assert re.search(r"<dt>Loss</dt><dd>3\.0+</dd>", page)
     panel = client.get(f"/jobs/{job.pk}/training/").content.decode()
-    assert 'hx-trigger="every 5s"' in panel
+    assert 'hx-trigger="every 5s, live:resume"' in panel
+
+    StepMetric.objects.filter(job=job).update(mfu=0.41)  # steps on GPUs: MFU reported
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert page.count("<polyline") == 3 and "41%" in page
+    assert "not reported" not in page

@@ -10,7 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from apps.jobs import services
-from apps.jobs.models import Webhook, WebhookDelivery
+from apps.jobs.models import Webhook
+from apps.outbox.models import WebhookCall
+from apps.outbox.services import calls_send
 from controlplane import webhooks
 from tests.apps.jobs.conftest import command_spec
 
@@ -57,7 +59,7 @@ def test_a_cancelled_job_calls_the_team_webhook_signed(
     assert "signing_key" not in api_for(team_admin).get("/api/v1/webhooks/").content.decode()
     job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
     services.job_cancel(job=job, by=researcher, reason="not needed")
-    assert services.webhook_deliveries_send() == {"delivered": 1, "retrying": 0, "failed": 0}
+    assert calls_send() == {"delivered": 1, "retrying": 0, "failed": 0}
     headers, body, _ = receiver["calls"][0]
     expected = "sha256=" + hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
     assert headers["X-Controlplane-Signature"] == expected
@@ -67,7 +69,7 @@ def test_a_cancelled_job_calls_the_team_webhook_signed(
         "cancelled",
         "not needed",
     )
-    assert WebhookDelivery.objects.get().state == WebhookDelivery.State.DELIVERED
+    assert WebhookCall.objects.get().state == WebhookCall.State.DELIVERED
 
 
 def test_a_failing_endpoint_is_retried_with_backoff(
@@ -77,12 +79,12 @@ def test_a_failing_endpoint_is_retried_with_backoff(
     receiver["answers"].extend([500])
     job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
     services.job_cancel(job=job, by=researcher)
-    assert services.webhook_deliveries_send()["retrying"] == 1
-    delivery = WebhookDelivery.objects.get()
+    assert calls_send()["retrying"] == 1
+    delivery = WebhookCall.objects.get()
     assert (delivery.attempts, delivery.last_status) == (1, 500)
-    assert services.webhook_deliveries_send()["delivered"] == 0  # not due yet
+    assert calls_send()["delivered"] == 0  # not due yet
     later = delivery.next_attempt_at
-    assert services.webhook_deliveries_send(now=later)["delivered"] == 1
+    assert calls_send(now=later)["delivered"] == 1
     assert len(receiver["calls"]) == 2
 
 
@@ -186,9 +188,9 @@ def test_a_redirect_is_the_answer_and_is_not_followed(
     receiver["answers"].append((302, {"Location": elsewhere}))
     job, _ = services.job_submit(team=team, spec=command_spec(team), submitted_by=researcher)
     services.job_cancel(job=job, by=researcher)
-    assert services.webhook_deliveries_send()["retrying"] == 1
+    assert calls_send()["retrying"] == 1
     assert [path for _, _, path in receiver["calls"]] == ["/hook"]
-    assert WebhookDelivery.objects.get().last_status == 302
+    assert WebhookCall.objects.get().last_status == 302
 
 
 def test_the_call_connects_to_the_address_that_was_checked(settings, monkeypatch):

@@ -189,3 +189,24 @@ def test_the_pages_need_a_login(client):
     for url in ("/nccl/profiles/", "/nccl/lint/", "/nccl/variables/", "/nccl/profiles.csv"):
         response = client.get(url)
         assert response.status_code == 302 and response["Location"].startswith("/login/")
+
+
+def test_the_catalogues_code_spans_are_code_on_the_pages_not_backticks(client, viewer):
+    client = logged_in(client, viewer)
+    catalogue = client.get("/nccl/variables/").content.decode()
+    row = re.search(r'<tr data-variable="NCCL_SOCKET_IFNAME">.*?</tr>', catalogue, re.S).group(0)
+    assert "<code>^</code> to exclude, <code>=</code> for exact names" in row
+    assert "`" not in catalogue
+
+    lint = client.post("/nccl/lint/", {"text": "NCCL_SOCKET_IFNAME=eth0\n"}).content.decode()
+    assert "<code>^</code> to exclude" in lint and "`" not in lint
+
+
+def test_code_spans_escape_what_is_inside_and_outside_them():
+    from apps.tuning.templatetags.lint_text import code_spans
+
+    assert (
+        code_spans("set `<b>` & `x`, or `")
+        == "set <code>&lt;b&gt;</code> &amp; <code>x</code>, or `"
+    )
+    assert code_spans(None) == ""

@@ -10,7 +10,8 @@ from django.core.management.base import BaseCommand
 from apps.accounts.context import Origin, acting_from
 from apps.costs import services
 from apps.costs.models import OwnedPrice
-from apps.fleet.models import NodePool, PoolKind
+from apps.fleet.models import PoolKind
+from apps.fleet.selectors import pools_of_kind
 
 DEMO_TERMS = {
     "purchase_price": Decimal("300000.00"),  # an 8-GPU H100 server, roughly
@@ -30,7 +31,7 @@ class Command(BaseCommand):
         priced = set(OwnedPrice.objects.values_list("pool_id", flat=True))
         added = 0
         with acting_from(Origin(channel="cli", label="demo_prices")):
-            for pool in NodePool.objects.filter(kind=PoolKind.OWNED).exclude(pk__in=priced):
+            for pool in pools_of_kind(PoolKind.OWNED).exclude(pk__in=priced):
                 services.owned_price_create(
                     by=None,
                     pool=pool,

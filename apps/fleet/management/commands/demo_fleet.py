@@ -43,7 +43,7 @@ SLOTS_PER_NODE = 8  # the local provider's "GPUs" are CPU slots on this machine
 
 
 def logins_path() -> Path:
-    return Path(settings.VAR_DIR) / "demo-logins.json"
+    return Path(settings.DEMO_LOGINS_PATH)
 
 
 def aws_configured() -> bool:
