@@ -22,27 +22,3 @@ from apps.fleet.models.pools import (
 )
 from apps.fleet.models.sites import Rack, Site
 from apps.fleet.models.telemetry import GpuMinute, GpuSample
-
-__all__ = [
-    "GONE_STATES",
-    "SCHEDULABLE_STATES",
-    "CapacityPreference",
-    "Fabric",
-    "Gpu",
-    "GpuHealth",
-    "GpuMinute",
-    "GpuSample",
-    "InstanceType",
-    "JobIsolation",
-    "Node",
-    "NodeEvent",
-    "NodePool",
-    "NodeState",
-    "OrphanAction",
-    "OrphanInstance",
-    "OrphanPolicy",
-    "PoolKind",
-    "Rack",
-    "Site",
-    "Tenancy",
-]
