@@ -87,6 +87,9 @@ def main() -> int:
     args = parser.parse_args()
     var_dir = Path(args.var_dir)
     python = sys.executable
+    # The worker and beat say only what went wrong (CELERY_LOG_LEVEL=INFO: every task), so
+    # the banner and the web server's lines stay readable.
+    level = os.environ.get("CELERY_LOG_LEVEL", "WARNING")
     commands = {
         "web": [python, "manage.py", "runserver", f"{args.host}:{args.port}", "--noreload"],
         "worker": [
@@ -96,11 +99,11 @@ def main() -> int:
             "-A",
             "controlplane",
             "worker",
-            "--loglevel=INFO",
+            f"--loglevel={level}",
             "--concurrency=2",
             "--hostname=worker@%h",
         ],
-        "beat": [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO"],
+        "beat": [python, "-m", "celery", "-A", "controlplane", "beat", f"--loglevel={level}"],
     }
     (var_dir / "broker" / "queue").mkdir(parents=True, exist_ok=True)
     (var_dir / "broker" / "processed").mkdir(parents=True, exist_ok=True)
