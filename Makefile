@@ -24,7 +24,7 @@ DEV_ENV := DJANGO_DEBUG=1 SECRET_KEY_FILE=var/secret_key SECURE_COOKIES=0 \
 	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL= \
 	CONTROLPLANE_URL=http://127.0.0.1:$(PORT) NODE_MIN_FREE_DISK_GB=1
 
-.PHONY: run test test-fast drills lint format bench bench-api bench-costs bench-heartbeats bench-scheduler bench-trainer bench-scaling clean install system-test-deps
+.PHONY: run test test-fast drills lint format bench bench-api bench-costs bench-heartbeats bench-pages bench-scheduler bench-trainer bench-scaling clean install system-test-deps
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -94,6 +94,12 @@ bench-costs: $(VENV)/.installed
 bench-heartbeats: $(VENV)/.installed
 	@command -v wrk >/dev/null || ( apt-get update -qq && apt-get install -y -qq wrk >/dev/null )
 	$(BIN)/python -m bench.heartbeats
+
+# Every page and live fragment at design size (100,000 jobs, 10,000 nodes, a month of
+# history), server time and queries (bench/pages.py); needs DATABASE_URL (PostgreSQL).
+# BENCH_JOBS and BENCH_NODES make it smaller.
+bench-pages: $(VENV)/.installed
+	$(BIN)/python -m bench.pages
 
 # The scheduling pass at design size (the planner alone, then read, plan and write on the
 # database); set DATABASE_URL to measure on PostgreSQL.

@@ -42,11 +42,15 @@ WEEK = ("2026-11-09", "2026-11-15")
 OWNED_RATE, CLOUD_RATE = 12_121_644_000, 55_040_000_000  # nano-dollars a node-hour
 
 
-def build_fleet() -> tuple[list[int], list[int]]:
+def build_fleet(*, sites: int = 0) -> tuple[list[int], list[int]]:
+    """POOLS pools of NODES // POOLS 8-GPU nodes (the first half owned, the rest cloud) and
+    TEAMS teams; with `sites`, the owned pools are spread over that many sites and their
+    nodes stand in racks of 8 (bench/pages.py)."""
     from apps.accounts.models import Team
-    from apps.fleet.models import InstanceType, Node, NodePool
+    from apps.fleet.models import InstanceType, Node, NodePool, Rack, Site
 
     p5 = InstanceType.objects.get(name="p5.48xlarge")
+    where = [Site.objects.create(name=f"site {i}", slug=f"site-{i}") for i in range(sites)]
     pools = []
     for i in range(POOLS):
         cloud = i >= POOLS // 2
@@ -57,15 +61,33 @@ def build_fleet() -> tuple[list[int], list[int]]:
                 kind="cloud" if cloud else "owned",
                 gpu_type="H100",
                 region="us-east-1" if cloud else "",
+                site=where[i % sites] if where and not cloud else None,
                 max_nodes=NODES,
             )
         )
     per_pool = NODES // POOLS
+    # Rack i holds nodes 8i to 8i + 7, in an owned pool's site.
+    racked = [i for i in range(NODES // 8) if where and pools[i * 8 // per_pool].site]
+    racks = dict(
+        zip(
+            racked,
+            Rack.objects.bulk_create(
+                [
+                    Rack(site=pools[i * 8 // per_pool].site, name=f"r{i:04d}", power_budget_kw=80)
+                    for i in racked
+                ],
+                batch_size=2000,
+            ),
+            strict=True,
+        )
+    )
     Node.objects.bulk_create(
         [
             Node(
                 name=f"n{i:05d}",
                 pool=pools[i // per_pool],
+                rack=racks.get(i // 8),
+                rack_unit=1 + (i % 8) * 4 if i // 8 in racks else None,
                 provider="aws" if pools[i // per_pool].kind == "cloud" else "ssh",
                 capacity_type="on_demand" if pools[i // per_pool].kind == "cloud" else "owned",
                 instance_type=p5 if pools[i // per_pool].kind == "cloud" else None,
