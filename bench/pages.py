@@ -525,7 +525,9 @@ def main() -> int:
 
     setup_test_environment()
     old_name = connection.settings_dict["NAME"]
-    connection.creation.create_test_db(verbosity=0, autoclobber=not KEEP, keepdb=KEEP)
+    connection.creation.create_test_db(
+        verbosity=0, autoclobber=not KEEP, keepdb=KEEP, serialize=False
+    )
     rng = random.Random(20261205)
     results = []
     try:
