@@ -8,13 +8,13 @@ it, with its daily roll-ups), and for one running trainer job of the researcher'
 BENCH_LOG_LINES (100,000) log lines, a training curve and checkpoints. Each seeding step
 is one function in SEEDS (telemetry comes as one more).
 
-Then, for each row of PAGES (name, user, url), as that user through django.test.Client:
-one warm-up request, then BENCH_REPEAT (5) requests; it prints the median server time
-(the time around client.get, in this process; a page over ten times the goal is timed
-once), the queries of one request (CaptureQueriesContext) and their time in the database
-as the driver saw it. Goal (issue 33): every page ≤ 150 ms with a bounded number of
-queries. BENCH_KEEP=1 keeps the database for the next run (seeded once) instead of
-dropping it.
+Then, for each row of pages() (name, user, url: a new page is one more row), as that
+user through django.test.Client: one warm-up request, then BENCH_REPEAT (5) requests; it
+prints the median server time (the time around client.get, in this process; a page over
+ten times the goal is timed once), the queries of one request (CaptureQueriesContext)
+and their time in the database as the driver saw it. Goal (issue 33): every page
+≤ 150 ms with a bounded number of queries. BENCH_KEEP=1 keeps the database for the next
+run (seeded once) instead of dropping it.
 
 Last line: `pages: worst_ms=<n> worst_page=<name> pages=<n>`.
 """
