@@ -17,7 +17,7 @@ def copy_objects(model, objects) -> int:
     except that a set auto_now_add field keeps its value (the history is in the past)."""
     from django.db import connection
 
-    fields = [f for f in model._meta.concrete_fields]
+    fields = [f for f in model._meta.concrete_fields if f.column]  # not a composite key
     columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
     written = 0
     with (

@@ -5,8 +5,8 @@ Seeds a scratch database with BENCH_NODES (10,000) 8-GPU nodes in racks, pools a
 finished; a few thousand pending, held or running, the running ones with allocations and
 runs), their events, a month of the cost ledger (BENCH_ROWS rows, as bench/costs.py loads
 it, with its daily roll-ups), and for one running trainer job of the researcher's team
-BENCH_LOG_LINES (100,000) log lines, a training curve and checkpoints. Each seeding step
-is one function in SEEDS (telemetry comes as one more).
+BENCH_LOG_LINES (100,000) log lines, a training curve, checkpoints, and a month of its
+first node's GPU telemetry. Each seeding step is one function in SEEDS.
 
 Then, for each row of pages() (name, user, url: a new page is one more row), as that
 user through django.test.Client: one warm-up request, then BENCH_REPEAT (5) requests; it
@@ -420,7 +420,45 @@ def publish_queue_order() -> None:
     best_effort.set(LAST_PASS_KEY, time.time(), timeout=None)
 
 
-SEEDS = [seed_fleet, seed_people, seed_jobs, seed_job_output, seed_checkpoints, seed_ledger]
+def seed_telemetry(rng, seeded) -> None:
+    """GPU telemetry of the node page's node (the Job page's job's first): a month of minute
+    means and a day of raw samples every 10 s, for its 8 GPUs. (A month of minutes for the
+    whole fleet would be 3.5 billion rows: the node page reads one node's.)"""
+    from apps.fleet.models import GpuMinute, GpuSample
+    from apps.jobs.models import Run
+
+    node_id = Run.objects.filter(job_id=seeded.big_job_id, node_rank=0).values("node_id")[0]
+    node_id = node_id["node_id"]
+    start = NOW.replace(second=0) - dt.timedelta(days=MONTH)
+
+    def readings(model, first, step_s: int, count: int):
+        for k in range(count):
+            at = first + dt.timedelta(seconds=k * step_s)
+            for gpu in range(8):
+                yield model(
+                    node_id=node_id,
+                    at=at,
+                    gpu=gpu,
+                    utilization_pct=90 + (k + gpu) % 10,
+                    memory_used_mib=70_000,
+                    temperature_c=60 + (k + gpu) % 15,
+                    power_w=600 + (k * 7 + gpu) % 100,
+                )
+
+    minutes = copy_objects(GpuMinute, readings(GpuMinute, start, 60, MONTH * 1440))
+    samples = copy_objects(GpuSample, readings(GpuSample, NOW - dt.timedelta(days=1), 10, 8640))
+    print(f"  {minutes:,} GPU minutes, {samples:,} GPU samples", flush=True)
+
+
+SEEDS = [
+    seed_fleet,
+    seed_people,
+    seed_jobs,
+    seed_job_output,
+    seed_checkpoints,
+    seed_ledger,
+    seed_telemetry,
+]
 
 
 def analyze() -> None:
@@ -437,20 +475,27 @@ def pages(s: Seeded) -> list[tuple[str, object, str]]:
         ("queue", s.researcher, "/jobs/"),
         ("queue-page-10", s.researcher, "/jobs/?page=10"),
         ("queue-my-team", s.researcher, "/jobs/?team=team-0"),
+        ("queue-live", s.researcher, "/jobs/queue/live/"),
         ("history", s.researcher, "/jobs/history/"),
         ("history-failed", s.researcher, "/jobs/history/?state=failed"),
         ("job", s.researcher, f"/jobs/{job}/"),
+        ("job-live", s.researcher, f"/jobs/{job}/live/"),
         ("job-log-tail", s.researcher, f"/jobs/{job}/log-tail/"),
         ("job-training", s.researcher, f"/jobs/{job}/training/"),
         ("job-checkpoints", s.researcher, f"/checkpoints/jobs/{job}/"),
         ("job-finished", s.researcher, f"/jobs/{done}/"),
+        ("compare", s.researcher, f"/jobs/compare/?job={job}&job={done}"),
         ("submit", s.researcher, "/jobs/submit/"),
         ("submit-layouts", s.researcher, f"/jobs/submit/layouts/?{submit}"),
         ("submit-outlook", s.researcher, f"/jobs/submit/outlook/?{submit}&team={s.team_ids[0]}"),
         ("fleet", s.ops, "/fleet/"),
         ("fleet-pool", s.ops, f"/fleet/?pool={s.pool_ids[0]}"),
+        ("fleet-live", s.ops, "/fleet/live/"),
+        ("node", s.ops, f"/fleet/nodes/{s.node_name}/"),
+        ("node-live", s.ops, f"/fleet/nodes/{s.node_name}/live/"),
         ("checkpoints", s.researcher, "/checkpoints/"),
         ("checkpoints-ops", s.ops, "/checkpoints/"),
+        ("checkpoints-live", s.researcher, "/checkpoints/live/"),
         ("costs", s.finance, "/costs/"),
         ("costs-month-by-team", s.finance, f"/costs/?{month}&group_by=team"),
         ("costs-idle-spread", s.finance, f"/costs/?{month}&group_by=team&idle=spread"),
@@ -460,6 +505,7 @@ def pages(s: Seeded) -> list[tuple[str, object, str]]:
             f"/costs/?{month}&group_by=team&team_id={s.team_ids[0]}&idle=spread",
         ),
         ("costs-by-pool", s.finance, f"/costs/?{month}&group_by=pool"),
+        ("costs-figures", s.finance, f"/costs/figures/?{month}&group_by=team&idle=spread"),
         ("costs-researcher", s.researcher, "/costs/"),
         ("nccl-profiles", s.ops, "/nccl/profiles/"),
         ("nccl-profile", s.ops, f"/nccl/profiles/{s.profile_name}/"),
@@ -498,7 +544,7 @@ def found(seeded: Seeded) -> Seeded:
 
     from apps.accounts.models import Team
     from apps.fleet.models import NodePool
-    from apps.jobs.models import Job
+    from apps.jobs.models import Job, Run
     from apps.tuning.models import NcclProfile
 
     User = get_user_model()
@@ -511,6 +557,9 @@ def found(seeded: Seeded) -> Seeded:
     seeded.finished_job_id = (
         Job.objects.filter(team_id=seeded.team_ids[0], state="succeeded").values("id").first()
     )["id"]
+    seeded.node_name = Run.objects.filter(job_id=seeded.big_job_id, node_rank=0).values_list(
+        "node__name", flat=True
+    )[0]
     seeded.profile_name = NcclProfile.objects.order_by("name").values_list("name", flat=True)[0]
     return seeded
 
