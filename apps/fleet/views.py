@@ -4,6 +4,7 @@ GPU and its CSV export), and a node's page with the actions ops take on it."""
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
 from django.http import Http404
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -51,6 +52,8 @@ NODE_CSV_COLUMNS = [
 ]
 
 
+NODES_PAGE_SIZE = 50
+
 # The page's filters by id stay for links and scripts (`?pool_id=3`), as hidden fields.
 ID_FILTERS = ("pool_id", "rack_id", "site_id")
 
@@ -58,13 +61,20 @@ ID_FILTERS = ("pool_id", "rack_id", "site_id")
 @login_required
 def overview(request):
     nodes = NodeFilterSet(request.GET, queryset=nodes_for_listing())
+    filtered = any(request.GET.get(name) for name in nodes.filters)
+    page = Paginator(nodes.qs, NODES_PAGE_SIZE).get_page(request.GET.get("page"))
+    query = request.GET.copy()
+    query.pop("page", None)
     return render(
         request,
         "fleet/overview.html",
         {
-            "fleet": fleet_overview(),
+            "fleet": fleet_overview(nodes=nodes.qs if filtered and nodes.is_valid() else None),
+            "filtered": filtered,
             "node_filter": nodes,
-            "nodes": nodes.qs,
+            "nodes": page.object_list,
+            "page": page,
+            "querystring": query.urlencode(),
             "id_filters": ID_FILTERS,
             **_live_context(request),
         },

@@ -46,11 +46,30 @@ def test_the_fleet_page_makes_the_same_queries_for_a_small_or_large_fleet(
     logged_in, django_assert_max_num_queries
 ):
     build_fleet(racks=1, nodes_per_rack=2)
-    with django_assert_max_num_queries(20) as small:
+    with django_assert_max_num_queries(23) as small:
         logged_in.get("/fleet/")
     build_fleet(racks=3, nodes_per_rack=6)
     with django_assert_max_num_queries(len(small.captured_queries)):
         assert logged_in.get("/fleet/").status_code == 200
+
+
+def test_the_fleet_page_draws_a_bounded_part_of_a_large_fleet(logged_in, monkeypatch):
+    from apps.fleet import selectors, views
+
+    monkeypatch.setattr(selectors, "RACKS_SHOWN", 2)
+    monkeypatch.setattr(views, "NODES_PAGE_SIZE", 4)
+    build_fleet(racks=3, nodes_per_rack=3)
+    html = logged_in.get("/fleet/").content.decode()
+    assert html.count('class="card rack"') == 2
+    assert "the first 2 of 3 racks" in html
+    table = html[html.index('id="nodes-table"') :]
+    assert table.count("<tr data-node=") == 4 and "Page 1 of 3" in table
+    last = logged_in.get("/fleet/?page=3").content.decode()
+    assert last[last.index('id="nodes-table"') :].count("<tr data-node=") == 1
+    # A filter draws the racks that hold what it matches.
+    rack = Node.objects.exclude(rack=None).order_by("-rack__name").first().rack
+    narrowed = logged_in.get(f"/fleet/?rack={rack.name}").content.decode()
+    assert narrowed.count('class="card rack"') == 1 and f'id="rack-{rack.pk}"' in narrowed
 
 
 def test_csv_export_follows_the_filters_and_defuses_formulas(logged_in):
