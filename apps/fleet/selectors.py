@@ -118,8 +118,8 @@ class FleetOverview:
 
 # What the Fleet page draws at most, so that it stays quick at 10,000 nodes: rack
 # elevations (with their nodes and GPUs) and cloud nodes; filters narrow to the rest.
-RACKS_SHOWN = 24
-UNRACKED_SHOWN = 100
+RACKS_SHOWN = 8
+UNRACKED_SHOWN = 50
 
 
 def fleet_overview(*, nodes: QuerySet[Node] | None = None) -> FleetOverview:
@@ -497,7 +497,7 @@ def node_gpu_series(
 
 # --- the heat map of GPUs ----------------------------------------------------------------------
 
-HEAT_MAP_MAX_NODES = 1000  # 8,000 GPUs; past it the page asks for a narrower filter
+HEAT_MAP_MAX_NODES = 500  # 4,000 GPUs; past it the page asks for a narrower filter
 
 
 @dataclass(frozen=True)
