@@ -78,7 +78,7 @@ def _overview(request, *, webhook_key: str | None = None, status: int = 200):
                 messages.error(request, f"{field}: {problem}")
         return redirect("costs:overview")
     roles = roles_of(request.user)
-    budget_teams = _budget_teams(request.user)
+    budget_form, budget_pick_team = _budget_form(request.user, report.query.get("team_id"))
     finance = roles.superuser or roles.finance
     return render(
         request,
@@ -102,7 +102,8 @@ def _overview(request, *, webhook_key: str | None = None, status: int = 200):
             "spot_prices": selectors.spot_prices_latest(),
             "unpriced": selectors.unpriced_pools() if roles.sees_every_team else [],
             "can_edit_prices": finance,
-            "budget_form": BudgetForm(teams=budget_teams) if budget_teams.exists() else None,
+            "budget_form": budget_form,
+            "budget_pick_team": budget_pick_team,
             "owned_form": OwnedPriceForm() if finance else None,
             "cloud_form": CloudPriceForm() if finance else None,
             "discount_form": PoolDiscountForm() if finance else None,
@@ -110,6 +111,26 @@ def _overview(request, *, webhook_key: str | None = None, status: int = 200):
         },
         status=status,
     )
+
+
+# Past this many teams the budget form asks for a team chosen in the filters, rather than
+# offering a list of them all (finance sees every team: 1,000 options render slowly).
+BUDGET_FORM_TEAMS = 50
+
+
+def _budget_form(user, team_id: str | None) -> tuple[BudgetForm | None, bool]:
+    """The budget form for the teams the user budgets (the filtered team only, where one
+    is chosen), and whether it waits for a team to be chosen first."""
+    teams = _budget_teams(user)
+    if team_id and team_id.isdigit():
+        teams = teams.filter(pk=int(team_id))
+    count = teams.count()
+    if not count:
+        return None, False
+    if count > BUDGET_FORM_TEAMS:
+        return None, True
+    chosen = int(team_id) if team_id and team_id.isdigit() else None
+    return BudgetForm(teams=teams, initial={"team": chosen}), False
 
 
 def _refusals_as_400(view):

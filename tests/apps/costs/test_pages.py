@@ -219,3 +219,19 @@ def test_a_bad_filter_is_a_400_for_csv_and_a_message_on_the_page(finance_user):
 
     assert csv_answer.status_code == 400 and b"until" in csv_answer.content
     assert page.status_code == 200 and b"group_by" in page.content
+
+
+def test_with_many_teams_the_budget_form_waits_for_a_team_chosen_in_the_filters(
+    finance_user, team, other_team, monkeypatch
+):
+    from apps.costs import views
+
+    monkeypatch.setattr(views, "BUDGET_FORM_TEAMS", 1)
+    client = browser(finance_user)
+    page = client.get("/costs/").content.decode()
+    assert 'id="budget-pick-team"' in page and 'id="budget-form"' not in page
+    chosen = client.get(f"/costs/?team_id={other_team.pk}").content.decode()
+    form = chosen[chosen.index('id="budget-form"') :]
+    form = form[: form.index("</form>")]
+    assert f'<option value="{other_team.pk}" selected>' in form
+    assert f'value="{team.pk}"' not in form
