@@ -2,11 +2,11 @@
 
 import datetime as dt
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from decimal import Decimal
 
 from django.conf import settings
-from django.db.models import Min, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models import Case, Min, OuterRef, Q, QuerySet, Subquery, Sum, Value, When
 from django.utils import timezone
 
 from apps.accounts.selectors import roles_of, team_slugs
@@ -475,25 +475,54 @@ def _series(
 ) -> dict[str, dict]:
     """{label: {day: amount}} for the largest groups, and every other group as "other":
     each day's cells worked out as the rows are (the same shares), so the days add up to
-    the rows (one query, two with idle spread)."""
+    the rows. The database folds every group but the largest into one ("other") before
+    the rows come back: a day has a handful of cells, not one a team (one query, two with
+    idle spread)."""
     labels = {row.key: row.label for row in top}
-    cells: dict[dt.date, dict] = defaultdict(dict)
-    for row in RollUps(daily=daily).sums(("day", column), since=since, until=until, split=True):
-        cells[row["day"]][row[column]] = row
-    idle: dict[dt.date, dict] = defaultdict(dict)
+    other = _other_key(labels)
+    folded = {
+        "group": Case(
+            *[When(**{column: key}, then=Value(key)) for key in labels],
+            default=Value(other),
+            output_field=daily.model._meta.get_field(column),
+        )
+    }
+
+    def by_day(rows: QuerySet, fields: tuple) -> dict:
+        cells: dict[dt.date, dict] = defaultdict(dict)
+        for row in RollUps(daily=rows.annotate(**folded)).sums(
+            fields, since=since, until=until, split=True
+        ):
+            cells[row["day"]][_key(row, fields[1:])] = row
+        return cells
+
+    cells = by_day(daily, ("day", "group"))
+    idle: dict[dt.date, dict] = {}
     if spread is not None:
-        fields = ("day",) if spread.by_team else ("day", column)
-        for row in RollUps(daily=base_daily).sums(fields, since=since, until=until, split=True):
-            idle[row["day"]][_key(row, fields[1:])] = row
+        idle = by_day(base_daily, ("day",) if spread.by_team else ("day", "group"))
+    # The shares the groups folded into "other" carry, together.
+    share = {key: spread.share.get(key, ZERO) for key in labels} if spread else {}
+    if spread is not None:
+        share[other] = sum(spread.share.values(), ZERO) - sum(share.values(), ZERO)
     series: dict[str, dict] = defaultdict(dict)
     for day in sorted(set(cells) | set(idle)):
-        on_day = None if spread is None else replace(spread, idle=idle.get(day, {}))
-        for key in cells[day] if spread is None else spread.share:
-            amount = _spend_row(key, cells[day].get(key), on_day).total
+        for key in [*labels, other]:
+            got = cells[day].get(key) or {}
+            if spread is None:
+                amount = got.get("jobs", ZERO) + got.get("idle", ZERO)
+            else:
+                idle_row = idle.get(day, {}).get(() if spread.by_team else key) or {}
+                amount = got.get("jobs", ZERO) + idle_row.get("idle", ZERO) * share[key]
             if amount:
                 name = labels.get(key, "other")
                 series[name][day] = series[name].get(day, ZERO) + amount
     return dict(series)
+
+
+def _other_key(keys) -> int | str:
+    """A group key no group has: -1 where the largest groups' keys are ids, else a text
+    no capacity type is."""
+    return " other" if any(isinstance(key, str) for key in keys) else -1
 
 
 @dataclass(frozen=True)
