@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db.models import Count, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
 from django.utils import timezone
 
-from apps.accounts.selectors import roles_of
+from apps.accounts.selectors import roles_of, team_slugs
 from apps.checkpoints.models import (
     LIVE_STATES,
     ON_STORAGE_COPY_STATES,
@@ -320,17 +320,20 @@ def job_checkpoints(*, job: Job) -> list[Checkpoint]:
 def storage_by_team(*, user) -> list[dict]:
     """Bytes on storage per team and kind of copy (copies being deleted still count)."""
     copies = copies_visible_to(user=user).filter(state__in=ON_STORAGE_COPY_STATES)
-    totals: dict[tuple, dict] = {}
-    for team_id, slug, kind, size, count in (
-        copies.values_list("checkpoint__team_id", "checkpoint__team__slug", "kind")
+    sums = list(
+        copies.values_list("checkpoint__team_id", "kind")
         .annotate(size=Sum("checkpoint__size_bytes"), n=Count("id"))
-        .values_list("checkpoint__team_id", "checkpoint__team__slug", "kind", "size", "n")
-    ):
+        .order_by()
+    )
+    # The teams' slugs apart: joining the team to every copy doubled the sum's time.
+    slugs = team_slugs(team_ids={team_id for team_id, *_ in sums})
+    totals: dict[int, dict] = {}
+    for team_id, kind, size, count in sums:
         row = totals.setdefault(
-            (team_id, slug),
+            team_id,
             {
                 "team": team_id,
-                "team_slug": slug,
+                "team_slug": slugs.get(team_id, ""),
                 CopyKind.NODE_LOCAL.value: 0,
                 CopyKind.SHARED.value: 0,
                 CopyKind.S3.value: 0,

@@ -160,8 +160,8 @@ def test_the_page_makes_a_fixed_number_of_queries(
 
 
 # session, user, memberships, count, jobs, their checkpoints and copies, storage used by job,
-# storage per team, teams, step times, budget banner
-QUERIES = 12
+# storage per team and its teams' slugs, teams, step times, budget banner
+QUERIES = 13
 
 
 def test_the_page_follows_changes_through_a_live_region_that_keeps_its_filters(
