@@ -38,6 +38,10 @@ def _chart(report: reports.Report):
     )
 
 
+# The table by group shows the largest groups; the rest are one row (each in the CSV).
+TABLE_ROWS = 50
+
+
 def _figures(request, report: reports.Report) -> dict:
     """What the live part of the page shows (tiles, chart, table by group), from the one
     report: the rows, the chart's days and the tiles are the same spend."""
@@ -47,9 +51,22 @@ def _figures(request, report: reports.Report) -> dict:
     chart_total = sum(
         (sum(days.values(), Decimal(0)) for days in spend.series.values()), Decimal(0)
     )
+    rows = list(zip(spend.rows, row_cents, strict=True))
+    rest = rows[TABLE_ROWS:]
     return {
         "report": report,
-        "rows": list(zip(spend.rows, row_cents, strict=True)),
+        "rows": rows[:TABLE_ROWS],
+        "rest": {
+            "count": len(rest),
+            "jobs": sum((row.jobs for row, _ in rest), Decimal(0)),
+            "idle": sum((row.idle for row, _ in rest), Decimal(0)),
+            "rounded": sum((rounded for _, rounded in rest), Decimal(0)),
+            "total": sum((row.total for row, _ in rest), Decimal(0)),
+            "gpu_hours": sum((row.gpu_hours for row, _ in rest), Decimal(0)),
+            "savings": sum((row.savings for row, _ in rest), Decimal(0)),
+        }
+        if rest
+        else None,
         "total_cents": cents(spend.total),
         "jobs_cents": jobs_cents,
         "idle_cents": idle_cents,

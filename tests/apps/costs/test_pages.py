@@ -235,3 +235,28 @@ def test_with_many_teams_the_budget_form_waits_for_a_team_chosen_in_the_filters(
     form = form[: form.index("</form>")]
     assert f'<option value="{other_team.pk}" selected>' in form
     assert f'value="{team.pk}"' not in form
+
+
+def test_the_table_by_group_shows_the_largest_groups_and_the_rest_as_one_row(
+    finance_user, team, other_team, monkeypatch
+):
+    import re
+
+    from apps.costs import views
+    from tests.apps.costs.test_budgets import spend
+
+    monkeypatch.setattr(views, "TABLE_ROWS", 1)
+    spend(team, Decimal(30))
+    spend(other_team, Decimal(10), pool_slug="other-pool")
+    html = browser(finance_user).get("/costs/?group_by=team&idle=separate").content.decode()
+    start = html.index('id="spend-table"')
+    table = html[start : html.index("</table>", start)]
+    assert table.count("<tr data-group=") == 1
+    rest = table[table.index('id="spend-rest"') :]
+    assert re.search(r"<td>\d+ more, each in the <a", rest)
+
+    def strong(text: str) -> Decimal:
+        return Decimal(re.search(r"<strong>\$([\d,.]+)</strong>", text)[1].replace(",", ""))
+
+    shown_total = Decimal(re.search(r'id="spend-total">\$([\d,.]+)<', table)[1].replace(",", ""))
+    assert strong(table) + strong(rest) == shown_total > 0
