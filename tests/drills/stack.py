@@ -32,7 +32,9 @@ PYTHON = sys.executable
 
 # Every threshold the drills lean on, short: a heartbeat a second, a node quiet after 3 s,
 # SUSPECT after 4, DOWN after 8; a pass every 2 s; a lost dispatch re-sent after 4 s and
-# a lost provisioning after 10.
+# a lost provisioning after 10. The meter stays 2 s behind now, not 0: its lag is what lets
+# an allocation's end, stamped before its transaction commits, land before the meter passes
+# it (production: 60 s); at 0 a busy drill metered a few hundredths of a second too many.
 DRILL_SETTINGS = {
     "AGENT_HEARTBEAT_S": "1",
     "NODE_SWEEP_EVERY_S": "1",
@@ -45,7 +47,7 @@ DRILL_SETTINGS = {
     "PREEMPTION_GRACE_S": "10",
     "NODE_MIN_FREE_DISK_GB": "0",
     "COSTS_METER_EVERY_S": "5",
-    "COSTS_METER_LAG_S": "0",
+    "COSTS_METER_LAG_S": "2",
 }
 
 
