@@ -220,7 +220,7 @@ def baseline_step(args):
 def baseline(args) -> dict:
     import torch
 
-    from workers.trainer.model import flops_per_token
+    from workers.trainer.presets import flops_per_token
 
     gpu = torch.cuda.is_available()
     step = baseline_step(args)

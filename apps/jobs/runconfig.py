@@ -36,6 +36,36 @@ def layout_on(job: Job, nodes: int) -> dict[str, int]:
     return {"dp_replicate": job.dp_replicate, "dp_shard": dp_shard, "tp": job.tp, "pp": job.pp}
 
 
+def trainer_settings(trainer: dict, layout: dict[str, int]) -> dict:
+    """run.json's training settings for a spec's `trainer` section on `layout`: all but the
+    job's identity and its checkpoints. The advisor (apps/jobs/advisor.py) estimates a spec
+    from the same settings before it is submitted."""
+    return {
+        "model": {"preset": trainer.get("preset"), "sizes": trainer.get("model")},
+        "data": {"dataset": trainer.get("dataset", "synthetic"), "seq_len": trainer["seq_len"]},
+        "schedule": {
+            "steps": trainer["steps"],
+            "global_batch": trainer["global_batch"],
+            **{
+                key: trainer[key]
+                for key in ("micro_batch", "lr", "warmup_steps", "min_lr_ratio", "grad_clip")
+                if trainer.get(key) is not None
+            },
+        },
+        "precision": trainer.get("precision", "bf16"),
+        "activation_checkpointing": trainer.get("activation_checkpointing", "selective"),
+        "compile": trainer.get("compile", False),
+        "attention_backend": trainer.get("attention_backend", "auto"),
+        "layout": layout,
+        # Pipeline schedule: "1f1b" or "interleaved_1f1b" (stages_per_rank stages on each rank).
+        "pipeline": trainer.get("pipeline") or {"schedule": "1f1b"},
+        # The same seed on every attempt: a resumed run continues the same data order.
+        "seed": trainer.get("seed", 0),
+        "collective_timeout_s": trainer.get("collective_timeout_s", 600),
+        "log_every": trainer.get("log_every", 1),
+    }
+
+
 def trainer_run_config(
     job: Job,
     *,
@@ -50,46 +80,23 @@ def trainer_run_config(
     `resume_from` the checkpoint the control plane chose (apps/checkpoints: the newest
     verified one whose copy the new nodes reach), `s3` where the trainer copies each one.
     """
+    # The global batch stays the same on any node count: each data-parallel rank takes a
+    # larger share of it on fewer nodes, so a resumed run keeps its schedule.
     trainer = job.spec["trainer"]
-    config = {
-        "job": {"id": job.pk, "uuid": str(job.uuid), "attempt": attempt, "name": job.name},
-        "model": {"preset": trainer.get("preset"), "sizes": trainer.get("model")},
-        "data": {"dataset": trainer["dataset"], "seq_len": trainer["seq_len"]},
-        "schedule": {
-            "steps": trainer["steps"],
-            "global_batch": trainer["global_batch"],
-            **{
-                key: trainer[key]
-                for key in ("micro_batch", "lr", "warmup_steps", "min_lr_ratio", "grad_clip")
-                if trainer.get(key) is not None
-            },
-        },
-        "precision": trainer.get("precision", "bf16"),
-        "activation_checkpointing": trainer.get("activation_checkpointing", "selective"),
-        "compile": trainer.get("compile", False),
-        "attention_backend": trainer.get("attention_backend", "auto"),
-        # The global batch above stays the same on any node count: each data-parallel rank
-        # takes a larger share of it on fewer nodes, so a resumed run keeps its schedule.
-        "layout": layout_on(job, job.nodes if nodes is None else nodes),
-        # Pipeline schedule: "1f1b" or "interleaved_1f1b" (stages_per_rank stages on each rank).
-        "pipeline": trainer.get("pipeline") or {"schedule": "1f1b"},
-        "checkpoint": {
-            "dir": checkpoint_dir(job),
-            "every_steps": trainer.get("checkpoint_every_steps"),
-            "every_minutes": trainer.get("checkpoint_every_minutes"),
-            # The trainer deletes none: retention (checkpoint_keep, checkpoint_keep_every and
-            # the final step, apps/checkpoints/retention.py) deletes through the registry, so
-            # no registered checkpoint loses its files behind the registry's back.
-            "keep": 0,
-            # The control plane names the checkpoint to resume from, or none: the trainer does
-            # not pick one itself.
-            "resume_from": resume_from,
-            "resume_newest": False,
-            "s3": s3,
-        },
-        # The same seed on every attempt: a resumed run continues the same data order.
-        "seed": trainer.get("seed", 0),
-        "collective_timeout_s": trainer.get("collective_timeout_s", 600),
-        "log_every": trainer.get("log_every", 1),
+    config = trainer_settings(trainer, layout_on(job, job.nodes if nodes is None else nodes))
+    config["job"] = {"id": job.pk, "uuid": str(job.uuid), "attempt": attempt, "name": job.name}
+    config["checkpoint"] = {
+        "dir": checkpoint_dir(job),
+        "every_steps": trainer.get("checkpoint_every_steps"),
+        "every_minutes": trainer.get("checkpoint_every_minutes"),
+        # The trainer deletes none: retention (checkpoint_keep, checkpoint_keep_every and
+        # the final step, apps/checkpoints/retention.py) deletes through the registry, so
+        # no registered checkpoint loses its files behind the registry's back.
+        "keep": 0,
+        # The control plane names the checkpoint to resume from, or none: the trainer does
+        # not pick one itself.
+        "resume_from": resume_from,
+        "resume_newest": False,
+        "s3": s3,
     }
     return json.dumps(config, indent=2, sort_keys=True)

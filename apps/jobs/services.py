@@ -18,7 +18,7 @@ from apps.accounts.services import audit_record, snapshot
 from apps.costs import selectors as costs
 from apps.costs.money import money_text
 from apps.fleet.selectors import pools_capacity
-from apps.jobs import specs
+from apps.jobs import advisor, specs
 from apps.jobs.models import (
     Job,
     JobEvent,
@@ -102,6 +102,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
     elif not spec.get("trainer") and not spec.get("command"):
         errors.add("trainer", "Give trainer (the bundled trainer) or command.")
     pool_ids = []  # the pools the job may run in: what its NCCL and cost are checked on
+    estimate = None  # the advisor's, for a trainer job whose spec holds together
     if resources is not None:
         if spec.get("trainer"):
             specs.check_trainer(spec["trainer"], resources, errors)
@@ -120,6 +121,11 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
             nodes=resources.nodes,
             gpus_per_node=resources.gpus_per_node,
         )
+        if spec.get("trainer") and not errors.details:
+            advice = advisor.advise_spec(spec, resources=resources, pools=pools, pool_ids=pool_ids)
+            if spec["trainer"].get("check_memory", True):
+                advisor.check_fit(advice, errors)
+            estimate = advisor.stored(advice)
     if spec.get("command"):
         specs.check_command(spec["command"], errors)
     specs.check_env(spec, errors)
@@ -155,6 +161,7 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
         time_limit_s=spec["time_limit_s"],
         max_cost_usd=spec.get("max_cost_usd"),
         restart_limit=spec.get("restart_limit", 3),
+        estimate=estimate,
         idempotency_key=idempotency_key,
         queued_at=now,
     )
@@ -183,6 +190,30 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
     job.last_pass_at = None  # which no pass has read yet: its reason needs no look-up
     schedule_soon()  # after the commit
     return job, True
+
+
+def job_estimate(*, spec: dict) -> list[advisor.Advice]:
+    """The advisor's answer for a trainer spec, per GPU type it may land on, without
+    submitting: the same resource and trainer checks as job_submit, nothing written."""
+    if not spec.get("trainer"):
+        raise ApplicationError(
+            "Estimates are for the bundled trainer.",
+            details={"trainer": ["Give trainer: a command job's memory and speed are its own."]},
+        )
+    errors = specs.SpecErrors()
+    pools = pools_capacity(cached=True)
+    resources = specs.resources_from_spec(spec, pools=pools, errors=errors)
+    if resources is not None:
+        specs.check_trainer(spec["trainer"], resources, errors)
+    errors.raise_if_any()
+    pool_ids = specs.pools_holding(
+        pools,
+        gpu_type=resources.gpu_type,
+        where=spec.get("placement", {}).get("where", "owned_then_cloud"),
+        nodes=resources.nodes,
+        gpus_per_node=resources.gpus_per_node,
+    )
+    return advisor.advise_spec(spec, resources=resources, pools=pools, pool_ids=pool_ids)
 
 
 def _check_nccl(spec: dict, resources, pool_ids: list[int], errors: specs.SpecErrors) -> None:

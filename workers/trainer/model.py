@@ -212,8 +212,3 @@ def use_attention_backend(name: str) -> None:
     backends.enable_mem_efficient_sdp(name == "efficient")
     backends.enable_cudnn_sdp(name == "cudnn")
     backends.enable_math_sdp(name == "math")
-
-
-def flops_per_token(shape: ModelShape, seq_len: int) -> int:
-    """Training FLOPs per token: 6N for the matrices, 12·L·d·S for attention (PaLM's count)."""
-    return 6 * shape.parameters() + 12 * shape.layers * shape.dim * seq_len

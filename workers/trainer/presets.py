@@ -63,5 +63,10 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+def flops_per_token(shape: ModelShape, seq_len: int) -> int:
+    """Training FLOPs per token: 6N for the matrices, 12·L·d·S for attention (PaLM's count)."""
+    return 6 * shape.parameters() + 12 * shape.layers * shape.dim * seq_len
+
+
 def preset(name: str) -> ModelShape:
     return PRESETS[name]

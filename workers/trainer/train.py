@@ -21,8 +21,9 @@ from workers.trainer import metrics, parallelize
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.config import RunConfig, stage_count
 from workers.trainer.data import Batches, open_source
-from workers.trainer.model import Transformer, flops_per_token, use_attention_backend
+from workers.trainer.model import Transformer, use_attention_backend
 from workers.trainer.optim import Optimizers
+from workers.trainer.presets import flops_per_token
 from workers.trainer.stopping import StepWatchdog, StopSignal
 
 

@@ -133,6 +133,11 @@ class TrainerSerializer(SpecSerializer):
         help_text="...and every checkpoint whose step is a multiple of this (and the final one).",
     )
     compile = serializers.BooleanField(default=False)
+    check_memory = serializers.BooleanField(
+        default=True,
+        help_text="Refuse the job when the memory model says its layout fits none of the GPUs "
+        "it may land on (the 400 gives the numbers); false submits it anyway.",
+    )
     # Tuning the trainer's defaults (workers/trainer/config.py says what each does).
     micro_batch = _count(1_000_000, required=False)
     lr = serializers.FloatField(min_value=0, max_value=10, required=False)
@@ -541,3 +546,82 @@ class JobLogSerializer(StrictSerializer):
     next_after = serializers.IntegerField(help_text="Ask again with after=this to follow.")
     finished = serializers.BooleanField(help_text="The job has ended: no more lines will come.")
     state = serializers.CharField()
+
+
+class MemoryLinesSerializer(StrictSerializer):
+    """GiB per GPU at the peak, line by line; they add up to total_gib."""
+
+    parameters = serializers.FloatField(help_text="Weights: fp32 master copies and bf16 copies.")
+    gradients = serializers.FloatField(help_text="fp32 gradients held at the peak.")
+    optimizer = serializers.FloatField(help_text="AdamW's two moments.")
+    activations = serializers.FloatField(help_text="Saved for the backward pass.")
+    output = serializers.FloatField(help_text="The logits and the loss's working copies.")
+    buffers = serializers.FloatField(help_text="DDP's gradient buckets, cuBLAS workspaces.")
+    runtime = serializers.FloatField(help_text="CUDA context, NCCL buffers, fragmentation.")
+
+
+class LayoutAdviceSerializer(StrictSerializer):
+    layout = serializers.CharField(help_text="dp_replicate x dp_shard x tp x pp.")
+    label = serializers.CharField()
+    fit = serializers.ChoiceField(
+        choices=["fits", "tight", "no"],
+        help_text="tight: within 10% of the GPU's memory; no: does not fit.",
+    )
+    memory_gib = serializers.FloatField(help_text="Total per GPU, the runtime included.")
+    allocated_gib = serializers.FloatField(
+        help_text="What torch's allocator will hold at the peak (the trainer's peak_mem_gib)."
+    )
+    gpu_memory_gib = serializers.FloatField()
+    peak_rank = serializers.CharField(help_text="The rank whose peak this is.")
+    lines = MemoryLinesSerializer()
+    step_time_s = serializers.FloatField(allow_null=True)
+    run_time_s = serializers.FloatField(allow_null=True, help_text="The steps plus start-up.")
+    cost = serializers.CharField(allow_null=True, help_text="A decimal string in USD.")
+    within_time_limit = serializers.BooleanField()
+
+
+class AdviceSerializer(StrictSerializer):
+    gpu_type = serializers.CharField()
+    gpus = serializers.IntegerField()
+    layouts = LayoutAdviceSerializer(many=True)
+    chosen = LayoutAdviceSerializer(
+        allow_null=True, help_text="The layout the spec asks for, as estimated."
+    )
+    suggested = LayoutAdviceSerializer(
+        allow_null=True, help_text="The cheapest layout that fits and ends within the time limit."
+    )
+    basis = serializers.ListField(
+        child=serializers.CharField(), help_text="What the time and cost rest on."
+    )
+
+
+def advice_data(advice) -> dict:
+    """An apps.jobs.advisor.Advice as AdviceSerializer's fields."""
+
+    def one(a):
+        if a is None:
+            return None
+        figures = a.estimate.as_dict()
+        return {
+            "layout": a.layout.value,
+            "label": a.layout.label,
+            "fit": a.fit,
+            "memory_gib": figures["total_gib"],
+            "allocated_gib": figures["allocated_gib"],
+            "gpu_memory_gib": a.gpu_memory_gib,
+            "peak_rank": figures["rank"],
+            "lines": figures["lines"],
+            "step_time_s": round(a.step_time_s, 4) if a.step_time_s is not None else None,
+            "run_time_s": round(a.run_time_s) if a.run_time_s is not None else None,
+            "cost": str(round(a.cost, 2)) if a.cost is not None else None,
+            "within_time_limit": a.within(advice.time_limit_s),
+        }
+
+    return {
+        "gpu_type": advice.gpu_type,
+        "gpus": advice.gpus,
+        "layouts": [one(a) for a in advice.layouts],
+        "chosen": one(advice.chosen),
+        "suggested": one(advice.suggested),
+        "basis": advice.basis,
+    }

@@ -69,6 +69,19 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         job = operation(job=self.get_object(), by=request.user, **kwargs)
         return Response(s.JobSerializer(job, context=self.get_serializer_context()).data)
 
+    @extend_schema(request=s.JobSubmitSerializer, responses=s.AdviceSerializer(many=True))
+    @action(detail=False, methods=["post"])
+    def estimate(self, request):
+        """Before submitting: whether a trainer spec fits its GPUs on each layout its counts
+        allow, the memory per GPU line by line, the run time and cost, and the suggested
+        layout; one answer per GPU type it may land on. Nothing is submitted."""
+        body = s.JobSubmitSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        spec = dict(body.validated_data)
+        _team_visible(request.user, spec.pop("team"))
+        advice = services.job_estimate(spec=_jsonable(spec))
+        return Response([s.advice_data(a) for a in advice])
+
     @extend_schema(request=s.ReasonSerializer, responses=s.JobSerializer)
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):

@@ -145,6 +145,13 @@ class Job(models.Model):
         db_index=False,
     )
     idempotency_key = models.CharField(max_length=200, blank=True, editable=False)
+    estimate = models.JSONField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="What the advisor predicted at submit (apps/jobs/advisor.py): memory per GPU, "
+        "step time, run time and cost, kept to set beside what happened.",
+    )
 
     queued_at = models.DateTimeField(
         editable=False, help_text="Its place in the queue by age; kept when it is requeued."
