@@ -53,6 +53,21 @@ class Row:
             parts.append("fsdp1")
         return "/".join(parts)
 
+    @classmethod
+    def parse(cls, name: str) -> "Row":
+        """The row a name stands for (`1b/b8/s2048/ac-none/compiled/mb4/fsdp1`)."""
+        preset, batch, seq, ac, mode, *rest = name.split("/")
+        micro = next((int(p[2:]) for p in rest if p.startswith("mb")), None)
+        return cls(
+            preset=preset,
+            batch=int(batch[1:]),
+            ac=ac.removeprefix("ac-"),
+            compile=mode == "compiled",
+            seq_len=int(seq[1:]),
+            micro_batch=micro,
+            fsdp1="fsdp1" in rest,
+        )
+
     def run_json(self, *, steps: int) -> dict:
         return {
             "model": {"preset": self.preset},
@@ -149,7 +164,12 @@ def main(argv=None) -> int:
         if prediction:
             result["predicted_gib"] = prediction["allocated_gib"]
             result["lines"] = prediction["lines"]
-        if gpu:
+        card = torch.cuda.mem_get_info()[1] / 2**30 if gpu else 0
+        if gpu and prediction and prediction["allocated_gib"] > 0.95 * card:
+            result["skipped"] = (
+                f"predicted {prediction['allocated_gib']} GiB; the card has {card:.0f}"
+            )
+        elif gpu:
             result.update(measure(row, args))
             if row not in ALONE:
                 result.pop("tokens_per_s", None), result.pop("mfu", None)

@@ -9,8 +9,9 @@ pipeline rank holds the most activations, the last the logits), as lines that
 add up to the total:
 
 - parameters: fp32 master weights, this rank's share (÷ tp, ÷ pp stages, ÷
-  dp_shard under FSDP), plus the bf16 copies the step computes with (autocast's
-  cached casts, or FSDP's gathered blocks);
+  dp_shard under FSDP);
+- copies: the bf16 weights the step computes with (autocast's cached casts, or
+  the blocks FSDP gathers);
 - gradients: fp32, this rank's share, as many as exist at the peak (at the start
   of the backward pass only the output head's; at the optimizer step all);
 - optimizer: AdamW's two fp32 moments per parameter;
@@ -31,13 +32,22 @@ the factors in CALIBRATION scale them to what the H200 measured, row by row in
 bench/RESULTS.md ("Memory model").
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.trainer.config import RunConfig, microbatches, parse, stage_count
 from workers.trainer.presets import ModelShape
 
 GIB = 2**30
-LINES = ("parameters", "gradients", "optimizer", "activations", "output", "buffers", "runtime")
+LINES = (
+    "parameters",
+    "copies",
+    "gradients",
+    "optimizer",
+    "activations",
+    "output",
+    "buffers",
+    "runtime",
+)
 
 # Usable memory per GPU type, GiB (what the driver reports as total on the SXM parts).
 GPU_MEMORY_GIB = {"H100": 79.6, "H200": 139.8, "A100": 79.2}
@@ -64,6 +74,9 @@ class Estimate:
 
     lines: dict[str, int]
     rank: str = "the only rank"
+    # The rank's whole share of the fp32 state (after the first update), which the trainer
+    # reports as its "state_bytes" event: parameters, gradients, optimizer.
+    states: dict[str, int] = field(default_factory=dict)
 
     @property
     def allocated(self) -> int:
@@ -102,9 +115,12 @@ class _Rank:
 
 def estimate(config: RunConfig, *, gpu: bool = True) -> Estimate:
     """The peak of the rank that needs the most, for a parsed run.json."""
-    ranks = _pipeline_ranks(config)
-    estimates = [_rank_estimate(config, rank, gpu=gpu) for rank in ranks]
-    return max(estimates, key=lambda e: e.total)
+    return max(estimate_ranks(config, gpu=gpu), key=lambda e: e.total)
+
+
+def estimate_ranks(config: RunConfig, *, gpu: bool = True) -> list[Estimate]:
+    """The first pipeline rank's estimate (global rank 0's), then the last's if pp > 1."""
+    return [_rank_estimate(config, rank, gpu=gpu) for rank in _pipeline_ranks(config)]
 
 
 def for_run(data: dict, *, gpu: bool = True) -> Estimate:
@@ -153,8 +169,9 @@ def _rank_estimate(config: RunConfig, rank: _Rank, *, gpu: bool) -> Estimate:
     residual = 4 if autocast or compute == 4 else 2  # autocast keeps the residual stream fp32
     shard = layout.dp_shard if mode == "fsdp" else 1
 
-    block = _block_parameters(shape) / tp
-    block_matrices = block - 2 * shape.dim
+    norms = 2 * shape.dim  # RMSNorm weights: whole on every tensor-parallel rank
+    block_matrices = (_block_parameters(shape) - norms) / tp
+    block = block_matrices + norms
     embedding = shape.vocab_size * shape.dim / tp if rank.embedding else 0
     head = (shape.vocab_size * shape.dim / tp + shape.dim) if rank.head else 0
     held = rank.blocks * block + embedding + head  # this rank's parameters before sharding
@@ -181,6 +198,12 @@ def _rank_estimate(config: RunConfig, rank: _Rank, *, gpu: bool) -> Estimate:
     output = _output_bytes(config, shape, compute=compute) * tokens if rank.head else 0.0
 
     params = 4 * held / shard
+    all_grads = 4 * held / shard
+    if rank.embedding and tp > 1 and mode != "fsdp":
+        # Under TP without FSDP (which reduce-scatters it into shards) the embedding table's
+        # gradient comes back whole on every rank, not in its 1/tp share (measured with gloo
+        # in tests/workers/trainer/test_training.py).
+        all_grads += 4 * embedding * (tp - 1)
     optimizer = 8 * held / shard
     head_grads = 4 * head / shard
     buffers = CUBLAS_WORKSPACE + (4 * held if mode == "ddp" else 0)
@@ -188,14 +211,15 @@ def _rank_estimate(config: RunConfig, rank: _Rank, *, gpu: bool) -> Estimate:
     # Two moments compete for the peak: the start of the backward pass (every activation
     # and the loss's copies held, only the head's gradients made) and its end (every
     # gradient made, the last block's still unreduced, the activations freed).
-    end = 4 * held / shard + 2 * compute * block
+    end = all_grads + 2 * compute * block
     if acts + output + head_grads >= end:
         grads = head_grads
     else:
         grads, acts, output = end, 0.0, 0.0
 
     lines = {
-        "parameters": params + copies,
+        "parameters": params,
+        "copies": copies,
         "gradients": grads,
         "optimizer": optimizer,
         "activations": acts,
@@ -205,7 +229,12 @@ def _rank_estimate(config: RunConfig, rank: _Rank, *, gpu: bool) -> Estimate:
     allocated = sum(lines.values())
     runtime = CUDA_CONTEXT + (NCCL_BUFFERS if layout.world_size > 1 else 0)
     lines["runtime"] = runtime + FRAGMENTATION * allocated
-    return Estimate({k: int(v) for k, v in lines.items()}, rank=rank.name)
+    states = {"parameters": params, "gradients": all_grads, "optimizer": optimizer}
+    return Estimate(
+        {k: int(v) for k, v in lines.items()},
+        rank=rank.name,
+        states={k: int(v) for k, v in states.items()},
+    )
 
 
 def _block_parameters(shape: ModelShape) -> int:

@@ -9,7 +9,9 @@ the lines that parse as JSON objects with an "event" key:
      "world_size", "layout", "loss", "time", "files"}
 
 and, less often, "start", "resume", "checkpoint_rejected", "checkpoint_copy",
-"checkpoint_copy_failed" and "end" (see train.py and checkpoint.py). One event
+"checkpoint_copy_failed", "end" and, once after the first update, "state_bytes"
+(rank 0's share of the parameters, gradients and optimizer state, in bytes)
+(see train.py and checkpoint.py). One event
 comes from every rank, not only rank 0, as the process starts:
 
     {"event": "env", "rank", "local_rank", "node_rank", "world_size", "env"}

@@ -202,8 +202,54 @@ class Training:
         lr = self.optimizers.set_lr(step)
         loss = self.model.forward_backward(*self.batches.at(step))
         grad_norm = self.optimizers.clip()
+        gradients = self._gradient_bytes() if not self.states_told else 0
         self.optimizers.step()
+        if not self.states_told:
+            self._tell_states(step, gradients)
         return Vote(self.world, step, lr, loss, grad_norm, stop=stop, save=save)
+
+    states_told: bool = False
+
+    def _gradient_bytes(self) -> int:
+        return local_bytes(p.grad for part in self.model.parts for p in part.parameters())
+
+    def _tell_states(self, step: int, gradients: int) -> None:
+        """Once, after the first update: the bytes this rank holds in its share of the
+        parameters, gradients and optimizer state (the memory model's sharded lines, which
+        tests check under every layout on the CPU)."""
+        self.states_told = True
+        if not self.world.is_logger:
+            return
+        moments = (
+            value
+            for optimizer in self.optimizers.optimizers
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        )
+        parameters = (p for part in self.model.parts for p in part.parameters())
+        metrics.emit(
+            {
+                "event": "state_bytes",
+                "step": step,
+                "parameters": local_bytes(parameters),
+                "gradients": gradients,
+                "optimizer": local_bytes(moments),
+            }
+        )
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of this rank's part of each tensor (its shard of a DTensor); None counts 0."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
 
 
 def build(config: RunConfig) -> Training:

@@ -551,7 +551,8 @@ class JobLogSerializer(StrictSerializer):
 class MemoryLinesSerializer(StrictSerializer):
     """GiB per GPU at the peak, line by line; they add up to total_gib."""
 
-    parameters = serializers.FloatField(help_text="Weights: fp32 master copies and bf16 copies.")
+    parameters = serializers.FloatField(help_text="fp32 master weights, this GPU's share.")
+    copies = serializers.FloatField(help_text="bf16 weights the step computes with.")
     gradients = serializers.FloatField(help_text="fp32 gradients held at the peak.")
     optimizer = serializers.FloatField(help_text="AdamW's two moments.")
     activations = serializers.FloatField(help_text="Saved for the backward pass.")

@@ -33,7 +33,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from workers.trainer import metrics  # noqa: E402
+from workers.trainer import memory, metrics  # noqa: E402
+from workers.trainer.config import parse as run_parse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 6
@@ -248,6 +249,11 @@ def test_every_layout_trains_to_the_same_losses(name, scratch, dataset, referenc
     (start,) = run.of("start")
     assert start["layout"]["dp_shard"] == layout.get("dp_shard", 1)
     assert start["world_size"] == nproc
+    # The memory model's sharded lines are exact: rank 0's share of the fp32 state.
+    (states,) = run.of("state_bytes")
+    config = run_config(dataset, layout=layout, **extra)
+    predicted = memory.estimate_ranks(run_parse(config), gpu=False)[0].states
+    assert {k: states[k] for k in predicted} == predicted
 
 
 @pytest.fixture(scope="module")
