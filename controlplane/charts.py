@@ -224,8 +224,17 @@ def heat_grid(groups: Sequence[tuple[str, str, Sequence[tuple[str, str, str]]]])
     the cell's colour (the stylesheet's `heat-0` … `heat-10`), the label is its tooltip and
     accessible name. Built here rather than in a template loop: a fleet has thousands.
     """
-    # html.escape (quotes too) rather than format_html per cell: 80,000 cells are a lot.
+    # html.escape (quotes too) rather than format_html per cell: 80,000 cells are a lot; and
+    # classes and links, the same for many cells, escaped once each.
     quote = html.escape
+    quoted: dict[str, str] = {}
+
+    def quote_once(text: str) -> str:
+        out = quoted.get(text)
+        if out is None:
+            out = quoted[text] = quote(text)
+        return out
+
     parts = ['<div class="heat-map">']
     for label, href, cells in groups:
         parts.append(
@@ -235,7 +244,7 @@ def heat_grid(groups: Sequence[tuple[str, str, Sequence[tuple[str, str, str]]]])
         for classes, cell_href, cell_label in cells:
             text = quote(cell_label)
             parts.append(
-                f'<a class="heat-cell {quote(classes)}" href="{quote(cell_href)}" '
+                f'<a class="heat-cell {quote_once(classes)}" href="{quote_once(cell_href)}" '
                 f'title="{text}" aria-label="{text}"></a>'
             )
         parts.append("</span></div>")

@@ -15,6 +15,7 @@ from apps.jobs.models import JobState
 from apps.jobs.models.jobs import FINISHED_STATES
 from apps.jobs.selectors import jobs_visible_to
 from controlplane.exports import csv_response
+from controlplane.selects import options_html
 
 PAGE_SIZE = 50
 
@@ -57,12 +58,14 @@ def _overview_context(request) -> dict:
 
 @login_required
 def overview(request):
+    context = _overview_context(request)
+    teams = teams_visible_to(user=request.user).order_by("slug").values_list("pk", "slug")
     return render(
         request,
         "checkpoints/overview.html",
         {
-            **_overview_context(request),
-            "teams": teams_visible_to(user=request.user).order_by("slug"),
+            **context,
+            "team_options": options_html(teams, context["filter"].data.get("team_id")),
             "job_states": JobState.choices,
             "checkpoint_states": CheckpointState.choices,
         },

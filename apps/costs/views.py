@@ -21,6 +21,7 @@ from apps.fleet.models.nodes import CapacityType
 from controlplane import charts
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_stream, csv_stream_text, spreadsheet_safe
+from controlplane.selects import options_html
 
 
 def _budget_teams(user):
@@ -105,7 +106,10 @@ def _overview(request, *, webhook_key: str | None = None, status: int = 200):
             "filters": report.query,
             "group_choices": reports.GROUP_CHOICES,
             "idle_choices": reports.IDLE_CHOICES,
-            "teams": teams_visible_to(user=request.user).order_by("slug"),
+            "team_options": options_html(
+                teams_visible_to(user=request.user).order_by("slug").values_list("pk", "slug"),
+                report.query.get("team_id"),
+            ),
             "pools": fleet.pools_of_kind(),
             "instance_types": fleet.instance_types_for_listing(),
             "capacity_types": CapacityType.choices,

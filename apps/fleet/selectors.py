@@ -2,6 +2,7 @@
 
 import datetime as dt
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from django.conf import settings
 from django.db.models import (
@@ -127,8 +128,10 @@ def fleet_overview(*, nodes: QuerySet[Node] | None = None) -> FleetOverview:
     holding `nodes` (every rack without it), the first RACKS_SHOWN of them, and the first
     UNRACKED_SHOWN nodes in no rack; a bounded number of queries whatever the fleet's size."""
     racks = Rack.objects.select_related("site").order_by("site__name", "name")
+    # Of each GPU what its mark shows (templatetags/gpus.py), not its readings.
+    gpus = Gpu.objects.order_by("index").only("node_id", "index", "health", "health_reason")
     drawn = Node.objects.select_related("pool", "instance_type").prefetch_related(
-        Prefetch("gpus", queryset=Gpu.objects.order_by("index"))
+        Prefetch("gpus", queryset=gpus)
     )
     unracked = drawn.filter(rack__isnull=True).order_by("name")
     if nodes is not None:
@@ -500,8 +503,9 @@ def node_gpu_series(
 HEAT_MAP_MAX_NODES = 500  # 4,000 GPUs; past it the page asks for a narrower filter
 
 
-@dataclass(frozen=True)
-class HeatCell:
+class HeatCell(NamedTuple):
+    """One GPU of the heat map (a tuple: the map has thousands, made per request)."""
+
     node_id: int
     node_name: str
     index: int
@@ -550,6 +554,7 @@ def gpu_heat_map(*, nodes: QuerySet[Node], limit: int = HEAT_MAP_MAX_NODES) -> H
         )
     )
     names = {node.pk: node.name for node in shown}
+    free: dict = {}
     for node_id, index, health, util, temp, power, used, total_mib in rows:
         gpus.setdefault(node_id, []).append(
             HeatCell(
@@ -562,7 +567,7 @@ def gpu_heat_map(*, nodes: QuerySet[Node], limit: int = HEAT_MAP_MAX_NODES) -> H
                 power_w=power,
                 memory_used_mib=used,
                 memory_mib=total_mib,
-                holder=holders.get(node_id, {}).get(index),
+                holder=holders.get(node_id, free).get(index),
             )
         )
     return HeatMap(nodes=[(node, gpus.get(node.pk, [])) for node in shown], total_nodes=total)

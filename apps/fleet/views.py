@@ -1,6 +1,8 @@
 """Fleet pages: the overview of sites, racks, nodes and GPUs (with its heat map of every
 GPU and its CSV export), and a node's page with the actions ops take on it."""
 
+from operator import attrgetter
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -129,21 +131,20 @@ def _live_context(request) -> dict:
     filtered = NodeFilterSet(request.GET, queryset=Node.objects.all())
     heat = gpu_heat_map(nodes=filtered.qs if filtered.is_valid() else Node.objects.none())
     roles = roles_of(request.user)
+    if mode == "temperature":
+        reading, low, high = attrgetter("temperature_c"), 30, 90
+    else:
+        reading, low, high = attrgetter("utilization_pct"), 0, 100
     groups = []
     for node, cells in heat.nodes:
         href = reverse("fleet:node", args=[node.pk])
         drawn = []
         for cell in cells:
-            if mode == "temperature":
-                classes = [_bucket(cell.temperature_c, 30, 90)]
-            else:
-                classes = [_bucket(cell.utilization_pct, 0, 100)]
-            classes.append("held" if cell.holder is not None else "free")
+            classes = _bucket(reading(cell), low, high)
+            classes += " free" if cell.holder is None else " held"
             if cell.health in ("degraded", "failed"):
-                classes.append(f"health-{cell.health}")
-            drawn.append(
-                (" ".join(classes), href, _cell_label(cell, _holder_text(cell.holder, roles)))
-            )
+                classes += f" health-{cell.health}"
+            drawn.append((classes, href, _cell_label(cell, _holder_text(cell.holder, roles))))
         groups.append((node.name, href, drawn))
     query = request.GET.copy()
     query.pop("heat", None)

@@ -256,6 +256,15 @@ class RollUps:
         return list(merged.values())
 
 
+def _total(rows: list[dict]) -> dict:
+    """The one row that sums((), split=True) would read, from rows of the same split sums
+    by some group (sums of the same numbers: the very same figures)."""
+    return {
+        name: sum((row[name] for row in rows), 0 if name.endswith("seconds") else ZERO)
+        for name in _SPLIT_SUMS
+    }
+
+
 def _as_rollups(source: RollUps | QuerySet) -> RollUps:
     """A queryset of days alone is roll-ups without months."""
     return source if isinstance(source, RollUps) else RollUps(daily=source)
@@ -314,11 +323,17 @@ class _Spread:
         return self.idle.get(() if self.by_team else key) or {}
 
     @classmethod
-    def read(cls, base: RollUps, scope: dict, *, column: str, since, until) -> "_Spread | None":
-        """None when nobody used anything under the filters: then idle stays idle."""
+    def read(
+        cls, base: RollUps | None, scope: dict, *, column: str, since, until
+    ) -> "_Spread | None":
+        """None when nobody used anything under the filters: then idle stays idle. `base`
+        None: the use is the scope's own (every team's, under the same filters)."""
         by_team = column == "team_id"
         fields = () if by_team else (column,)
-        rows = base.sums(fields, since=since, until=until, split=True)
+        if base is not None:
+            rows = base.sums(fields, since=since, until=until, split=True)
+        else:
+            rows = [_total(list(scope.values()))] if by_team else list(scope.values())
         used = sum((row["jobs"] for row in rows), ZERO)
         if not used:
             return None
@@ -373,7 +388,10 @@ def _spend_rows(
     }
     spread = None
     if idle_mode == "spread":
-        spread = _Spread.read(base, scope, column=column, since=since, until=until)
+        # The same roll-ups as the rows' (finance, no team filter): their sums, not read again.
+        spread = _Spread.read(
+            None if base is source else base, scope, column=column, since=since, until=until
+        )
     keys = set(scope)
     if spread is not None:  # the groups that carry spend or idle (idle itself, spread, not)
         keys = {k for k in keys if not (spread.by_team and k == 0)}
@@ -390,11 +408,15 @@ def spend_total(
     spread_base: RollUps | None = None,
 ) -> Decimal:
     """What spend_report's total would be (in any grouping), without the rest of it."""
+    idle_mode = idle_mode or settings.COSTS_IDLE_COST
+    if idle_mode != "spread":  # job spend and idle as metered: one row, not one a team
+        (total,) = source.sums((), since=since, until=until, split=True)
+        return total["jobs"] + total["idle"]
     rows, _ = _spend_rows(
         source,
         spread_base if spread_base is not None else source,
         "team_id",
-        idle_mode or settings.COSTS_IDLE_COST,
+        idle_mode,
         since=since,
         until=until,
     )
@@ -498,7 +520,12 @@ def _series(
 
     cells = by_day(daily, ("day", "group"))
     idle: dict[dt.date, dict] = {}
-    if spread is not None:
+    if spread is not None and base_daily is daily:  # the same roll-ups: their cells' sums
+        if spread.by_team:
+            idle = {day: {(): _total(list(groups.values()))} for day, groups in cells.items()}
+        else:
+            idle = cells
+    elif spread is not None:
         idle = by_day(base_daily, ("day",) if spread.by_team else ("day", "group"))
     # The shares the groups folded into "other" carry, together.
     share = {key: spread.share.get(key, ZERO) for key in labels} if spread else {}
