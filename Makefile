@@ -24,7 +24,7 @@ DEV_ENV := DJANGO_DEBUG=1 SECRET_KEY_FILE=var/secret_key SECURE_COOKIES=0 \
 	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL= \
 	CONTROLPLANE_URL=http://127.0.0.1:$(PORT) NODE_MIN_FREE_DISK_GB=1
 
-.PHONY: run test test-fast drills lint format bench bench-api bench-costs bench-heartbeats bench-pages bench-scheduler bench-trainer bench-scaling clean install system-test-deps
+.PHONY: run test test-fast drills lint format bench bench-api bench-costs bench-heartbeats bench-pages bench-advisor bench-scheduler bench-trainer bench-scaling clean install system-test-deps
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -106,6 +106,12 @@ bench-pages: $(VENV)/.installed
 bench-scheduler: $(VENV)/.installed
 	$(BIN)/python -m bench.scheduler_plan
 	$(BIN)/python -m bench.scheduler
+
+# The memory model against the trainer's measured peak on one GPU (bench/advisor.py); without
+# a GPU it prints the model's predictions for the same rows.
+bench-advisor:
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m bench.advisor $(BENCH_ARGS); \
+	else $(MAKE) --no-print-directory install && $(BIN)/python -m bench.advisor $(BENCH_ARGS); fi
 
 # The trainer against Hugging Face's LlamaForCausalLM on one GPU (bench/trainer.py). It needs
 # python3 with torch (and transformers for the baseline), not .venv: on a GPU machine the
