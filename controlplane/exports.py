@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from decimal import Decimal
 
 from django.http import HttpResponse, StreamingHttpResponse
+from rest_framework.renderers import BaseRenderer, JSONRenderer
 
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 # A number already written as text (-3.5, 1e-07): a spreadsheet reads it as a number, not a
@@ -70,3 +71,25 @@ def csv_stream_text(filename: str, chunks: Iterable) -> StreamingHttpResponse:
     response = StreamingHttpResponse(chunks, content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
     return response
+
+
+class CsvRenderer(BaseRenderer):
+    """Lets an API view answer `?format=csv`: the view returns the CSV itself (csv_response
+    or csv_stream), and answers an error in JSON (see csv_errors_as_json), so this renders
+    nothing of its own."""
+
+    media_type = "text/csv"
+    format = "csv"
+    charset = "utf-8"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        raise TypeError("A CSV answer is made by its view (csv_response), not rendered.")
+
+
+def csv_errors_as_json(request, response) -> None:
+    """An error asked for as CSV answered in the API's one error shape, as JSON: call from a
+    view's finalize_response."""
+    renderer = getattr(request, "accepted_renderer", None)
+    if response.status_code >= 400 and isinstance(renderer, CsvRenderer):
+        request.accepted_renderer = JSONRenderer()
+        request.accepted_media_type = JSONRenderer.media_type

@@ -284,15 +284,21 @@ def _print_lines(lines: list[dict], *, multi_rank: bool) -> None:
         print(prefix + line["text"], file=stream, flush=True)
 
 
-def _stream_logs(client: Client, job_id: int, *, follow: bool, poll_s: float, states=None) -> int:
+def _stream_logs(
+    client: Client, job_id: int, *, follow: bool, poll_s: float, states=None, filters=None
+) -> int:
     """Print the job's output from its first line; with `follow`, until the job ends, then
     its outcome as an exit code (as with submit --wait). `states`, if given, is told each
-    state the job is seen in (the logs answer carries it)."""
+    state the job is seen in (the logs answer carries it). `filters` (rank, attempt, q) are
+    the logs API's, passed as they are."""
     job = client.request("GET", f"jobs/{job_id}/")
     multi_rank = job["nodes"] > 1
+    filters = filters or {}
     after = 0
     while True:
-        page = client.request("GET", f"jobs/{job_id}/logs/", query={"after": after, "limit": 1000})
+        page = client.request(
+            "GET", f"jobs/{job_id}/logs/", query={**filters, "after": after, "limit": 1000}
+        )
         if states is not None:
             states(page["state"])
         _print_lines(page["lines"], multi_rank=multi_rank)
@@ -304,7 +310,7 @@ def _stream_logs(client: Client, job_id: int, *, follow: bool, poll_s: float, st
         if page["finished"]:
             # The agents relay output apart from the exit: one more look for late lines.
             time.sleep(min(poll_s, 2.0))
-            late = client.request("GET", f"jobs/{job_id}/logs/", query={"after": after})
+            late = client.request("GET", f"jobs/{job_id}/logs/", query={**filters, "after": after})
             _print_lines(late["lines"], multi_rank=multi_rank)
             return FINISHED.get(page["state"], 0)
         time.sleep(poll_s)
@@ -312,7 +318,8 @@ def _stream_logs(client: Client, job_id: int, *, follow: bool, poll_s: float, st
 
 def cmd_logs(client, args):
     """A job's output; with --follow, until the job ends (exit code as with submit --wait)."""
-    return _stream_logs(client, args.job, follow=args.follow, poll_s=args.poll)
+    filters = {"rank": args.rank, "attempt": args.attempt, "q": args.grep}  # None: not sent
+    return _stream_logs(client, args.job, follow=args.follow, poll_s=args.poll, filters=filters)
 
 
 def cmd_cancel(client, args):
@@ -478,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep printing until the job ends; exit 0 if it succeeded, 3 failed, 4 cancelled",
     )
     logs.add_argument("--poll", type=float, default=2.0, help="seconds between checks")
+    logs.add_argument("--rank", type=int, help="only this node rank's lines (0 for the first)")
+    logs.add_argument("--attempt", type=int, help="only this attempt's lines (1 for the first)")
+    logs.add_argument("--grep", metavar="TEXT", help="only the lines holding TEXT (any case)")
     logs.set_defaults(run=cmd_logs)
     cancel = sub.add_parser("cancel", help="cancel a job")
     cancel.add_argument("job", type=int)

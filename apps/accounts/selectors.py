@@ -143,7 +143,8 @@ def service_accounts_managed_by(*, user) -> QuerySet[ServiceAccount]:
 def tokens_visible_to(*, user) -> QuerySet[ApiToken]:
     """A user's own tokens, and those of service accounts of teams they administer."""
     roles = roles_of(user)
-    tokens = ApiToken.objects.select_related("user", "user__service_account")
+    # The service account's team too: the tokens page names it on every such token.
+    tokens = ApiToken.objects.select_related("user", "user__service_account__team")
     if not getattr(user, "is_authenticated", False):
         return tokens.none()
     if roles.superuser:

@@ -24,10 +24,6 @@ from controlplane.exports import csv_stream, csv_stream_text, spreadsheet_safe
 from controlplane.selects import options_html
 
 
-def _budget_teams(user):
-    return teams_budgeted_by(user=user)
-
-
 def _chart(report: reports.Report):
     group = dict(reports.GROUP_CHOICES)[report.group_by].lower()
     return charts.stacked_bar_chart(
@@ -142,7 +138,7 @@ BUDGET_FORM_TEAMS = 50
 def _budget_form(user, team_id: str | None) -> tuple[BudgetForm | None, bool]:
     """The budget form for the teams the user budgets (the filtered team only, where one
     is chosen), and whether it waits for a team to be chosen first."""
-    teams = _budget_teams(user)
+    teams = teams_budgeted_by(user=user)
     if team_id and team_id.isdigit():
         teams = teams.filter(pk=int(team_id))
     count = teams.count()
@@ -190,7 +186,7 @@ def _form_errors(request, form) -> None:
 @login_required
 @require_POST
 def budget_set(request):
-    form = BudgetForm(request.POST, teams=_budget_teams(request.user))
+    form = BudgetForm(request.POST, teams=teams_budgeted_by(user=request.user))
     if not form.is_valid():
         _form_errors(request, form)
         return redirect("costs:overview")

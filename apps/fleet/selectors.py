@@ -458,6 +458,13 @@ class TelemetryWindow:
     x_unit: str  # the x axis: time before now, in these units
     x_seconds: int
 
+    @property
+    def resolution(self) -> str:
+        """What one point is: "raw" (a heartbeat's reading), "minute" or "hour" (means)."""
+        if self.source is GpuSample:
+            return "raw"
+        return self.bucket or "minute"
+
 
 TELEMETRY_WINDOWS = {
     w.name: w
@@ -473,6 +480,48 @@ TELEMETRY_WINDOWS = {
 TELEMETRY_METRICS = ("utilization_pct", "memory_used_mib", "temperature_c", "power_w")
 
 
+def telemetry_window_for(
+    *, since: dt.datetime, until: dt.datetime, now: dt.datetime | None = None
+) -> TelemetryWindow | None:
+    """The Node page's window whose resolution serves `since` to `until`: the shortest that
+    spans it, and one of minutes instead of raw samples where those are no longer kept
+    (TELEMETRY_RAW_RETENTION_S). None when it is longer than the longest window."""
+    now = now or timezone.now()
+    raw_kept_since = now - dt.timedelta(seconds=settings.TELEMETRY_RAW_RETENTION_S)
+    for window in sorted(TELEMETRY_WINDOWS.values(), key=lambda w: w.span):
+        if window.span < until - since:
+            continue
+        if window.source is GpuSample and since < raw_kept_since:
+            continue
+        return window
+    return None
+
+
+def _gpu_points(
+    *,
+    node_id: int,
+    window: TelemetryWindow,
+    since: dt.datetime,
+    until: dt.datetime,
+    gpu: int | None = None,
+    per_gpu: bool = False,
+):
+    """A node's GPU readings from `since` to `until` at the window's resolution (as stored,
+    or the minutes averaged by hour), in one query: at each point `when`, each metric's mean
+    and highest over the GPUs; with `per_gpu`, each GPU's mean at each point instead."""
+    rows = window.source.objects.filter(node_id=node_id, at__gte=since, at__lte=until)
+    if gpu is not None:
+        rows = rows.filter(gpu=gpu)
+    when = TruncHour("at", tzinfo=dt.UTC) if window.bucket == "hour" else F("at")
+    keys = ("gpu", "when") if per_gpu else ("when",)
+    aggregates = {}
+    for metric in TELEMETRY_METRICS:
+        aggregates[f"{metric}__mean"] = Avg(metric)
+        if not per_gpu:
+            aggregates[f"{metric}__max"] = Max(metric)
+    return rows.annotate(when=when).values(*keys).annotate(**aggregates).order_by(*keys)
+
+
 def node_gpu_series(
     *, node_id: int, window: TelemetryWindow, now: dt.datetime | None = None
 ) -> dict[str, dict[str, list[tuple[float, float]]]]:
@@ -480,13 +529,7 @@ def node_gpu_series(
     highest of its GPUs at each point, x being the time before now in the window's unit
     (negative). At most about 1,440 points a series."""
     now = now or timezone.now()
-    rows = window.source.objects.filter(node_id=node_id, at__gte=now - window.span, at__lte=now)
-    when = TruncHour("at", tzinfo=dt.UTC) if window.bucket == "hour" else F("at")
-    aggregates = {}
-    for metric in TELEMETRY_METRICS:
-        aggregates[f"{metric}__mean"] = Avg(metric)
-        aggregates[f"{metric}__max"] = Max(metric)
-    points = rows.annotate(when=when).values("when").annotate(**aggregates).order_by("when")
+    points = _gpu_points(node_id=node_id, window=window, since=now - window.span, until=now)
     series = {metric: {"mean": [], "highest": []} for metric in TELEMETRY_METRICS}
     for point in points:
         x = (point["when"] - now).total_seconds() / window.x_seconds
@@ -496,6 +539,29 @@ def node_gpu_series(
                 if value is not None:
                     series[metric][name].append((x, float(value)))
     return series
+
+
+def node_gpu_telemetry(
+    *,
+    node_id: int,
+    window: TelemetryWindow,
+    since: dt.datetime,
+    until: dt.datetime,
+    gpu: int | None = None,
+) -> list[dict]:
+    """Each GPU's readings from `since` to `until` at the window's resolution (the Node
+    page's, telemetry_window_for), in one query: [{"gpu", "points": [{"at", metrics...}]}],
+    GPUs by index, points oldest first; an hour's point is the mean of its minutes."""
+    gpus: dict[int, list[dict]] = {}
+    for point in _gpu_points(
+        node_id=node_id, window=window, since=since, until=until, gpu=gpu, per_gpu=True
+    ):
+        reading = {"at": point["when"]}
+        for metric in TELEMETRY_METRICS:
+            value = point[f"{metric}__mean"]
+            reading[metric] = None if value is None else round(float(value), 1)
+        gpus.setdefault(point["gpu"], []).append(reading)
+    return [{"gpu": index, "points": points} for index, points in gpus.items()]
 
 
 # --- the heat map of GPUs ----------------------------------------------------------------------

@@ -678,6 +678,7 @@ def _pools_that_could_hold(job: Job) -> list[int]:
 
 
 _LOG_FIELDS = ("id", "at", "run__node_rank", "run__attempt", "stream", "text")
+LOG_SEARCH_MAX = 200  # characters of a log search, on the Job page and in the API
 
 
 def _log_dicts(rows) -> list[dict]:
@@ -702,10 +703,20 @@ def _log_filtered(
     return lines
 
 
-def job_log_lines(*, job: Job, after: int = 0, limit: int = 500, **_) -> list[dict]:
-    """The job's output lines after line id `after`, oldest first."""
+def job_log_lines(
+    *,
+    job: Job,
+    after: int = 0,
+    limit: int = 500,
+    rank: int | None = None,
+    attempt: int | None = None,
+    text: str = "",
+) -> list[dict]:
+    """The job's output lines after line id `after` (through the Job page's filters,
+    _log_filtered), at most `limit`, oldest first: the API's and the CLI's road forward."""
     rows = (
-        LogLine.objects.filter(job=job, id__gt=after)
+        _log_filtered(job=job, rank=rank, attempt=attempt, text=text)
+        .filter(id__gt=after)
         .order_by("id")
         .values_list(*_LOG_FIELDS)[:limit]
     )

@@ -493,7 +493,6 @@ def training(request, job_id: int):
 
 
 LOG_LINES = 200  # the viewer opens with the newest lines, and takes at most this many a poll
-LOG_SEARCH_MAX = 200
 # Agents relay output apart from the exit: the viewer keeps asking this long after the end.
 LOG_LATE_S = 20
 
@@ -514,7 +513,7 @@ def _log_context(request, job: Job, *, attempts_ranks: list | None = None) -> di
     filters = {
         "rank": _whole_number(params.get("rank")),
         "attempt": _whole_number(params.get("attempt")),
-        "text": (params.get("q") or "").strip()[:LOG_SEARCH_MAX],
+        "text": (params.get("q") or "").strip()[: selectors.LOG_SEARCH_MAX],
     }
     after = _whole_number(params.get("after"))
     # One more than shown: when it comes, lines between `after` and these were left out.

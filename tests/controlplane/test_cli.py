@@ -362,3 +362,43 @@ def test_submit_wait_follow_streams_the_output_and_exits_with_the_outcome(
     assert states[-1] == f"job {job.pk}: {outcome}" and f"job {job.pk}: running" in states
     assert len(states) == len(set(states))  # each state once, as it moves
     assert "last words" in err  # stderr lines go to stderr
+
+
+def test_logs_filters_by_rank_attempt_and_text(live_server, team, researcher):
+    """`cpctl logs --rank --attempt --grep` asks the logs API with its filters: only the lines
+    they keep are printed, prefixed by their rank (the job has two nodes)."""
+    from apps.accounts import services as accounts
+    from apps.jobs import services as jobs
+    from apps.jobs.models import LogLine, Run
+    from tests.apps.jobs.conftest import command_spec
+
+    pool = factories.make_owned_pool(slug="logs-pool")
+    nodes = [ready_node(pool=pool, name=f"logs-node-{i}", gpu_count=8) for i in range(2)]
+    accounts.team_quota_set(team=team, gpu_type="H100", max_gpus=16, by=None)
+    spec = command_spec(team, resources={"gpu_type": "H100", "nodes": 2, "gpus_per_node": 8})
+    job, _ = jobs.job_submit(team=team, spec=spec, submitted_by=researcher)
+    for attempt, rank, texts in [
+        (1, 0, ["a1 r0 hello", "a1 r0 Loss 3.0"]),
+        (1, 1, ["a1 r1 hello", "a1 r1 loss 3.1"]),
+        (2, 0, ["a2 r0 hello", "a2 r0 LOSS 2.0"]),
+    ]:
+        run = Run.objects.create(
+            job=job, node=nodes[rank], attempt=attempt, node_rank=rank, plan={"argv": ["x"]}
+        )
+        for seq, text in enumerate(texts):
+            LogLine.objects.create(
+                run=run, job=job, seq=seq, stream="stdout", at=run.created_at, text=text
+            )
+    token = token_of(researcher, scopes=("read",))
+
+    def logs(*args) -> list[str]:
+        result = cpctl(live_server, token, "logs", str(job.pk), *args)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.splitlines()
+
+    assert len(logs()) == 6
+    assert logs("--rank", "1") == ["[1] a1 r1 hello", "[1] a1 r1 loss 3.1"]
+    assert logs("--attempt", "2") == ["[0] a2 r0 hello", "[0] a2 r0 LOSS 2.0"]
+    assert logs("--grep", "loss", "--rank", "0") == ["[0] a1 r0 Loss 3.0", "[0] a2 r0 LOSS 2.0"]
+    refused = cpctl(live_server, token, "logs", str(job.pk), "--rank", "-1")
+    assert refused.returncode == 1 and "rank" in refused.stderr

@@ -147,6 +147,7 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("node-undrain", "POST"): write(ADMIN, *OPS_),
     ("node-accept-host-key", "POST"): write(ADMIN, *OPS_),
     ("node-provision", "POST"): write(ADMIN, *OPS_),
+    ("node-telemetry", "GET"): read(),
     **crud("gpu", *OPS_),
     **read_only("node-event"),
     **read_only("orphan-instance"),

@@ -1,5 +1,8 @@
 """JSON shapes of the fleet's inventory."""
 
+import datetime as dt
+
+from django.utils import timezone
 from rest_framework import serializers
 
 from apps.accounts.models import GPU_TYPES
@@ -15,6 +18,7 @@ from apps.fleet.models import (
     Site,
 )
 from apps.fleet.models.pools import SECURITY_GROUP_PATTERN
+from apps.fleet.selectors import TELEMETRY_WINDOWS
 from controlplane.api import StrictModelSerializer, StrictSerializer, Text
 
 
@@ -252,3 +256,70 @@ class OrphanInstanceSerializer(StrictModelSerializer):
             "gone_at",
         ]
         read_only_fields = fields
+
+
+TELEMETRY_DEFAULT_SPAN = dt.timedelta(hours=1)
+TELEMETRY_MAX_SPAN = max(window.span for window in TELEMETRY_WINDOWS.values())
+
+
+class TelemetryQuerySerializer(StrictSerializer):
+    """A node's telemetry: which span, which GPU, which form."""
+
+    since = serializers.DateTimeField(
+        required=False,
+        help_text="From this time (ISO 8601); default: an hour before `until`.",
+    )
+    until = serializers.DateTimeField(
+        required=False, help_text="Up to this time (ISO 8601); default: now."
+    )
+    gpu = serializers.IntegerField(
+        min_value=0, max_value=63, required=False, help_text="Only this GPU (its index)."
+    )
+    format = serializers.ChoiceField(
+        choices=["json", "csv"],
+        required=False,
+        help_text="csv: one row per GPU and point, for a spreadsheet; default json.",
+    )
+
+    def validate(self, attrs):
+        until = attrs.get("until") or timezone.now()
+        since = attrs.get("since") or until - TELEMETRY_DEFAULT_SPAN
+        if since >= until:
+            raise serializers.ValidationError({"since": ["Must be before until."]})
+        if until - since > TELEMETRY_MAX_SPAN:
+            days = TELEMETRY_MAX_SPAN.days
+            raise serializers.ValidationError(
+                {
+                    "since": [
+                        f"At most {days} days before until (one-minute means are kept {days} days)."
+                    ]
+                }
+            )
+        return {**attrs, "since": since, "until": until}
+
+
+class TelemetryPointSerializer(StrictSerializer):
+    at = serializers.DateTimeField(help_text="The reading's time (a minute's or hour's start).")
+    utilization_pct = serializers.FloatField(allow_null=True)
+    memory_used_mib = serializers.FloatField(allow_null=True)
+    temperature_c = serializers.FloatField(allow_null=True)
+    power_w = serializers.FloatField(allow_null=True)
+
+
+class GpuTelemetrySerializer(StrictSerializer):
+    gpu = serializers.IntegerField(help_text="The GPU's index on the node.")
+    points = TelemetryPointSerializer(many=True)
+
+
+class NodeTelemetrySerializer(StrictSerializer):
+    node = serializers.IntegerField()
+    name = serializers.CharField()
+    since = serializers.DateTimeField()
+    until = serializers.DateTimeField()
+    resolution = serializers.ChoiceField(
+        choices=["raw", "minute", "hour"],
+        help_text="What a point is, as on the node's page: raw (one heartbeat's reading, the "
+        "last hour), minute (one-minute means, up to a day) or hour (the hour's mean of "
+        "its minutes, longer spans).",
+    )
+    gpus = GpuTelemetrySerializer(many=True, help_text="The GPUs that reported, by index.")

@@ -1,8 +1,10 @@
 """API views for the fleet: CRUD for inventory, and the operations on nodes."""
 
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import viewsets
 from rest_framework.decorators import action
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
 from apps.fleet import selectors, services
@@ -19,6 +21,7 @@ from apps.fleet.filtersets import (
 )
 from apps.fleet.models import Gpu, InstanceType, NodeEvent, OrphanInstance, Site
 from controlplane.api import ServiceViewSet
+from controlplane.exports import CsvRenderer, csv_errors_as_json, csv_response
 
 
 class SiteViewSet(ServiceViewSet):
@@ -119,6 +122,62 @@ class NodeViewSet(ServiceViewSet):
     def provision(self, request, pk=None):
         """Ask a worker to bring the node up again (a failed, drained or requested node)."""
         return self._answer(services.node_provision(node=self.get_object(), by=request.user))
+
+    @extend_schema(
+        parameters=[s.TelemetryQuerySerializer],
+        responses={
+            (200, "application/json"): s.NodeTelemetrySerializer,
+            (200, "text/csv"): OpenApiTypes.STR,
+        },
+    )
+    @action(
+        detail=True,
+        methods=["get"],
+        filter_backends=[],
+        pagination_class=None,
+        renderer_classes=[JSONRenderer, CsvRenderer],
+    )
+    def telemetry(self, request, pk=None):
+        """Each GPU's utilisation, memory used, temperature and power over a span (the last
+        hour unless `since` and `until` say), at the node page's resolution: raw readings
+        for an hour or less of the last day, one-minute means up to a day, hourly means of
+        them past it (up to 30 days). `format=csv`: one row per GPU and point."""
+        node = self.get_object()
+        query = s.TelemetryQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        since, until = query.validated_data["since"], query.validated_data["until"]
+        window = selectors.telemetry_window_for(since=since, until=until)
+        gpus = selectors.node_gpu_telemetry(
+            node_id=node.pk,
+            window=window,
+            since=since,
+            until=until,
+            gpu=query.validated_data.get("gpu"),
+        )
+        if isinstance(request.accepted_renderer, CsvRenderer):
+            return csv_response(
+                f"{node.name}-telemetry.csv",
+                ["node", "gpu", "at", *selectors.TELEMETRY_METRICS],
+                (
+                    [node.name, series["gpu"], point["at"].isoformat()]
+                    + [point[metric] for metric in selectors.TELEMETRY_METRICS]
+                    for series in gpus
+                    for point in series["points"]
+                ),
+            )
+        answer = {
+            "node": node.pk,
+            "name": node.name,
+            "since": since,
+            "until": until,
+            "resolution": window.resolution,
+            "gpus": gpus,
+        }
+        return Response(s.NodeTelemetrySerializer(answer).data)
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        csv_errors_as_json(request, response)
+        return super().finalize_response(request, response, *args, **kwargs)
 
 
 class NodeEventViewSet(viewsets.ReadOnlyModelViewSet):

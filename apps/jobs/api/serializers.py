@@ -17,6 +17,7 @@ from apps.jobs.extensions import job_detail_part
 from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
 from apps.jobs.models.jobs import ACTIVE_STATES, ANY_GPU
 from apps.jobs.selectors import (
+    LOG_SEARCH_MAX,
     job_attempt_nodes,
     job_cost,
     job_nccl_environments,
@@ -528,6 +529,10 @@ class WebhookCreatedSerializer(WebhookSerializer):
 class LogQuerySerializer(StrictSerializer):
     after = serializers.IntegerField(min_value=0, max_value=2**63 - 1, required=False, default=0)
     limit = serializers.IntegerField(min_value=1, max_value=1000, required=False, default=500)
+    # The Job page's log viewer's filters, by the same names (selectors._log_filtered).
+    rank = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
+    attempt = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
+    q = Text(source="text", required=False, allow_blank=True, max_length=LOG_SEARCH_MAX, default="")
     # Pagination and format parameters the API's other lists accept are not for this view.
     format = serializers.CharField(required=False)
 

@@ -114,19 +114,37 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         parameters=[
             OpenApiParameter("after", int, description="Only lines after this line id."),
             OpenApiParameter("limit", int, description="At most this many lines (1000 at most)."),
+            OpenApiParameter(
+                "rank", int, description="Only the lines of this node rank (0 for the first node)."
+            ),
+            OpenApiParameter(
+                "attempt",
+                int,
+                description="Only the lines of this attempt (1 for the first run; a requeued "
+                "job's next run is 2, and so on).",
+            ),
+            OpenApiParameter(
+                "q",
+                str,
+                description=f"Only the lines holding this text, in any case (at most "
+                f"{selectors.LOG_SEARCH_MAX} characters).",
+            ),
         ],
         responses=s.JobLogSerializer,
     )
     @action(detail=True, methods=["get"])
     def logs(self, request, pk=None):
-        """The job's output, every rank's lines in arrival order, secrets masked.
+        """The job's output, every rank's lines in arrival order, secrets masked; `rank`,
+        `attempt` and `q` narrow it as the Job page's log viewer does.
 
-        Follow it by asking again with `after` set to the answer's `next_after`.
+        Follow it by asking again with `after` set to the answer's `next_after` (and the
+        same filters).
         """
         job = self.get_object()
         query = s.LogQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        lines = selectors.job_log_lines(job=job, **query.validated_data)
+        wanted = {k: v for k, v in query.validated_data.items() if k != "format"}
+        lines = selectors.job_log_lines(job=job, **wanted)
         answer = {
             "lines": lines,
             "next_after": lines[-1]["id"] if lines else query.validated_data.get("after", 0),

@@ -114,3 +114,35 @@ def test_the_tokens_csv_lists_what_the_page_does_without_secrets(client, researc
         [str(token.pk), "ci", researcher.username, token.prefix, "read submit"]
     ]
     assert secret not in response.content.decode()
+
+
+def _admin_of_teams(admin, *, teams: int, accounts_per_team: int = 2) -> None:
+    """More teams the admin administers, each with service accounts that have tokens, and
+    tokens of the admin's own: what an N+1 on the tokens page would pay for once each."""
+    from tests import factories
+
+    for _ in range(teams):
+        team = factories.make_team()
+        services.membership_create(team=team, user=admin, role="admin", by=None)
+        for n in range(accounts_per_team):
+            account = services.service_account_create(team=team, name=f"ci-{n}", by=admin)
+            for scope in ("read", "submit"):
+                services.api_token_create(
+                    user=account.user, name=f"{scope} token", scopes=[scope], by=admin
+                )
+        services.api_token_create(user=admin, name=f"mine {team.slug}", scopes=["read"], by=admin)
+
+
+def test_the_tokens_page_makes_as_many_queries_for_one_team_as_for_many(
+    client, team_admin, django_assert_max_num_queries
+):
+    _admin_of_teams(team_admin, teams=1)
+    logged_in(client, team_admin).get("/tokens/")  # warm
+    # The session, the user, their roles, the service accounts they make tokens for, the
+    # navigation's budget alerts, the tokens with their owners and teams: none per token.
+    with django_assert_max_num_queries(6) as one_team:
+        assert client.get("/tokens/").status_code == 200
+    _admin_of_teams(team_admin, teams=5)
+    with django_assert_max_num_queries(len(one_team.captured_queries)):
+        html = client.get("/tokens/").content.decode()
+    assert html.count("data-token=") == 6 * 5

@@ -328,3 +328,37 @@ def test_explicit_sizes_bring_the_layouts_that_fit_them(client, researcher):
     unsized = client.get("/jobs/submit/layouts/", {**query, "model_heads": ""}).content.decode()
     assert re.findall(r'<option value="([^"]*)"', unsized) == [""]
     assert "once all of them are given" in unsized
+
+
+def _grow(researcher, *, teams: int, secrets: int) -> None:
+    """More teams the researcher submits for, each with its own secrets and quota, and more
+    NCCL profiles: what an N+1 on the Submit page would pay for once each."""
+    from apps.tuning import services as tuning
+
+    ops = factories.make_org_user(role="ops")
+    for _ in range(teams):
+        extra = factories.make_team()
+        factories.make_member(team=extra, role="researcher", user=researcher)
+        accounts.team_quota_set(team=extra, gpu_type="H100", max_gpus=16, by=None)
+        for n in range(secrets):
+            accounts.team_secret_set(team=extra, name=f"SECRET_{n}", value="v", by=None)
+        tuning.nccl_profile_create(
+            by=ops, name=f"ib-{extra.slug}", title=extra.slug, fabric="infiniband", env={}
+        )
+
+
+def test_the_submit_page_makes_as_many_queries_for_one_team_as_for_many(
+    client, fleet_pool, quota, team, researcher, wandb_secret, django_assert_max_num_queries
+):
+    client.force_login(researcher)
+    client.get("/jobs/submit/")  # warm: the session's first read
+    # The session, the user, their roles, their teams (listed, and read by the team select),
+    # the teams' secrets, the budget alerts of the navigation: none per team or per secret.
+    with django_assert_max_num_queries(9) as one_team:
+        assert client.get("/jobs/submit/").status_code == 200
+    _grow(researcher, teams=6, secrets=3)
+    with django_assert_max_num_queries(len(one_team.captured_queries)):
+        html = client.get("/jobs/submit/").content.decode()
+    team_select = re.search(r'<select name="team".*?</select>', html, re.S).group(0)
+    assert len(re.findall(r'<option value="\d+"', team_select)) == 7
+    assert "SECRET_2" in html

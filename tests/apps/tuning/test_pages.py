@@ -210,3 +210,60 @@ def test_code_spans_escape_what_is_inside_and_outside_them():
         == "set <code>&lt;b&gt;</code> &amp; <code>x</code>, or `"
     )
     assert code_spans(None) == ""
+
+
+# --- queries -------------------------------------------------------------------------------
+
+
+def _more_profiles(count: int) -> None:
+    """Profiles made and last changed by different ops people, several fabrics: what an N+1
+    on the NCCL pages (a profile's editor, its lint) would pay for once each."""
+    from apps.tuning import services
+    from tests import factories
+
+    for n in range(count):
+        ops = factories.make_org_user(role="ops")
+        services.nccl_profile_create(
+            by=ops,
+            name=f"more-{n}",
+            title=f"More {n}",
+            fabric=("infiniband", "efa", "roce")[n % 3],
+            env={"NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "INIT,NET"},
+        )
+
+
+# The session, the user, their roles and the navigation's budget alerts, then the page's own
+# read (the profiles with their editors; the linter and the catalogue read nothing).
+NCCL_PAGES = [
+    ("/nccl/profiles/", "GET", 5),
+    ("/nccl/profiles/ib-nvswitch-8gpu/", "GET", 5),
+    ("/nccl/lint/", "GET", 4),
+    ("/nccl/lint/", "POST", 4),
+    ("/nccl/variables/", "GET", 4),
+]
+
+
+@pytest.mark.parametrize(("url", "method", "queries"), NCCL_PAGES)
+def test_the_nccl_pages_make_as_many_queries_for_3_profiles_as_for_15(
+    client, viewer, team, url, method, queries, django_assert_max_num_queries
+):
+    from tests import factories
+
+    for _ in range(3):  # the viewer is in several teams (the navigation reads them)
+        factories.make_member(team=factories.make_team(), role="viewer", user=viewer)
+    logged_in(client, viewer)
+    body = {"text": "export NCCL_IB_TIMEOUT=60\nNCCL_DEBUG=INFO\n", "fabric": "infiniband"}
+
+    def ask():
+        answer = client.post(url, body) if method == "POST" else client.get(url)
+        assert answer.status_code == 200
+        return answer.content.decode()
+
+    ask()  # warm
+    with django_assert_max_num_queries(queries) as few:
+        ask()
+    _more_profiles(12)
+    with django_assert_max_num_queries(len(few.captured_queries)):
+        html = ask()
+    if url == "/nccl/profiles/":
+        assert len(rows_of(html, "data-profile")) == 15
