@@ -22,6 +22,19 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
+# The trainer's modules the control plane may import: plain data and arithmetic, no torch.
+TORCH_FREE_TRAINER = ("workers.trainer.presets", "workers.trainer.config", "workers.trainer.memory")
+
+
+@pytest.mark.parametrize("module", TORCH_FREE_TRAINER)
+def test_the_trainer_modules_the_control_plane_imports_need_no_torch(module):
+    path = ROOT / (module.replace(".", "/") + ".py")
+    for name in imports_of(path):
+        assert not name.startswith("torch"), f"{module} imports {name}"
+        if name.startswith("workers"):
+            assert name in TORCH_FREE_TRAINER, f"{module} imports {name}"
+
+
 def python_files(folder: str):
     return [p for p in (ROOT / folder).rglob("*.py") if "migrations" not in p.parts]
 
@@ -34,7 +47,7 @@ def test_apps_import_only_apps_below_them_and_never_workers(path):
     allowed_below = set(LAYERS[: LAYERS.index(app) + 1])
     for name in imports_of(path):
         if name.startswith("workers"):
-            assert name.startswith("workers.trainer.presets"), f"{path} imports {name}"
+            assert name in TORCH_FREE_TRAINER, f"{path} imports {name}"
         if name.startswith("apps."):
             other = name.split(".")[1]
             assert other in allowed_below, f"{path} (in {app}) imports the higher app {other}"

@@ -23,10 +23,10 @@ from decimal import Decimal
 from functools import cache
 from pathlib import Path
 
+import workers.trainer.memory as memory
 from apps.costs.selectors import projection_for
 from apps.jobs import specs
 from apps.jobs.runconfig import trainer_settings
-from workers.trainer import memory
 from workers.trainer.config import ConfigError, microbatches, parse
 from workers.trainer.presets import PRESETS, ModelShape, flops_per_token
 
