@@ -388,11 +388,11 @@ def history_row(row: dict) -> dict:
         **row,
         "gpus": row["nodes"] * row["gpus_per_node"],
         "ran": ran,
-        "ran_text": "" if ran is None else _short_duration(ran.total_seconds()),
+        "ran_text": "" if ran is None else short_duration(ran.total_seconds()),
     }
 
 
-def _short_duration(seconds: float) -> str:
+def short_duration(seconds: float) -> str:
     """2 d 3 h, 4 h 05 m, 12 m 30 s, 45 s."""
     seconds = max(0, round(seconds))
     days, rest = divmod(seconds, 86400)

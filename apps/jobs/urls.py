@@ -13,6 +13,7 @@ urlpatterns = [
     path("submit/", views.submit, name="submit"),
     path("submit/layouts/", views.layouts, name="layouts"),
     path("submit/outlook/", views.outlook, name="outlook"),
+    path("submit/advice/", views.advice, name="advice"),
     path("<int:job_id>/", views.detail, name="detail"),
     path("<int:job_id>/live/", views.live, name="live"),
     path("<int:job_id>/log-tail/", views.log_tail, name="log-tail"),

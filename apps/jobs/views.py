@@ -21,14 +21,15 @@ from django.views.decorators.http import require_POST
 from apps.accounts.selectors import roles_of, team_ids_by_slug, teams_visible_to
 from apps.jobs import selectors, services, specs
 from apps.jobs.api.serializers import JobSubmitSerializer
-from apps.jobs.api.views import submit_request
+from apps.jobs.api.views import estimate_request, submit_request
 from apps.jobs.filtersets import JobFilterSet
-from apps.jobs.forms import CUSTOM_MODEL, MODEL_SIZES, SubmitForm
+from apps.jobs.forms import CUSTOM_MODEL, MODEL_SIZES, NOT_ESTIMATED, SubmitForm
 from apps.jobs.models import Job, Placement
 from apps.jobs.models.jobs import FINISHED_STATES, JOB_GPU_TYPES
 from controlplane import charts
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
+from workers.trainer.memory import LINES
 from workers.trainer.presets import PRESETS, ModelShape
 
 QUEUE_PAGE_SIZE = 100
@@ -398,6 +399,95 @@ def layouts(request):
         {"layouts": layouts, "layouts_problem": problem, "selected": request.GET.get("layout", "")},
         status=400 if problem else 200,
     )
+
+
+@login_required
+def advice(request):
+    """For a trainer job on the Submit form (it asks with htmx as its fields change): each
+    layout its GPU counts allow, whether it fits the GPUs' memory, line by line, its run
+    time and cost, and the layout to take; the same answer as POST /api/v1/jobs/estimate/."""
+    form = SubmitForm(request.GET, user=request.user)
+    context = {"problem": "", "advice": []}
+    if (request.GET.get("kind") or "trainer") != "trainer":
+        context["problem"] = (
+            "Estimates are for the bundled trainer: a command's memory and speed are its own."
+        )
+        return render(request, "jobs/_advice.html", context)
+    spec = form.estimate_spec()
+    body = JobSubmitSerializer(data=spec) if spec is not None else None
+    if body is None or not body.is_valid():
+        if body is not None:
+            form.add_spec_errors(body.errors)
+        context["problem"] = _first_problem(form) or (
+            "The estimate shows once the fields above are valid."
+        )
+        return render(request, "jobs/_advice.html", context)
+    try:
+        found = estimate_request(user=request.user, spec=dict(body.validated_data))
+    except ApplicationError as exc:
+        form.add_spec_errors(exc.details or {"__all__": [exc.message]})
+        context["problem"] = _first_problem(form) or exc.message
+    else:
+        context["advice"] = [_advice_shown(a) for a in found]
+    return render(request, "jobs/_advice.html", context)
+
+
+def _first_problem(form: SubmitForm) -> str:
+    """The first error on a field the estimate rests on, named by its field's label."""
+    for name, problems in form.errors.items():
+        if name not in NOT_ESTIMATED:
+            label = form.fields[name].label or name.replace("_", " ") if name in form.fields else ""
+            return f"{label.capitalize()}: {problems[0]}" if label else problems[0]
+    return ""
+
+
+MEMORY_BAR_PX = 240
+
+
+def _advice_shown(advice) -> dict:
+    """One GPU type's advice as the Submit page draws it: per layout, its memory as a bar of
+    its lines (one scale for every row, the GPU's memory marked) and its figures."""
+    scale = max(
+        [advice.layouts[0].gpu_memory_gib if advice.layouts else 1.0]
+        + [a.estimate.total / 2**30 for a in advice.layouts]
+    )
+    rows = []
+    for one in advice.layouts:
+        lines = one.estimate.as_dict()["lines"]
+        segments, x = [], 0.0
+        for name in LINES:
+            width = lines[name] / scale * MEMORY_BAR_PX
+            segments.append(
+                {"line": name, "gib": lines[name], "x": round(x, 1), "width": round(width, 1)}
+            )
+            x += width
+        rows.append(
+            {
+                "advice": one,
+                "label": one.layout.label,
+                "value": one.layout.value,
+                "lines": [(name, lines[name]) for name in LINES],
+                "segments": segments,
+                "limit_x": round(one.gpu_memory_gib / scale * MEMORY_BAR_PX, 1),
+                "run_time": (
+                    None if one.run_time_s is None else selectors.short_duration(one.run_time_s)
+                ),
+                "within": one.within(advice.time_limit_s),
+                "suggested": one is advice.suggested,
+                "chosen": one is advice.chosen,
+            }
+        )
+    return {
+        "gpu_type": advice.gpu_type,
+        "gpus": advice.gpus,
+        "gpu_memory_gib": advice.layouts[0].gpu_memory_gib if advice.layouts else None,
+        "time_limit": selectors.short_duration(advice.time_limit_s),
+        "rows": rows,
+        "chosen": advice.chosen,
+        "suggested": advice.suggested,
+        "basis": advice.basis,
+        "bar_px": MEMORY_BAR_PX,
+    }
 
 
 def _job_for_page(request, job_id: int) -> Job:
