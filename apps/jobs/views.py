@@ -29,7 +29,6 @@ from apps.jobs.models.jobs import FINISHED_STATES, JOB_GPU_TYPES
 from controlplane import charts
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
-from workers.trainer.memory import LINES
 from workers.trainer.presets import PRESETS, ModelShape
 
 QUEUE_PAGE_SIZE = 100
@@ -164,6 +163,98 @@ def history(request):
             "filters": filters,
             "compare_most": COMPARED_MAX,
         },
+    )
+
+
+ESTIMATES_COLUMNS = [
+    "id",
+    "team",
+    "name",
+    "state",
+    "gpu_type",
+    "gpus",
+    "layout",
+    "peak_memory_gib_predicted",
+    "peak_memory_gib_measured",
+    "peak_memory_error_pct",
+    "step_time_s_predicted",
+    "step_time_s_measured",
+    "step_time_error_pct",
+    "cost_predicted",
+    "cost_measured",
+    "cost_error_pct",
+    "finished_at",
+]
+ESTIMATES_CSV_BATCH = 500  # jobs whose steps and costs are read in one go
+
+
+def _estimated_jobs(request) -> QuerySet[Job]:
+    """The estimates page's jobs: the user's finished trainer jobs with an estimate, through
+    the page's filters, the latest to finish first."""
+    return selectors.finished_jobs_with_estimates(
+        jobs=_filtered(request, selectors.jobs_visible_to(user=request.user))
+    )
+
+
+@login_required
+def estimates(request):
+    """How right the advisor was: for recent finished trainer jobs, predicted peak memory per
+    GPU, step time and cost beside what was measured, and the error of each."""
+    truths = selectors.estimates_beside_truth(
+        jobs=list(_estimated_jobs(request)[: selectors.ESTIMATES_RECENT])
+    )
+    return render(
+        request,
+        "jobs/estimates.html",
+        {
+            "truths": truths,
+            "summary": selectors.estimate_errors_summary(truths),
+            "recent": selectors.ESTIMATES_RECENT,
+            "states": sorted(FINISHED_STATES),
+            "teams": teams_visible_to(user=request.user)
+            .order_by("slug")
+            .values_list("slug", flat=True),
+            "filters": _filters(request),
+        },
+    )
+
+
+def _estimates_csv_rows(jobs):
+    def number(value, places: int):
+        return "" if value is None else round(value, places)
+
+    jobs = iter(jobs)
+    while batch := list(itertools.islice(jobs, ESTIMATES_CSV_BATCH)):
+        for truth in selectors.estimates_beside_truth(jobs=batch):
+            job = truth.job
+            line = [
+                job.pk,
+                job.team.slug,
+                job.name,
+                job.state,
+                truth.gpu_type,
+                job.gpus,
+                job.estimate.get("layout", ""),
+            ]
+            for compared, places in (
+                (truth.peak_memory_gib, 2),
+                (truth.step_time_s, 4),
+                (truth.cost, 2),
+            ):
+                line += [
+                    number(compared.predicted, places),
+                    number(compared.measured, places),
+                    number(compared.error_pct, 1),
+                ]
+            yield [*line, job.finished_at or ""]
+
+
+@login_required
+def estimates_csv(request):
+    return csv_response(
+        "estimates.csv",
+        ESTIMATES_COLUMNS,
+        _estimates_csv_rows(_estimated_jobs(request).iterator(chunk_size=ESTIMATES_CSV_BATCH)),
     )
 
 
@@ -455,7 +546,7 @@ def _advice_shown(advice) -> dict:
     for one in advice.layouts:
         lines = one.estimate.as_dict()["lines"]
         segments, x = [], 0.0
-        for name in LINES:
+        for name in lines:  # the memory model's order: parameters first, runtime last
             width = lines[name] / scale * MEMORY_BAR_PX
             segments.append(
                 {"line": name, "gib": lines[name], "x": round(x, 1), "width": round(width, 1)}
@@ -466,7 +557,7 @@ def _advice_shown(advice) -> dict:
                 "advice": one,
                 "label": one.layout.label,
                 "value": one.layout.value,
-                "lines": [(name, lines[name]) for name in LINES],
+                "lines": list(lines.items()),
                 "segments": segments,
                 "limit_x": round(one.gpu_memory_gib / scale * MEMORY_BAR_PX, 1),
                 "run_time": (
@@ -529,6 +620,7 @@ def detail(request, job_id: int):
             "nccl_environments": selectors.job_nccl_environments(job=job),
             "rank_environments": selectors.job_rank_environments(job=job),
             "cost": selectors.job_cost(job=job),
+            "truth": next(iter(selectors.estimates_beside_truth(jobs=[job])), None),
             **_training_context(job),
             **_log_context(
                 request, job, attempts_ranks=[(r.attempt, r.node_rank) for r in live["runs"]]
