@@ -532,7 +532,7 @@ def _first_problem(form: SubmitForm) -> str:
     return ""
 
 
-MEMORY_BAR_PX = 240
+MEMORY_BAR_PX = 160
 
 
 def _advice_shown(advice) -> dict:
