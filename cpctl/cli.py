@@ -245,6 +245,67 @@ def cmd_submit(client, args):
     return 0
 
 
+FIT_WORDS = {"fits": "fits", "tight": "tight", "no": "does not fit"}
+
+
+def cmd_estimate(client, args):
+    """Before submitting: per GPU type, each layout's fit, memory per GPU, run time and cost,
+    the suggested layout and what the figures rest on. Nothing is submitted."""
+    spec = _load_spec(args.file)
+    if not isinstance(spec, dict) or "team" not in spec:
+        raise ApiError(400, {"error": {"message": f"{args.file}: a job spec with a team."}})
+    spec["team"] = _team_id(client, spec["team"])
+    answer = client.request("POST", "jobs/estimate/", spec)
+    if args.output == "json":
+        _emit(args, answer, [])
+        return 0
+    for number, advice in enumerate(answer):
+        if number:
+            print()
+        print(f"{advice['gpu_type']}, {advice['gpus']} GPUs:")
+        rows = []
+        for layout in advice["layouts"]:
+            marks = [
+                mark
+                for mark, layout_is in (
+                    ("asked", layout == advice["chosen"]),
+                    ("suggested", layout == advice["suggested"]),
+                )
+                if layout_is
+            ]
+            rows.append(
+                {
+                    "layout": layout["label"],
+                    "fit": FIT_WORDS[layout["fit"]],
+                    "gib_per_gpu": f"{layout['memory_gib']:.1f} of {layout['gpu_memory_gib']:.0f}",
+                    "run_time": _duration(layout["run_time_s"]),
+                    "cost": "—" if layout["cost"] is None else f"${layout['cost']}",
+                    "": ", ".join(marks),
+                }
+            )
+        _print_table(rows, ["layout", "fit", "gib_per_gpu", "run_time", "cost", ""])
+        chosen, suggested = advice["chosen"], advice["suggested"]
+        if chosen is not None and chosen["fit"] == "no":
+            print(
+                f"{chosen['label']} does not fit: it needs {chosen['memory_gib']:g} GiB per GPU; "
+                f"an {advice['gpu_type']} has {chosen['gpu_memory_gib']:.0f}."
+            )
+        if suggested is not None:
+            print(f"suggested: {suggested['label']} ({suggested['memory_gib']:g} GiB per GPU)")
+        else:
+            print(f"suggested: none (no layout of {advice['gpus']} GPUs fits)")
+        for line in advice["basis"]:
+            print(f"basis: {line}")
+    return 0
+
+
+def _duration(seconds) -> str:
+    if seconds is None:
+        return "—"
+    hours, rest = divmod(round(seconds), 3600)
+    return f"{hours} h {rest // 60:02d} m" if hours else f"{rest // 60} m {rest % 60:02d} s"
+
+
 def _follow(client: Client, job_id: int, *, poll_s: float) -> int:
     """submit --wait --follow (or --follow alone): the job's output on stdout as it comes,
     each state it moves to on stderr (so stdout is the job's own output), then its outcome
@@ -473,6 +534,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between checks (default 10; 2 with --follow)",
     )
     submit.set_defaults(run=cmd_submit)
+    estimate = sub.add_parser(
+        "estimate",
+        help="before submitting a trainer spec: fit, memory per GPU, run time and cost of each "
+        "layout, and the one to take",
+    )
+    estimate.add_argument("file")
+    estimate.set_defaults(run=cmd_estimate)
     status = sub.add_parser("status", help="a job's state, reason and timeline")
     status.add_argument("job", type=int)
     status.set_defaults(run=cmd_status)

@@ -85,6 +85,7 @@ SPEC_FIELDS = {
     "trainer.precision": "precision",
     "trainer.activation_checkpointing": "activation_checkpointing",
     "trainer.compile": "compile",
+    "trainer.check_memory": "check_memory",
     **{f"trainer.{key}": key for key in TRAINER_OPTIONAL},
     **{f"trainer.pipeline.{key}": field for field, key in PIPELINE.items()},
     # A command without its code's source is told so on the code path, beside git's fields.
@@ -113,6 +114,22 @@ SECTIONS = {
     ],
     "nccl": ["nccl_profile", "nccl_overrides", "nccl_reasons"],
 }
+
+
+# Fields the advisor's estimate does not rest on: until they are right it shows all the same.
+NOT_ESTIMATED = frozenset(
+    {
+        "name",
+        "team",
+        "env",
+        "secrets",
+        "max_cost_usd",
+        "restart_limit",
+        "nccl_profile",
+        "nccl_overrides",
+        "nccl_reasons",
+    }
+)
 
 
 class NamedValuesField(forms.CharField):
@@ -163,6 +180,12 @@ class SubmitForm(forms.Form):
         help_text="Run on fewer nodes when all of them do not fit (default: all).",
     )
     layout = forms.CharField(required=False, help_text="dp_replicate × dp_shard × tp × pp")
+    check_memory = forms.BooleanField(
+        required=False,
+        initial=True,
+        label="Refuse if the memory model says it does not fit",
+        help_text="Off: submit it anyway (say, for settings the model does not know).",
+    )
     priority = forms.CharField(
         widget=forms.Select(choices=PriorityClass.choices), initial=PriorityClass.NORMAL
     )
@@ -336,6 +359,22 @@ class SubmitForm(forms.Form):
             spec["nccl"] = nccl
         return spec
 
+    def estimate_spec(self) -> dict | None:
+        """The spec to_spec makes, for the advisor, once the fields it rests on are valid:
+        a name and team are not needed yet (the first team the user submits for stands in),
+        nor what it has no bearing on. None before then, or for a command job."""
+        self.is_valid()
+        if set(self.errors) - NOT_ESTIMATED or self.cleaned_data.get("kind") != "trainer":
+            return None
+        data = self.cleaned_data
+        team = data.get("team") or self.fields["team"].queryset.first()
+        if team is None:
+            return None
+        for name in NOT_ESTIMATED:
+            data.pop(name, None)  # the job's own, and maybe not right yet
+        data.update(name="estimate", team=team)
+        return self.to_spec()
+
     def _resources(self) -> dict:
         data = self.cleaned_data
         gpus = data["gpus"]
@@ -361,6 +400,7 @@ class SubmitForm(forms.Form):
             "global_batch": data.get("global_batch") or 64,
             "seq_len": data.get("seq_len") or 512,
             "compile": data["compile"],
+            "check_memory": data["check_memory"],
             **_given({key: data.get(key) for key in TRAINER_OPTIONAL}),
             **_given({key: data.get(key) for key in ("precision", "activation_checkpointing")}),
         }

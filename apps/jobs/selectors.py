@@ -1,8 +1,10 @@
 """Reads of jobs and the queue, scoped to what the user may see."""
 
 import datetime as dt
+import statistics
 import time
 from dataclasses import dataclass
+from decimal import Decimal
 
 from django.core.paginator import Page, Paginator
 from django.db.models import (
@@ -16,12 +18,13 @@ from django.db.models import (
     QuerySet,
     Subquery,
     Sum,
+    Window,
 )
-from django.db.models.functions import Coalesce, Floor
+from django.db.models.functions import Coalesce, Floor, RowNumber
 
 from apps.accounts.selectors import quota_limits, roles_of
 from apps.costs.selectors import job_cost as cost_of
-from apps.costs.selectors import projection_for
+from apps.costs.selectors import job_costs_so_far, projection_for
 from apps.fleet.extensions import GpuHolder
 from apps.fleet.models import SCHEDULABLE_STATES
 from apps.fleet.selectors import (
@@ -388,11 +391,11 @@ def history_row(row: dict) -> dict:
         **row,
         "gpus": row["nodes"] * row["gpus_per_node"],
         "ran": ran,
-        "ran_text": "" if ran is None else _short_duration(ran.total_seconds()),
+        "ran_text": "" if ran is None else short_duration(ran.total_seconds()),
     }
 
 
-def _short_duration(seconds: float) -> str:
+def short_duration(seconds: float) -> str:
     """2 d 3 h, 4 h 05 m, 12 m 30 s, 45 s."""
     seconds = max(0, round(seconds))
     days, rest = divmod(seconds, 86400)
@@ -1008,3 +1011,115 @@ def queue_depth() -> list[QueueDepth]:
         )
         for row in rows
     ]
+
+
+# --- the advisor's estimates beside what happened ---------------------------------------------
+
+ESTIMATES_RECENT = 100  # jobs on the estimates page, and in its summary
+
+
+@dataclass(frozen=True)
+class Compared:
+    """One quantity, as the advisor predicted it at submit and as the job measured it."""
+
+    predicted: float | Decimal | None
+    measured: float | Decimal | None
+
+    @property
+    def error_pct(self) -> float | None:
+        """(predicted − measured) / measured: above 0, the advisor over-estimated."""
+        if self.predicted is None or not self.measured:
+            return None
+        return float((self.predicted - self.measured) / self.measured * 100)
+
+
+@dataclass(frozen=True)
+class EstimateTruth:
+    job: Job
+    gpu_type: str  # the type it ran on, whose prediction is set beside it
+    peak_memory_gib: Compared  # torch's max_memory_allocated, the trainer's peak_mem_gib
+    step_time_s: Compared  # tokens per step / the median tokens per second
+    cost: Compared  # metered; compared only for a job that ran all its steps
+
+
+def estimates_beside_truth(*, jobs) -> list[EstimateTruth]:
+    """For each trainer job with an estimate (Job.estimate), its predicted peak memory per
+    GPU, step time and cost beside what its steps and the meter measured; two queries for
+    any number of jobs (the median tokens/s is found by the database, not by reading every
+    step)."""
+    jobs = [job for job in jobs if job.kind == JobKind.TRAINER and job.estimate]
+    ids = [job.pk for job in jobs]
+    if not ids:
+        return []
+    steps = StepMetric.objects.filter(job_id__in=ids)
+    peaks = dict(
+        steps.values("job_id").annotate(peak=Max("peak_mem_gib")).values_list("job_id", "peak")
+    )
+    middles: dict[int, list[float]] = {}
+    ranked = (
+        steps.filter(tokens_per_s__gt=0)
+        .annotate(
+            position=Window(RowNumber(), partition_by=[F("job_id")], order_by="tokens_per_s"),
+            count=Window(Count("id"), partition_by=[F("job_id")]),
+        )
+        # The middle row, or the middle two of an even count (whole-number division).
+        .filter(position__gte=(F("count") + 1) / 2, position__lte=(F("count") + 2) / 2)
+        .values_list("job_id", "tokens_per_s")
+    )
+    for job_id, tokens_per_s in ranked:
+        middles.setdefault(job_id, []).append(tokens_per_s)
+    costs = job_costs_so_far(job_ids=ids)
+    found = []
+    for job in jobs:
+        estimate = job.estimate
+        by_type = estimate.get("by_gpu_type") or {}
+        ran_on = job.pool.gpu_type if job.pool_id else job.gpu_type
+        if ran_on not in by_type and by_type:
+            ran_on = next(iter(by_type))
+        predicted = by_type.get(ran_on, {})
+        trainer = job.spec.get("trainer", {})
+        tokens_per_step = trainer.get("global_batch", 0) * trainer.get("seq_len", 0)
+        middle = middles.get(job.pk)
+        measured_step = tokens_per_step / (sum(middle) / len(middle)) if middle else None
+        predicted_cost = predicted.get("cost")
+        found.append(
+            EstimateTruth(
+                job=job,
+                gpu_type=ran_on,
+                peak_memory_gib=Compared(
+                    (estimate.get("memory") or {}).get("allocated_gib"), peaks.get(job.pk)
+                ),
+                step_time_s=Compared(predicted.get("step_time_s"), measured_step),
+                cost=Compared(
+                    Decimal(predicted_cost) if predicted_cost is not None else None,
+                    costs.get(job.pk) if job.state == JobState.SUCCEEDED else None,
+                ),
+            )
+        )
+    return found
+
+
+def estimate_errors_summary(truths: list[EstimateTruth]) -> dict[str, dict]:
+    """Per quantity: how many jobs measured it, and the median and worst absolute error %."""
+    summary = {}
+    for quantity in ("peak_memory_gib", "step_time_s", "cost"):
+        errors = sorted(
+            abs(error)
+            for truth in truths
+            if (error := getattr(truth, quantity).error_pct) is not None
+        )
+        summary[quantity] = {
+            "jobs": len(errors),
+            "median": statistics.median(errors) if errors else None,
+            "worst": errors[-1] if errors else None,
+        }
+    return summary
+
+
+def finished_jobs_with_estimates(*, jobs: QuerySet[Job]) -> QuerySet[Job]:
+    """These jobs' finished trainer jobs that kept an estimate, the latest to finish first."""
+    return (
+        jobs.filter(kind=JobKind.TRAINER, state__in=FINISHED_STATES, estimate__isnull=False)
+        .select_related("team", "pool")
+        .order_by(F("finished_at").desc(nulls_last=True), "-id")
+    )

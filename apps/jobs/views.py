@@ -21,9 +21,9 @@ from django.views.decorators.http import require_POST
 from apps.accounts.selectors import roles_of, team_ids_by_slug, teams_visible_to
 from apps.jobs import selectors, services, specs
 from apps.jobs.api.serializers import JobSubmitSerializer
-from apps.jobs.api.views import submit_request
+from apps.jobs.api.views import estimate_request, submit_request
 from apps.jobs.filtersets import JobFilterSet
-from apps.jobs.forms import CUSTOM_MODEL, MODEL_SIZES, SubmitForm
+from apps.jobs.forms import CUSTOM_MODEL, MODEL_SIZES, NOT_ESTIMATED, SubmitForm
 from apps.jobs.models import Job, Placement
 from apps.jobs.models.jobs import FINISHED_STATES, JOB_GPU_TYPES
 from controlplane import charts
@@ -163,6 +163,98 @@ def history(request):
             "filters": filters,
             "compare_most": COMPARED_MAX,
         },
+    )
+
+
+ESTIMATES_COLUMNS = [
+    "id",
+    "team",
+    "name",
+    "state",
+    "gpu_type",
+    "gpus",
+    "layout",
+    "peak_memory_gib_predicted",
+    "peak_memory_gib_measured",
+    "peak_memory_error_pct",
+    "step_time_s_predicted",
+    "step_time_s_measured",
+    "step_time_error_pct",
+    "cost_predicted",
+    "cost_measured",
+    "cost_error_pct",
+    "finished_at",
+]
+ESTIMATES_CSV_BATCH = 500  # jobs whose steps and costs are read in one go
+
+
+def _estimated_jobs(request) -> QuerySet[Job]:
+    """The estimates page's jobs: the user's finished trainer jobs with an estimate, through
+    the page's filters, the latest to finish first."""
+    return selectors.finished_jobs_with_estimates(
+        jobs=_filtered(request, selectors.jobs_visible_to(user=request.user))
+    )
+
+
+@login_required
+def estimates(request):
+    """How right the advisor was: for recent finished trainer jobs, predicted peak memory per
+    GPU, step time and cost beside what was measured, and the error of each."""
+    truths = selectors.estimates_beside_truth(
+        jobs=list(_estimated_jobs(request)[: selectors.ESTIMATES_RECENT])
+    )
+    return render(
+        request,
+        "jobs/estimates.html",
+        {
+            "truths": truths,
+            "summary": selectors.estimate_errors_summary(truths),
+            "recent": selectors.ESTIMATES_RECENT,
+            "states": sorted(FINISHED_STATES),
+            "teams": teams_visible_to(user=request.user)
+            .order_by("slug")
+            .values_list("slug", flat=True),
+            "filters": _filters(request),
+        },
+    )
+
+
+def _estimates_csv_rows(jobs):
+    def number(value, places: int):
+        return "" if value is None else round(value, places)
+
+    jobs = iter(jobs)
+    while batch := list(itertools.islice(jobs, ESTIMATES_CSV_BATCH)):
+        for truth in selectors.estimates_beside_truth(jobs=batch):
+            job = truth.job
+            line = [
+                job.pk,
+                job.team.slug,
+                job.name,
+                job.state,
+                truth.gpu_type,
+                job.gpus,
+                job.estimate.get("layout", ""),
+            ]
+            for compared, places in (
+                (truth.peak_memory_gib, 2),
+                (truth.step_time_s, 4),
+                (truth.cost, 2),
+            ):
+                line += [
+                    number(compared.predicted, places),
+                    number(compared.measured, places),
+                    number(compared.error_pct, 1),
+                ]
+            yield [*line, job.finished_at or ""]
+
+
+@login_required
+def estimates_csv(request):
+    return csv_response(
+        "estimates.csv",
+        ESTIMATES_COLUMNS,
+        _estimates_csv_rows(_estimated_jobs(request).iterator(chunk_size=ESTIMATES_CSV_BATCH)),
     )
 
 
@@ -400,6 +492,95 @@ def layouts(request):
     )
 
 
+@login_required
+def advice(request):
+    """For a trainer job on the Submit form (it asks with htmx as its fields change): each
+    layout its GPU counts allow, whether it fits the GPUs' memory, line by line, its run
+    time and cost, and the layout to take; the same answer as POST /api/v1/jobs/estimate/."""
+    form = SubmitForm(request.GET, user=request.user)
+    context = {"problem": "", "advice": []}
+    if (request.GET.get("kind") or "trainer") != "trainer":
+        context["problem"] = (
+            "Estimates are for the bundled trainer: a command's memory and speed are its own."
+        )
+        return render(request, "jobs/_advice.html", context)
+    spec = form.estimate_spec()
+    body = JobSubmitSerializer(data=spec) if spec is not None else None
+    if body is None or not body.is_valid():
+        if body is not None:
+            form.add_spec_errors(body.errors)
+        context["problem"] = _first_problem(form) or (
+            "The estimate shows once the fields above are valid."
+        )
+        return render(request, "jobs/_advice.html", context)
+    try:
+        found = estimate_request(user=request.user, spec=dict(body.validated_data))
+    except ApplicationError as exc:
+        form.add_spec_errors(exc.details or {"__all__": [exc.message]})
+        context["problem"] = _first_problem(form) or exc.message
+    else:
+        context["advice"] = [_advice_shown(a) for a in found]
+    return render(request, "jobs/_advice.html", context)
+
+
+def _first_problem(form: SubmitForm) -> str:
+    """The first error on a field the estimate rests on, named by its field's label."""
+    for name, problems in form.errors.items():
+        if name not in NOT_ESTIMATED:
+            label = form.fields[name].label or name.replace("_", " ") if name in form.fields else ""
+            return f"{label.capitalize()}: {problems[0]}" if label else problems[0]
+    return ""
+
+
+MEMORY_BAR_PX = 160
+
+
+def _advice_shown(advice) -> dict:
+    """One GPU type's advice as the Submit page draws it: per layout, its memory as a bar of
+    its lines (one scale for every row, the GPU's memory marked) and its figures."""
+    scale = max(
+        [advice.layouts[0].gpu_memory_gib if advice.layouts else 1.0]
+        + [a.estimate.total / 2**30 for a in advice.layouts]
+    )
+    rows = []
+    for one in advice.layouts:
+        lines = one.estimate.as_dict()["lines"]
+        segments, x = [], 0.0
+        for name in lines:  # the memory model's order: parameters first, runtime last
+            width = lines[name] / scale * MEMORY_BAR_PX
+            segments.append(
+                {"line": name, "gib": lines[name], "x": round(x, 1), "width": round(width, 1)}
+            )
+            x += width
+        rows.append(
+            {
+                "advice": one,
+                "label": one.layout.label,
+                "value": one.layout.value,
+                "lines": list(lines.items()),
+                "segments": segments,
+                "limit_x": round(one.gpu_memory_gib / scale * MEMORY_BAR_PX, 1),
+                "run_time": (
+                    None if one.run_time_s is None else selectors.short_duration(one.run_time_s)
+                ),
+                "within": one.within(advice.time_limit_s),
+                "suggested": one is advice.suggested,
+                "chosen": one is advice.chosen,
+            }
+        )
+    return {
+        "gpu_type": advice.gpu_type,
+        "gpus": advice.gpus,
+        "gpu_memory_gib": advice.layouts[0].gpu_memory_gib if advice.layouts else None,
+        "time_limit": selectors.short_duration(advice.time_limit_s),
+        "rows": rows,
+        "chosen": advice.chosen,
+        "suggested": advice.suggested,
+        "basis": advice.basis,
+        "bar_px": MEMORY_BAR_PX,
+    }
+
+
 def _job_for_page(request, job_id: int) -> Job:
     """The job, if the user may see it (404 otherwise), with what its head shows."""
     return get_object_or_404(
@@ -439,6 +620,7 @@ def detail(request, job_id: int):
             "nccl_environments": selectors.job_nccl_environments(job=job),
             "rank_environments": selectors.job_rank_environments(job=job),
             "cost": selectors.job_cost(job=job),
+            "truth": next(iter(selectors.estimates_beside_truth(jobs=[job])), None),
             **_training_context(job),
             **_log_context(
                 request, job, attempts_ranks=[(r.attempt, r.node_rank) for r in live["runs"]]

@@ -127,3 +127,58 @@ def test_submit_a_trainer_job_with_environment_checkpoints_and_a_cost_cap(
     assert job.spec["env"] == {"WANDB_PROJECT": "pretrain", "LOG_LEVEL": "debug"}
     assert job.spec["nccl"]["overrides"] == {"NCCL_ALGO": "Ring"}
     assert str(job.max_cost_usd) == "250.00"
+
+
+def test_70b_on_one_gpu_does_not_fit_and_the_suggested_layout_submits_and_is_placed(
+    page, browser_login, fleet, team, researcher
+):
+    from apps.jobs.models import Job
+    from apps.jobs.scheduler.run import scheduling_pass
+    from tests.apps.costs.conftest import owned_price
+
+    owned_price(fleet)
+    base = browser_login(page, researcher)
+    page.goto(f"{base}/jobs/submit/")
+    page.fill("#id_name", "seventy-b")
+    page.select_option("#id_preset", value="70b")
+    page.select_option("#id_gpus", value="1")
+
+    advice = page.locator("#advice")
+    verdict = advice.locator(".advice-verdict")
+    expect(verdict).to_contain_text("FSDP 1: does not fit")
+    expect(verdict).to_contain_text(re.compile(r"needs [\d.]+ GiB per GPU; an H100 has 80"))
+    expect(verdict).to_contain_text("No layout of 1 GPUs fits")
+    expect(advice.locator(".memory-lines")).to_contain_text("parameters")
+    expect(advice.locator(".advice-basis")).to_contain_text("MFU")
+    expect(page.locator("#id_check_memory")).to_be_checked()
+
+    # Submitted as it stands, it is refused on the layout, with the numbers.
+    page.get_by_role("button", name="Submit", exact=True).click()
+    layout_field = page.locator(".field", has=page.locator("#id_layout"))
+    expect(layout_field.locator(".field-error")).to_contain_text("GiB per GPU; an H100 has 80")
+
+    # Four nodes of eight, a sequence at a time with full recomputation: layouts fit, and
+    # the cheapest that ends in time is suggested.
+    page.select_option("#id_gpus", value="32")
+    page.locator("summary", has_text="More training settings").click()
+    page.select_option("#id_activation_checkpointing", value="full")
+    page.fill("#id_micro_batch", "1")
+    page.locator("#id_micro_batch").dispatch_event("change")
+    suggested = advice.locator("tr.is-suggested")
+    expect(suggested).to_have_count(1)
+    expect(suggested.locator(".badge.suggested")).to_have_text("suggested")
+    expect(suggested).not_to_contain_text("does not fit")
+    chosen = suggested.get_attribute("data-layout")
+    page.select_option("#id_layout", value=chosen)
+    expect(advice.locator(".advice-verdict")).to_contain_text("It is the suggested layout.")
+
+    page.get_by_role("button", name="Submit", exact=True).click()
+    expect(page).to_have_url(re.compile(r"/jobs/\d+/$"))
+    job = Job.objects.get(pk=re.search(r"/jobs/(\d+)/$", page.url).group(1))
+    assert (job.nodes, job.gpus_per_node) == (4, 8)
+    assert "x".join(str(n) for n in (job.dp_replicate, job.dp_shard, job.tp, job.pp)) == chosen
+    assert job.estimate["by_gpu_type"]["H100"]["fit"] != "no"
+    expect(page.locator("#estimate-truth")).to_contain_text("Peak memory per GPU")
+
+    scheduling_pass()  # the four nodes are free: it is placed
+    expect(page.locator(".page-head .badge")).to_have_text("Admitted", timeout=15_000)

@@ -402,3 +402,47 @@ def test_logs_filters_by_rank_attempt_and_text(live_server, team, researcher):
     assert logs("--grep", "loss", "--rank", "0") == ["[0] a1 r0 Loss 3.0", "[0] a2 r0 LOSS 2.0"]
     refused = cpctl(live_server, token, "logs", str(job.pk), "--rank", "-1")
     assert refused.returncode == 1 and "rank" in refused.stderr
+
+
+def test_estimate_prints_each_layouts_fit_time_and_cost_and_the_suggested_one(
+    live_server, team, researcher, tmp_path
+):
+    from apps.jobs.models import Job
+    from tests.apps.costs.conftest import owned_price
+
+    pool = factories.make_owned_pool(slug="cli-pool")
+    for number in range(4):
+        ready_node(pool=pool, name=f"cli-est-{number}", gpu_count=8)
+    owned_price(pool)
+    token = token_of(researcher, scopes=("submit",))
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        f"name: big\nteam: {team.slug}\ntime_limit_s: 86400\n"
+        "trainer:\n  preset: 70b\n  dataset: synthetic\n  steps: 100\n"
+        "  global_batch: 64\n  seq_len: 2048\n"
+        "resources:\n  gpu_type: H100\n  nodes: 1\n  gpus_per_node: 1\n"
+    )
+    one = cpctl(live_server, token, "estimate", str(spec))
+    assert one.returncode == 0, one.stderr
+    assert "H100, 1 GPUs:" in one.stdout
+    assert "FSDP 1" in one.stdout and "does not fit" in one.stdout
+    assert "needs" in one.stdout and "GiB per GPU; an H100 has 80." in one.stdout
+    assert "suggested: none" in one.stdout
+    assert "basis: MFU" in one.stdout
+
+    # Over 32 GPUs, one sequence of 512 at a time, recomputing activations: it fits.
+    text = spec.read_text().replace("nodes: 1\n  gpus_per_node: 1", "nodes: 4\n  gpus_per_node: 8")
+    text = text.replace(
+        "seq_len: 2048", "seq_len: 512\n  micro_batch: 1\n  activation_checkpointing: full"
+    )
+    spec.write_text(text)
+    many = cpctl(live_server, token, "estimate", str(spec))
+    assert many.returncode == 0, many.stderr
+    table = many.stdout.splitlines()
+    assert table[1].split()[:4] == ["LAYOUT", "FIT", "GIB_PER_GPU", "RUN_TIME"]
+    suggested = next(line for line in table if line.startswith("suggested: "))
+    label = suggested.removeprefix("suggested: ").split(" (")[0]
+    (row,) = [line for line in table if line.startswith(label + "  ")]
+    assert "does not fit" not in row and "$" in row and row.rstrip().endswith("suggested")
+    assert "per GPU-hour in cli-pool" in many.stdout
+    assert Job.objects.count() == 0

@@ -155,6 +155,8 @@ POLICY: dict[tuple[str, str], Rule] = {
     # --- jobs ---------------------------------------------------------------------------
     ("job-list", "GET"): read(),
     ("job-list", "POST"): write(SUBMIT, *SUBMITTERS),
+    # Nothing is written: whoever sees the team may ask, with a token that may submit.
+    ("job-estimate", "POST"): write(SUBMIT, *EVERYONE),
     ("job-detail", "GET"): read(),
     ("job-logs", "GET"): read(),
     ("job-cancel", "POST"): write(SUBMIT, *JOB_MANAGERS),
@@ -382,6 +384,9 @@ def _bodies(world) -> dict:
             gpus_per_node=8,
             layout={"dp_shard": 8},
             seq_len=256,
+        ),
+        "job-estimate": trainer_spec(
+            world.alpha, preset="tiny", nodes=1, gpus_per_node=8, seq_len=256
         ),
         "webhook-list": {"team": alpha, "url": "https://hooks.example.com/new"},
         "nccl-profile-list": {"name": "sec-new", "title": "New", "fabric": "infiniband"},

@@ -77,9 +77,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         layout; one answer per GPU type it may land on. Nothing is submitted."""
         body = s.JobSubmitSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        spec = dict(body.validated_data)
-        _team_visible(request.user, spec.pop("team"))
-        advice = services.job_estimate(spec=_jsonable(spec))
+        advice = estimate_request(user=request.user, spec=dict(body.validated_data))
         return Response([s.advice_data(a) for a in advice])
 
     @extend_schema(request=s.ReasonSerializer, responses=s.JobSerializer)
@@ -169,6 +167,13 @@ def submit_request(*, user, spec: dict, idempotency_key: str):
     return services.job_submit(
         team=team, spec=_jsonable(spec), submitted_by=user, idempotency_key=key
     )
+
+
+def estimate_request(*, user, spec: dict) -> list:
+    """An estimate request's validated body answered: the advisor's Advice per GPU type the
+    job may land on (apps/jobs/advisor.py). Raises ApplicationError for a spec refused."""
+    _team_visible(user, spec.pop("team"))
+    return services.job_estimate(spec=_jsonable(spec))
 
 
 def _team_visible(user, team_id: int):

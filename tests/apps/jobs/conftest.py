@@ -83,6 +83,7 @@ def form_data(team, **overrides) -> dict:
         "steps": 10,
         "global_batch": 64,
         "seq_len": 128,
+        "check_memory": "on",  # as the page sends it: ticked unless unticked
     }
     data.update(overrides)
     return data

@@ -122,6 +122,7 @@ def test_a_trainer_job_from_the_form_carries_every_trainer_setting(
         "precision": "fp32",
         "activation_checkpointing": "full",
         "compile": True,
+        "check_memory": True,
         "checkpoint_every_steps": 100,
         "checkpoint_every_minutes": 30,
         "checkpoint_keep": 5,
