@@ -132,6 +132,23 @@ def measure(row: Row, args) -> dict:
     return {"measured_gib": got.get("peak_mem_gib"), **{k: got[k] for k in keep if k in got}}
 
 
+def print_table(measured: list[dict]) -> int:
+    """bench/RESULTS.md's calibration table: each measured row beside today's prediction."""
+    print("| row | predicted GiB | measured GiB | error % |")
+    print("| --- | ---: | ---: | ---: |")
+    errors = []
+    for result in measured:
+        if not result.get("measured_gib"):
+            continue
+        row = Row.parse(result["row"])
+        predicted = predict(row)["allocated_gib"]
+        error = (predicted / result["measured_gib"] - 1) * 100
+        errors.append(abs(error))
+        print(f"| `{row.name}` | {predicted:.2f} | {result['measured_gib']:.2f} | {error:+.1f} |")
+    print(f"\nadvisor: rows={len(errors)} max_abs_error_pct={max(errors):.1f}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="measured steps per row")
@@ -145,7 +162,14 @@ def main(argv=None) -> int:
     parser.add_argument("--alone", action="store_true", help="only the rows trained alone")
     parser.add_argument("--shared", action="store_true", help="only the rows trained in pairs")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument(
+        "--table",
+        metavar="ROWS_JSON",
+        help="no training: the markdown table of measured rows (from --out) beside the model now",
+    )
     args = parser.parse_args(argv)
+    if args.table:
+        return print_table(json.loads(Path(args.table).read_text()))
 
     import torch
 

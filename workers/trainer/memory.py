@@ -213,9 +213,10 @@ def _rank_estimate(config: RunConfig, rank: _Rank, *, gpu: bool) -> Estimate:
     # gradient made, the last block's still unreduced, the activations freed).
     end = all_grads + 2 * compute * block
     if acts + output + head_grads >= end:
-        grads = head_grads
-    else:
+        grads, moment = head_grads, "at the start of the backward pass"
+    else:  # the activations are small beside the state: they are freed by then
         grads, acts, output = end, 0.0, 0.0
+        moment = "at the end of the backward pass"
 
     lines = {
         "parameters": params,
@@ -232,7 +233,7 @@ def _rank_estimate(config: RunConfig, rank: _Rank, *, gpu: bool) -> Estimate:
     states = {"parameters": params, "gradients": all_grads, "optimizer": optimizer}
     return Estimate(
         {k: int(v) for k, v in lines.items()},
-        rank=rank.name,
+        rank=f"{rank.name}, {moment}",
         states={k: int(v) for k, v in states.items()},
     )
 

@@ -146,7 +146,7 @@ def test_the_lines_add_up_to_the_total(preset, ac, compile, gpu, batch):
 
 def test_a_pipeline_s_first_rank_holds_more_activations_than_one_stage_alone():
     one = memory.estimate(run(preset="8b", batch=16, layout={"pp": 4, "dp_shard": 2}))
-    assert one.rank in ("the first pipeline rank", "the last pipeline rank")
+    assert one.rank.startswith(("the first pipeline rank, at", "the last pipeline rank, at"))
     interleaved = parse(
         {
             "model": {"preset": "8b"},
