@@ -469,8 +469,13 @@ def analyze() -> None:
 def pages(s: Seeded) -> list[tuple[str, object, str]]:
     """(name, user, url) of every page and live fragment measured."""
     job, done = s.big_job_id, s.finished_job_id
+    day_ago = (NOW - dt.timedelta(days=1)).isoformat().replace("+00:00", "Z")
     month = f"since={(NOW.date() - dt.timedelta(days=MONTH)).isoformat()}&until={NOW.date()}"
     submit = "gpus=16&gpus_per_node=8&preset=small&gpu_type=H100&time_limit_hours=4"
+    trainer = (
+        "kind=trainer&layout=&priority=normal&placement=owned_then_cloud&dataset=synthetic"
+        "&steps=1000&global_batch=64&seq_len=2048&check_memory=on"
+    )
     return [
         ("queue", s.researcher, "/jobs/"),
         ("queue-page-10", s.researcher, "/jobs/?page=10"),
@@ -488,6 +493,8 @@ def pages(s: Seeded) -> list[tuple[str, object, str]]:
         ("submit", s.researcher, "/jobs/submit/"),
         ("submit-layouts", s.researcher, f"/jobs/submit/layouts/?{submit}"),
         ("submit-outlook", s.researcher, f"/jobs/submit/outlook/?{submit}&team={s.team_ids[0]}"),
+        ("submit-advice", s.researcher, f"/jobs/submit/advice/?{submit}&{trainer}"),
+        ("estimates", s.researcher, "/jobs/estimates/"),
         ("fleet", s.ops, "/fleet/"),
         ("fleet-pool", s.ops, f"/fleet/?pool={s.pool_ids[0]}"),
         ("fleet-live", s.ops, "/fleet/live/"),
@@ -516,6 +523,7 @@ def pages(s: Seeded) -> list[tuple[str, object, str]]:
         ("api-jobs-ops", s.ops, "/api/v1/jobs/"),
         ("api-queue", s.researcher, "/api/v1/queue/"),
         ("api-nodes", s.ops, "/api/v1/nodes/"),
+        ("api-node-telemetry", s.ops, f"/api/v1/nodes/{s.node_id}/telemetry/?since={day_ago}"),
     ]
 
 
@@ -557,9 +565,9 @@ def found(seeded: Seeded) -> Seeded:
     seeded.finished_job_id = (
         Job.objects.filter(team_id=seeded.team_ids[0], state="succeeded").values("id").first()
     )["id"]
-    seeded.node_name = Run.objects.filter(job_id=seeded.big_job_id, node_rank=0).values_list(
-        "node__name", flat=True
-    )[0]
+    seeded.node_id, seeded.node_name = Run.objects.filter(
+        job_id=seeded.big_job_id, node_rank=0
+    ).values_list("node_id", "node__name")[0]
     seeded.profile_name = NcclProfile.objects.order_by("name").values_list("name", flat=True)[0]
     return seeded
 
