@@ -601,7 +601,10 @@ def main() -> int:
         publish_queue_order()
         speed = interpreter_ms()
         clients = {}
+        only = {n for n in os.environ.get("BENCH_PAGES", "").split(",") if n}
         for name, user, url in pages(seeded):
+            if only and name not in only:
+                continue
             if user.pk not in clients:
                 clients[user.pk] = Client()
                 clients[user.pk].force_login(user)

@@ -109,7 +109,11 @@ def measured_throughput(gpu_type: str, shape: ModelShape, *, compiled: bool, ac:
     if row["gpu_type"] != gpu_type:
         borrowed.append(f"measured on {row['gpu_type']}, not {gpu_type}")
     if row["compile"] != compiled:
-        borrowed.append("compiled" if row["compile"] else "eager")
+        borrowed.append(
+            "a compiled run's figure for an eager job"
+            if row["compile"]
+            else "an eager run's figure for a compiled job"
+        )
     words = f"MFU {mfu:.2f} from {row['preset']} on {row['gpu_type']}"
     words += f" ({'compiled' if row['compile'] else 'eager'}, checkpointing "
     words += f"{row['activation_checkpointing']}, measured {row['measured']})"
