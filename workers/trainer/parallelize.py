@@ -131,17 +131,36 @@ def use_current_flight_recorder_names(env=os.environ) -> None:
 def start_world(config: RunConfig) -> World:
     """Join the process group torchrun set up (or make a world of one) and build the mesh."""
     use_current_flight_recorder_names()  # before the process group makes the recorder
-    if "RANK" not in os.environ:  # run directly, without torchrun: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, size, local_rank = world_of_one_unless_torchrun()
     layout = config.layout
     if layout.world_size != size:
         raise ValueError(
             f"the layout {layout.as_dict()} needs {layout.world_size} processes; "
             f"torchrun started {size}"
         )
+    device, _ = join_process_group(local_rank, timeout_s=config.collective_timeout_s)
+    mesh = init_device_mesh(
+        device.type,
+        (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
+        mesh_dim_names=MESH_DIMS,
+    )
+    return World(rank, size, local_rank, device, mesh, config)
+
+
+def world_of_one_unless_torchrun() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's variables; run directly, a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    return (
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def join_process_group(local_rank: int, *, timeout_s: float) -> tuple[torch.device, str]:
+    """This process's device and backend (NCCL on its GPU, else gloo), the group joined."""
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -150,16 +169,9 @@ def start_world(config: RunConfig) -> World:
         device = torch.device("cpu")
         backend = "gloo"
     dist.init_process_group(
-        backend,
-        timeout=dt.timedelta(seconds=config.collective_timeout_s),
-        device_id=_device_id(device),
+        backend, timeout=dt.timedelta(seconds=timeout_s), device_id=_device_id(device)
     )
-    mesh = init_device_mesh(
-        device.type,
-        (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
-        mesh_dim_names=MESH_DIMS,
-    )
-    return World(rank, size, local_rank, device, mesh, config)
+    return device, backend
 
 
 def _device_id(device: torch.device):
