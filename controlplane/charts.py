@@ -250,3 +250,41 @@ def heat_grid(groups: Sequence[tuple[str, str, Sequence[tuple[str, str, str]]]])
         parts.append("</span></div>")
     parts.append("</div>")
     return mark_safe("".join(parts))  # noqa: S308 (every text above is escaped)
+
+
+RACK_UNIT_PX = 14  # one rack unit's height on the drawing
+
+
+def rack_elevation(
+    *, label: str, height_units: int, units: Sequence[tuple[int, str, str, str, str]]
+) -> SafeString:
+    """A rack's front drawn as SVG: its numbered units, and what sits in them.
+
+    `units`: (unit, css classes, title, href, text), drawn in order (a later one on top);
+    units count from 1 at the bottom. Built here rather than in a template loop: a page
+    draws several racks of 42 units.
+    """
+    quote = html.escape
+    rack_px = height_units * RACK_UNIT_PX
+    parts = [
+        f'<svg class="elevation" role="img" aria-label="Elevation of rack {quote(label)}" '
+        f'width="190" height="{rack_px + 16}" viewBox="0 0 190 {rack_px + 16}">'
+        f'<rect class="rack-frame" x="0" y="0" width="190" height="{rack_px + 16}" rx="4"/>'
+        # Inside the translated group a thing in unit u sits at y = -14u.
+        f'<g transform="translate(26 {rack_px + 8})">'
+    ]
+    for unit in range(1, height_units + 1):
+        parts.append(
+            f'<g transform="translate(0 -{unit * RACK_UNIT_PX})">'
+            '<rect class="slot" x="0" y="0.5" width="150" height="13"/>'
+            f'<text class="unit-number" x="-6" y="10">{unit}</text></g>'
+        )
+    for unit, classes, title, href, text in units:
+        parts.append(
+            f'<g class="{quote(classes)}" transform="translate(0 -{unit * RACK_UNIT_PX})">'
+            f"<title>{quote(title)}</title>"
+            '<rect x="0" y="0.5" width="150" height="13" rx="2"/>'
+            f'<a href="{quote(href)}"><text x="6" y="10">{quote(text)}</text></a></g>'
+        )
+    parts.append("</g></svg>")
+    return mark_safe("".join(parts))  # noqa: S308 (every text above is escaped)

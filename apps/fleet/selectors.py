@@ -12,7 +12,6 @@ from django.db.models import (
     Max,
     Min,
     OuterRef,
-    Prefetch,
     Q,
     QuerySet,
     Subquery,
@@ -67,10 +66,19 @@ def racks_for_listing() -> QuerySet[Rack]:
 
 
 def pools_for_listing() -> QuerySet[NodePool]:
+    # Each pool's nodes counted by a subquery (the pool_id index), not a join of the fleet's
+    # 10,000 nodes grouped by every pool column: a third of the time (bench/pages.py).
+    nodes = (
+        Node.objects.filter(pool=OuterRef("pk"))
+        .order_by()
+        .values("pool")
+        .annotate(n=Count("id"))
+        .values("n")
+    )
     return (
         NodePool.objects.select_related("site")
         .prefetch_related("instance_types")
-        .annotate(node_count=Count("nodes"))
+        .annotate(node_count=Coalesce(Subquery(nodes), 0))
         .order_by("name")
     )
 
@@ -91,14 +99,28 @@ def gpu_counts_by_health() -> dict[str, int]:
     return {health: counts.get(health, 0) for health in GpuHealth.values}
 
 
+class GpuMark(NamedTuple):
+    """What a GPU's mark on the Fleet page shows (templatetags/gpus.py): a tuple, not a model
+    instance, as the page draws about a thousand."""
+
+    index: int
+    health: str
+    health_reason: str
+
+
 @dataclass
 class RackView:
     rack: Rack
     nodes: list[Node] = field(default_factory=list)
+    gpus: dict[int, list[GpuMark]] = field(default_factory=dict)  # by node id
 
     @property
     def gpu_count(self) -> int:
         return sum(node.gpu_count for node in self.nodes)
+
+    @property
+    def rows(self) -> list[tuple[Node, list[GpuMark]]]:
+        return [(node, self.gpus.get(node.pk, [])) for node in self.nodes]
 
 
 @dataclass
@@ -115,6 +137,11 @@ class FleetOverview:
     racks_total: int  # of the racks asked for; at most RACKS_SHOWN are in `sites`
     racks_shown: int
     unracked_total: int  # at most UNRACKED_SHOWN are in `unracked`
+    gpus: dict[int, list[GpuMark]] = field(default_factory=dict)  # by node id, of those drawn
+
+    @property
+    def unracked_rows(self) -> list[tuple[Node, list[GpuMark]]]:
+        return [(node, self.gpus.get(node.pk, [])) for node in self.unracked]
 
 
 # What the Fleet page draws at most, so that it stays quick at 10,000 nodes: rack
@@ -122,29 +149,58 @@ class FleetOverview:
 RACKS_SHOWN = 8
 UNRACKED_SHOWN = 50
 
+# Of a drawn node what the Fleet page shows (its rack elevations and tables).
+DRAWN_NODE_FIELDS = (
+    "name",
+    "pool_id",
+    "pool__name",
+    "rack_id",
+    "rack_unit",
+    "capacity_type",
+    "instance_type_id",
+    "instance_type__name",
+    "gpu_count",
+    "state",
+    "state_reason",
+)
+
+
+def gpu_marks_by_node(*, node_ids) -> dict[int, list[GpuMark]]:
+    """The marks of these nodes' GPUs by node id, each node's by index: one query."""
+    marks: dict[int, list[GpuMark]] = {}
+    rows = (
+        Gpu.objects.filter(node_id__in=node_ids)
+        .order_by("node_id", "index")
+        .values_list("node_id", "index", "health", "health_reason")
+    )
+    for node_id, index, health, reason in rows:
+        marks.setdefault(node_id, []).append(GpuMark(index, health, reason))
+    return marks
+
 
 def fleet_overview(*, nodes: QuerySet[Node] | None = None) -> FleetOverview:
     """Sites → racks → nodes (with their GPUs), and nodes in no rack (cloud): the racks
     holding `nodes` (every rack without it), the first RACKS_SHOWN of them, and the first
     UNRACKED_SHOWN nodes in no rack; a bounded number of queries whatever the fleet's size."""
     racks = Rack.objects.select_related("site").order_by("site__name", "name")
-    # Of each GPU what its mark shows (templatetags/gpus.py), not its readings.
-    gpus = Gpu.objects.order_by("index").only("node_id", "index", "health", "health_reason")
-    drawn = Node.objects.select_related("pool", "instance_type").prefetch_related(
-        Prefetch("gpus", queryset=gpus)
-    )
+    drawn = Node.objects.select_related("pool", "instance_type").only(*DRAWN_NODE_FIELDS)
     unracked = drawn.filter(rack__isnull=True).order_by("name")
     if nodes is not None:
         racks = racks.filter(pk__in=nodes.exclude(rack__isnull=True).values("rack_id"))
         unracked = unracked.filter(pk__in=nodes.values("pk"))
     racks_total = racks.count()
     shown = list(racks[:RACKS_SHOWN])
+    racked = list(drawn.filter(rack_id__in=[r.pk for r in shown]).order_by("rack_unit", "name"))
+    cloud = list(unracked[:UNRACKED_SHOWN])
+    gpus = gpu_marks_by_node(node_ids=[node.pk for node in racked + cloud])
     by_rack: dict[int, list[Node]] = {}
-    for node in drawn.filter(rack_id__in=[r.pk for r in shown]).order_by("rack_unit", "name"):
+    for node in racked:
         by_rack.setdefault(node.rack_id, []).append(node)
     site_views = {site.pk: SiteView(site=site) for site in Site.objects.order_by("name")}
     for rack in shown:
-        site_views[rack.site_id].racks.append(RackView(rack=rack, nodes=by_rack.get(rack.pk, [])))
+        site_views[rack.site_id].racks.append(
+            RackView(rack=rack, nodes=by_rack.get(rack.pk, []), gpus=gpus)
+        )
     return FleetOverview(
         # Every site when every rack is drawn (an empty site says so); else those drawn.
         sites=[
@@ -152,11 +208,12 @@ def fleet_overview(*, nodes: QuerySet[Node] | None = None) -> FleetOverview:
             for view in site_views.values()
             if view.racks or (nodes is None and len(shown) == racks_total)
         ],
-        unracked=list(unracked[:UNRACKED_SHOWN]),
+        unracked=cloud,
         pools=list(pools_for_listing()),
         racks_total=racks_total,
         racks_shown=len(shown),
         unracked_total=unracked.count(),
+        gpus=gpus,
     )
 
 
@@ -584,9 +641,17 @@ class HeatCell(NamedTuple):
     holder: object | None  # extensions.GpuHolder, or None when free
 
 
+class HeatNode(NamedTuple):
+    """A node of the heat map: its id and name (a tuple, not a model instance: a map has
+    hundreds)."""
+
+    pk: int
+    name: str
+
+
 @dataclass
 class HeatMap:
-    nodes: list[tuple[Node, list[HeatCell]]]
+    nodes: list[tuple[HeatNode, list[HeatCell]]]
     total_nodes: int
 
     @property
@@ -599,7 +664,9 @@ def gpu_heat_map(*, nodes: QuerySet[Node], limit: int = HEAT_MAP_MAX_NODES) -> H
     the job holding it: three queries however many nodes and GPUs."""
     from apps.fleet.extensions import gpu_holders
 
-    shown = list(nodes.order_by("name").only("id", "name", "state", "gpu_count")[: limit + 1])
+    shown = [
+        HeatNode(*row) for row in nodes.order_by("name").values_list("id", "name")[: limit + 1]
+    ]
     total = len(shown) if len(shown) <= limit else nodes.count()
     shown = shown[:limit]
     ids = [node.pk for node in shown]
@@ -622,18 +689,19 @@ def gpu_heat_map(*, nodes: QuerySet[Node], limit: int = HEAT_MAP_MAX_NODES) -> H
     names = {node.pk: node.name for node in shown}
     free: dict = {}
     for node_id, index, health, util, temp, power, used, total_mib in rows:
+        # By position, in HeatCell's order: keywords cost more, 4,000 times.
         gpus.setdefault(node_id, []).append(
             HeatCell(
-                node_id=node_id,
-                node_name=names[node_id],
-                index=index,
-                health=health,
-                utilization_pct=util,
-                temperature_c=temp,
-                power_w=power,
-                memory_used_mib=used,
-                memory_mib=total_mib,
-                holder=holders.get(node_id, free).get(index),
+                node_id,
+                names[node_id],
+                index,
+                health,
+                util,
+                temp,
+                power,
+                used,
+                total_mib,
+                holders.get(node_id, free).get(index),
             )
         )
     return HeatMap(nodes=[(node, gpus.get(node.pk, [])) for node in shown], total_nodes=total)

@@ -12,6 +12,7 @@ from controlplane.charts import (
     heat_grid,
     line_chart,
     nice_ticks,
+    rack_elevation,
     stacked_bar_chart,
     swatch,
 )
@@ -113,6 +114,22 @@ def test_a_heat_grid_links_each_cell_and_escapes_what_it_is_given():
         'title="GPU 0 · job &quot;x&quot;" aria-label="GPU 0 · job &quot;x&quot;"></a>'
     ) in html
     assert html.count('class="heat-node"') == 2
+
+
+def test_a_rack_elevation_numbers_its_units_and_places_what_it_is_given_escaped():
+    html = rack_elevation(
+        label="R<1>",
+        height_units=4,
+        units=[(3, "unit state-ready", 'n1 · "ready"', "/fleet/nodes/1/", "n1<")],
+    )
+    assert 'aria-label="Elevation of rack R&lt;1&gt;" width="190" height="72"' in html
+    assert html.count('<rect class="slot"') == 4
+    assert '<text class="unit-number" x="-6" y="10">4</text>' in html
+    assert (
+        '<g class="unit state-ready" transform="translate(0 -42)">'
+        "<title>n1 · &quot;ready&quot;</title>"
+    ) in html
+    assert '<a href="/fleet/nodes/1/"><text x="6" y="10">n1&lt;</text></a>' in html
 
 
 def test_a_line_chart_labels_its_x_axis_as_asked():

@@ -2,10 +2,11 @@
 
 import csv
 import io
+import re
 
 import pytest
 
-from apps.fleet.models import Node
+from apps.fleet.models import Gpu, Node
 from tests import factories
 from tests.apps.fleet.test_services import ready_node
 
@@ -40,6 +41,32 @@ def test_the_fleet_page_lists_sites_racks_and_nodes(logged_in):
     assert rack.site.name in html
     assert "Z9" in html
     assert f'data-node="{node.name}"' in html
+
+
+def test_a_rack_elevation_places_nodes_in_their_units_and_stacks_the_unplaced(logged_in):
+    rack = factories.make_rack(name="E1")
+    placed = ready_node(rack=rack, rack_unit=5, name="e1-placed", gpu_count=1)
+    ready_node(rack=rack, rack_unit=None, name="e1-loose-a")
+    ready_node(rack=rack, rack_unit=None, name="e1-loose-b-with-a-very-long-name")
+    Gpu.objects.create(node=placed, index=0, health="degraded", health_reason="ECC <errors>")
+    # What is drawn, not how the markup is indented.
+    html = re.sub(r">\s+<", "><", logged_in.get("/fleet/").content.decode())
+    assert (
+        '<g class="unit state-ready" transform="translate(0 -70)">'
+        "<title>e1-placed · Ready · 1 GPU</title>"
+    ) in html
+    assert (
+        '<g class="unit unplaced state-ready" transform="translate(0 -14)">'
+        "<title>e1-loose-a · Ready · "
+    ) in html
+    assert '<g class="unit unplaced state-ready" transform="translate(0 -28)">' in html
+    assert f'<a href="/fleet/nodes/{placed.pk}/"><text x="6" y="10">e1-placed</text></a>' in html
+    assert "e1-loose-b-with-a-very-…</text>" in html
+    # Unplaced nodes are drawn first, so that placed ones stay on top.
+    assert html.index("e1-loose-a · Ready") < html.index("e1-placed · Ready")
+    assert (
+        '<span class="gpu health-degraded" title="GPU 0 · Degraded: ECC &lt;errors&gt;"></span>'
+    ) in html
 
 
 def test_the_fleet_page_makes_the_same_queries_for_a_small_or_large_fleet(
