@@ -29,7 +29,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from workers.trainer.config import Layout
-from workers.trainer.memory import _block_parameters
 from workers.trainer.presets import ModelShape
 
 MIN_ROUNDS = 5
@@ -75,7 +74,7 @@ def gradient_bucket_sizes(shape: ModelShape, layout: Layout) -> tuple[int, ...]:
     if layout.dp_shard == 1 and tp == 1:
         return tuple(sorted({power_of_two(DDP_FIRST_BUCKET), power_of_two(DDP_BUCKET)}))
     norms = 2 * shape.dim  # RMSNorm weights are replicated, not split by tp
-    block = (_block_parameters(shape) - norms) / tp + norms
+    block = (shape.block_parameters() - norms) / tp + norms
     matrix = shape.vocab_size * shape.dim / tp
     # The root group: embedding, output head and final norm; split between the first and
     # the last stage when pipelined.

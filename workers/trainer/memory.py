@@ -170,7 +170,7 @@ def _rank_estimate(config: RunConfig, rank: _Rank, *, gpu: bool) -> Estimate:
     shard = layout.dp_shard if mode == "fsdp" else 1
 
     norms = 2 * shape.dim  # RMSNorm weights: whole on every tensor-parallel rank
-    block_matrices = (_block_parameters(shape) - norms) / tp
+    block_matrices = (shape.block_parameters() - norms) / tp
     block = block_matrices + norms
     embedding = shape.vocab_size * shape.dim / tp if rank.embedding else 0
     head = (shape.vocab_size * shape.dim / tp + shape.dim) if rank.head else 0
@@ -235,16 +235,6 @@ def _rank_estimate(config: RunConfig, rank: _Rank, *, gpu: bool) -> Estimate:
         {k: int(v) for k, v in lines.items()},
         rank=f"{rank.name}, {moment}",
         states={k: int(v) for k, v in states.items()},
-    )
-
-
-def _block_parameters(shape: ModelShape) -> int:
-    kv = shape.kv_heads * shape.head_dim
-    return (
-        2 * shape.dim * shape.dim
-        + 2 * shape.dim * kv
-        + 3 * shape.dim * shape.ffn_dim
-        + 2 * shape.dim
     )
 
 

@@ -28,14 +28,16 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.dim // self.heads
 
-    def parameters(self) -> int:
-        """Parameter count: embeddings and output head untied, RMSNorm weights included."""
+    def block_parameters(self) -> int:
+        """One transformer block's parameters: attention, SwiGLU and its two RMSNorms."""
         kv_dim = self.kv_heads * self.head_dim
         attention = self.dim * self.dim * 2 + self.dim * kv_dim * 2  # q, o and k, v
         feed_forward = 3 * self.dim * self.ffn_dim  # SwiGLU: gate, up, down
-        norms = 2 * self.dim
-        per_layer = attention + feed_forward + norms
-        return self.layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
+        return attention + feed_forward + 2 * self.dim
+
+    def parameters(self) -> int:
+        """Parameter count: embeddings and output head untied, RMSNorm weights included."""
+        return self.layers * self.block_parameters() + 2 * self.vocab_size * self.dim + self.dim
 
     def problems(self) -> list[str]:
         out = []

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from apps.tuning import adoption
 from workers.trainer.config import Layout
-from workers.trainer.memory import _block_parameters
 from workers.trainer.presets import PRESETS
 
 SIZES = (2**12, 2**20, 2**26)
@@ -118,7 +117,7 @@ def test_too_few_or_unpaired_rounds_are_refused():
 
 def test_gradient_bucket_sizes_are_the_trainers_fsdp_messages():
     shape = PRESETS["1b"]
-    block = _block_parameters(shape)  # 44,052,480 parameters
+    block = shape.block_parameters()  # 44,052,480 parameters
     # bf16 all-gather 88 MB → 64 MiB; fp32 reduce-scatter 176 MB → 128 MiB; the root
     # (embedding + head, 131 M) → 256 MiB and 512 MiB.
     assert adoption.power_of_two(block * 2) == 2**26
