@@ -34,6 +34,10 @@ def array_param(values: Sequence, db_type: str) -> object:
             return int_array(values)
         except TypeError:  # a NULL among them
             pass
+    if db_type == "jsonb":
+        from psycopg.types.json import Jsonb
+
+        return [None if v is None else Jsonb(v) for v in values]
     return list(values)
 
 

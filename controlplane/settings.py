@@ -6,6 +6,7 @@ cookies); `make run` sets the development values explicitly.
 
 import hashlib
 import hmac
+import json
 import re
 from pathlib import Path
 
@@ -207,6 +208,25 @@ CELERY_BEAT_SCHEDULE["fleet-telemetry-rollup"] = {
     "task": "fleet.telemetry_rollup",
     "schedule": float(TELEMETRY_ROLLUP_EVERY_S),
 }
+# Fabric health (apps/fleet/fabric.py): a link whose error counter rises faster than its
+# limit (per minute) marks the link and its node fabric-degraded, until every rate has
+# stayed within its limit for FABRIC_CLEAR_AFTER_S. Counters not named have no limit.
+FABRIC_ERROR_RATE_LIMITS = {
+    "link_downed": 0.0,
+    "link_error_recovery": 1.0,
+    "symbol_error": 10.0,
+    "port_rcv_errors": 10.0,
+    "port_rcv_remote_physical_errors": 10.0,
+    "local_link_integrity_errors": 1.0,
+    "excessive_buffer_overrun_errors": 1.0,
+    "port_xmit_discards": 100.0,
+    "rx_drops": 100.0,
+    "retrans_timeout_events": 1.0,
+    "unresponsive_remote_events": 0.0,
+    "impaired_remote_conn_events": 0.0,
+    **json.loads(env_str("FABRIC_ERROR_RATE_LIMITS") or "{}"),
+}
+FABRIC_CLEAR_AFTER_S = env_int("FABRIC_CLEAR_AFTER_S", 600)
 # Where local and SSH nodes' agents watch for spot notices (none: off; AWS nodes get
 # the real instance metadata address in their user data).
 AGENT_IMDS_URL = env_str("AGENT_IMDS_URL")

@@ -23,8 +23,8 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from apps.accounts.secrets import decrypt, encrypt
+from apps.fleet import fabric, telemetry
 from apps.fleet import services as fleet
-from apps.fleet import telemetry
 from apps.fleet.models import GONE_STATES, Gpu, GpuHealth, Node, NodeState
 from controlplane.bulk import update_rows
 from controlplane.celery import enqueue_on_commit
@@ -386,6 +386,7 @@ def _compact(report: dict) -> dict:
             "message": str(found.get("message", ""))[:200],
             "gpus": gpus,
         },
+        "fabric": fabric.fabric_compact(report.get("fabric")),
     }
 
 
@@ -409,14 +410,22 @@ def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
     nodes = {
         row[0]: row[1:]
         for row in Node.objects.filter(state__in=REPORTING).values_list(
-            "id", "state", "last_heartbeat_at", "gpu_count", "provider", "job_isolation"
+            "id",
+            "state",
+            "last_heartbeat_at",
+            "gpu_count",
+            "provider",
+            "job_isolation",
+            "fabric",
+            "fabric_degraded_since",
         )
     }
     if not nodes:
         return {"written": 0, "resumed": 0, "drained": 0, "back": 0}
     landed = cache.get_many([_heartbeat_key(node_id) for node_id in nodes])
     node_rows, gpu_rows, samples, fresh, failing, back = [], [], [], [], [], []
-    for node_id, (state, last, gpu_count, provider, isolation) in nodes.items():
+    fabric_rows, degraded, recovered = [], [], []
+    for node_id, (state, last, gpu_count, provider, isolation, links, since) in nodes.items():
         entry = landed.get(_heartbeat_key(node_id))
         if entry is None:
             continue
@@ -450,6 +459,16 @@ def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
             for g in gpus
         )
         samples.extend(telemetry.sample_row(node_id, at, g) for g in gpus)
+        if report.get("fabric") or links:
+            record = fabric.fabric_update(
+                previous=links, counters=report.get("fabric") or {}, at=entry[0]
+            )
+            fabric_rows.append((node_id, record))
+            now_degraded = bool(fabric.degraded_links(record))
+            if now_degraded and since is None:
+                degraded.append((node_id, record))
+            elif since is not None and not now_degraded:
+                recovered.append(node_id)
         fresh.append((node_id, state))
         problems = health_problems(node_gpus=gpu_count, report=report)
         if problems and state in (S.READY, S.BUSY, S.SUSPECT):
@@ -478,6 +497,7 @@ def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
             gpu_rows,
             keys=("node", "index"),
         )
+        update_rows(Node, ("fabric",), fabric_rows)
         resumed = _resume_suspects([node_id for node_id, state in fresh if state == S.SUSPECT])
     try:
         # Apart from the writes above: a failure here loses readings, not heartbeats.
@@ -492,6 +512,10 @@ def nodes_heartbeats_flush(*, now: dt.datetime | None = None) -> dict[str, int]:
             if node.state == S.DOWN:
                 _node_back(node, heard_last=last, now=at, problems=problems)
                 returned += 1
+    for node_id, record in degraded:
+        fabric.node_fabric_degraded_mark(node_id=node_id, record=record)
+    for node_id in recovered:
+        fabric.node_fabric_degraded_clear(node_id=node_id)
     drained = 0
     for node_id, problems in failing:
         node = Node.objects.get(pk=node_id)

@@ -52,6 +52,7 @@ def nodes_for_listing() -> QuerySet[Node]:
     )
     return (
         Node.objects.select_related("pool", "rack", "rack__site", "instance_type")
+        .defer("fabric")  # each link's counters: the node's own page shows them
         .annotate(healthy_gpus=Coalesce(Subquery(healthy), 0))
         .order_by("name")
     )
@@ -501,6 +502,36 @@ def node_for_page(*, key: str) -> Node | None:
 
 def node_events(*, node: Node, limit: int = 50) -> list:
     return list(node.events.order_by("-at", "-id")[:limit])
+
+
+def node_fabric_links(*, node: Node) -> list[dict]:
+    """The node's links as its last heartbeat read them (apps/fleet/fabric.py): each
+    counter's count, rate per minute (None before a second reading or after a reset), limit
+    and whether the rate is over it."""
+    limits = settings.FABRIC_ERROR_RATE_LIMITS
+    links = []
+    for name, state in sorted(((node.fabric or {}).get("links") or {}).items()):
+        rates, over = state.get("rates") or {}, state.get("over") or {}
+        counters = [
+            {
+                "name": counter,
+                "value": value,
+                "rate": rates.get(counter),
+                "limit": limits.get(counter),
+                "over": counter in over,
+            }
+            for counter, value in sorted((state.get("counters") or {}).items())
+        ]
+        if counters:
+            links.append(
+                {
+                    "name": name,
+                    "counters": counters,
+                    "degraded_since": state.get("degraded_since"),
+                    "why": state.get("why", ""),
+                }
+            )
+    return links
 
 
 @dataclass(frozen=True)

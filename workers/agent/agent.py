@@ -11,7 +11,8 @@ The protocol (paths under /api/v1/agent/, JSON, `Authorization: Bearer <node tok
                              -> {..., "token"} when it registered with a cloud node's
                              bootstrap token: the node's own token from then on
     POST heartbeat           {seq, version, metrics, disk_free_bytes, nccl_version, runs,
-                              have: ids of the runs it runs or whose end is not yet told}
+                              have: ids of the runs it runs or whose end is not yet told,
+                              fabric: {"mlx5_0/1": {counter: value}} (workers/agent/fabric.py)}
     GET  runs/?have=1,2      -> {"start": [plan, ...], "stop": [{"id", "reason"}, ...]}
     POST runs/{id}/status    {state: running | exited | refused, pid, exit_code, signal,
                               reason, status, node_fault, evidence: how its processes died,
@@ -33,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from workers.agent import VERSION, exits, isolation, metrics
+from workers.agent import VERSION, exits, fabric, isolation, metrics
 from workers.agent import config as config_module
 from workers.agent.checkpoints import CheckpointKeeper
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
@@ -188,6 +189,7 @@ class Agent:
             "nccl_version": self._nccl_version,
             "runs": [{"id": i, "pid": r.pid} for i, r in self.runs.items()],
             "have": self._held(),
+            "fabric": fabric.fabric_counters(root=self.config.sysfs_root),
         }
         try:
             self.control.call("POST", f"{API}/heartbeat", body)

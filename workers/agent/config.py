@@ -37,6 +37,9 @@ class AgentConfig:
     job_users: str = "auto"
     job_uid_base: int = 0
     job_uid_count: int = 0
+    # Where the fabric's counters are read (workers/agent/fabric.py); tests point it at a
+    # generated tree.
+    sysfs_root: Path = Path("/sys")
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -101,4 +104,5 @@ def load(work_dir: Path | None = None, environ: dict[str, str] | None = None) ->
         job_users=values.get("AGENT_JOB_USERS", "") or "auto",
         job_uid_base=int(number("AGENT_JOB_UID_BASE", 0)),
         job_uid_count=int(number("AGENT_JOB_UID_COUNT", 0)),
+        sysfs_root=Path(values.get("AGENT_SYSFS_ROOT", "") or "/sys"),
     )

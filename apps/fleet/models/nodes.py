@@ -153,6 +153,12 @@ class Node(models.Model):
         help_text="Cloud nodes: the waiting job they were requested for.",
     )
     placement_group = models.CharField(max_length=255, blank=True, editable=False)
+    # Fabric health (apps/fleet/fabric.py): each link's latest error counters and their
+    # rates, written by the heartbeat flush; and whether a rate over its limit marked the
+    # node degraded, since when, and which link and counter.
+    fabric = models.JSONField(default=dict, blank=True, editable=False)
+    fabric_degraded_since = models.DateTimeField(null=True, blank=True, editable=False)
+    fabric_degraded_reason = models.CharField(max_length=300, blank=True, editable=False)
 
     class Meta:
         ordering = ["name"]
