@@ -163,6 +163,8 @@ DRAWN_NODE_FIELDS = (
     "gpu_count",
     "state",
     "state_reason",
+    "fabric_degraded_since",  # the tables' badge
+    "fabric_degraded_reason",
 )
 
 
