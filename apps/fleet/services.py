@@ -531,10 +531,15 @@ def _bulk_move(
 
 
 @transaction.atomic
-def nodes_heartbeat_sweep(*, now: dt.datetime | None = None) -> dict[str, int]:
+def nodes_heartbeat_sweep(
+    *, now: dt.datetime | None = None, down_allowed: bool = True
+) -> dict[str, int]:
     """Mark silent nodes SUSPECT, and long-silent SUSPECT nodes DOWN, in bulk.
 
     Nodes that never sent a heartbeat are left alone (their agent has not started).
+    `down_allowed` False (the control plane has just come back from not hearing anyone:
+    workers.tasks.fleet) marks nodes SUSPECT but none DOWN, since part of their silence
+    is the control plane's own.
     """
     now = now or timezone.now()
     suspect_before = now - dt.timedelta(seconds=settings.NODE_SUSPECT_AFTER_S)
@@ -556,7 +561,7 @@ def nodes_heartbeat_sweep(*, now: dt.datetime | None = None) -> dict[str, int]:
         now=now,
     )
     down = _bulk_move(
-        candidates=lost,
+        candidates=lost if down_allowed else [],
         to=S.DOWN,
         reason=f"no heartbeat for {settings.NODE_DOWN_AFTER_S}s",
         now=now,

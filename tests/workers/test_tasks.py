@@ -142,3 +142,38 @@ def test_concurrent_sweeps_move_each_node_once(settings):
     assert sum(r["suspect"] for r in results) == len(nodes)
     for node in nodes:
         assert NodeEvent.objects.filter(node=node, to_state=NodeState.SUSPECT).count() == 1
+
+
+@pytest.mark.django_db
+def test_after_the_control_plane_could_not_sweep_no_node_goes_down_until_agents_are_heard(
+    settings,
+):
+    """A sweep after a gap (the database or the workers were down, so no heartbeat could be
+    taken) marks silent nodes SUSPECT but none DOWN for NODE_SUSPECT_AFTER_S: part of their
+    silence is the control plane's own. Once that has passed, DOWN as before."""
+    from django.core.cache import cache
+
+    node = ready_node()
+    long_ago = timezone.now() - dt.timedelta(seconds=settings.NODE_DOWN_AFTER_S + 30)
+    Node.objects.filter(pk=node.pk).update(state=NodeState.SUSPECT, last_heartbeat_at=long_ago)
+    cache.set(fleet_tasks.SWEPT_KEY, time.time() - 10 * settings.NODE_SWEEP_EVERY_S)
+
+    counts = fleet_tasks.heartbeat_sweep()
+    assert counts["down"] == 0
+    assert Node.objects.get(pk=node.pk).state == NodeState.SUSPECT
+    assert fleet_tasks.heartbeat_sweep()["down"] == 0  # still within the window
+
+    cache.set(fleet_tasks.DEAF_KEY, time.time() - 1)  # the window has passed
+    assert fleet_tasks.heartbeat_sweep()["down"] == 1
+    assert Node.objects.get(pk=node.pk).state == NodeState.DOWN
+
+
+@pytest.mark.django_db
+def test_sweeps_without_a_gap_mark_long_silent_nodes_down(settings):
+    from django.core.cache import cache
+
+    node = ready_node()
+    long_ago = timezone.now() - dt.timedelta(seconds=settings.NODE_DOWN_AFTER_S + 30)
+    Node.objects.filter(pk=node.pk).update(state=NodeState.SUSPECT, last_heartbeat_at=long_ago)
+    cache.set(fleet_tasks.SWEPT_KEY, time.time())
+    assert fleet_tasks.heartbeat_sweep()["down"] == 1
