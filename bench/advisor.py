@@ -121,7 +121,7 @@ def predict(row: Row) -> dict | None:
         from workers.trainer import memory
     except ImportError:
         return None
-    return memory.for_run(json.loads(json.dumps(row.run_json(steps=1)))).as_dict()
+    return memory.for_run(row.run_json(steps=1)).as_dict()
 
 
 def measure(row: Row, args) -> dict:

@@ -27,7 +27,7 @@ import workers.trainer.memory as memory
 from apps.costs.selectors import projection_for
 from apps.jobs import specs
 from apps.jobs.runconfig import trainer_settings
-from workers.trainer.config import ConfigError, microbatches, parse
+from workers.trainer.config import ConfigError, RunConfig, microbatches, parse
 from workers.trainer.presets import PRESETS, ModelShape, flops_per_token
 
 MFU_TABLE = Path(__file__).with_name("mfu.json")
@@ -122,12 +122,11 @@ def measured_throughput(gpu_type: str, shape: ModelShape, *, compiled: bool, ac:
     return Throughput(mfu=mfu, basis=words)
 
 
-def _pipeline_bubble(settings: dict) -> float:
+def _pipeline_bubble(config: RunConfig) -> float:
     """Time with a pipeline's idle warm-up and drain, over time without."""
-    pp = settings["layout"]["pp"]
+    pp = config.layout.pp
     if pp == 1:
         return 1.0
-    config = parse(settings)
     count = microbatches(config)
     per_rank = config.pipeline.stages_per_rank if config.pipeline.schedule != "1f1b" else 1
     return (count + (pp - 1) / per_rank) / count
@@ -177,14 +176,14 @@ def advise(
     work = flops_per_token(shape, trainer["seq_len"]) * tokens
     advice = []
     for candidate in specs.valid_layouts(shape, nodes=nodes, gpus_per_node=gpus_per_node):
-        settings = trainer_settings(trainer, _layout_dict(candidate))
         try:
-            estimate = memory.estimate(parse(settings))
+            config = parse(trainer_settings(trainer, _layout_dict(candidate)))
         except ConfigError:
             continue  # the batch does not split over this layout's data-parallel ranks
+        estimate = memory.estimate(config)
         step = run = cost = None
         if peak:
-            bubble = _pipeline_bubble(settings)
+            bubble = _pipeline_bubble(config)
             step = work / (gpus * peak * throughput.mfu) * bubble
             run = trainer["steps"] * step + START_UP_S[bool(trainer.get("compile"))]
             if price is not None:
