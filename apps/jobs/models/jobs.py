@@ -63,6 +63,9 @@ PRIORITY_RANK = {
 class JobKind(models.TextChoices):
     TRAINER = "trainer", "Bundled trainer"
     COMMAND = "command", "Custom command"
+    # A tuning run's measurement (apps/jobs/tuning_runs.py): the bundled collective benchmark,
+    # once per candidate NCCL setting and round, on the nodes the run names.
+    TUNING = "tuning", "NCCL tuning run"
 
 
 class Placement(models.TextChoices):
@@ -114,6 +117,9 @@ class Job(models.Model):
         max_length=20, choices=Placement.choices, default=Placement.OWNED_THEN_CLOUD
     )
     spot_allowed = models.BooleanField(default=False)
+    # Pinned: the job runs on exactly these nodes, all of them, or waits (a tuning run's, which
+    # measures the nodes ops chose). Null: wherever the scheduler places it.
+    node_ids = models.JSONField(null=True, blank=True, editable=False)
 
     time_limit_s = models.PositiveIntegerField(
         validators=[MinValueValidator(60), MaxValueValidator(30 * 86400)]
