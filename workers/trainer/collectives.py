@@ -48,6 +48,10 @@ relays them unchanged; every rank first prints its "env" event:
      "time_us_max", "algbw_gbps", "busbw_gbps", "errors", "iters"}
     {"event": "collective_end", "measurements", "errors", "elapsed_s", "time"}
 
+`--label candidate=3,round=1` adds those fields to each of rank 0's three kinds of event
+(a value that reads as an integer is one), so that runs launched one after another, as
+workers.trainer.tuning launches them, can be told apart in one stream.
+
 It exits 1 when any result was wrong, 2 on bad arguments.
 """
 
@@ -63,6 +67,16 @@ from dataclasses import dataclass
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 OPS = (*COLLECTIVES, "copy")
 SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+DTYPES = ("float32", "bfloat16", "float16")
+
+# The fields of rank 0's events: a label may not take one's name (it would replace it).
+EVENT_FIELDS = frozenset(
+    {
+        *("event", "world_size", "backend", "device", "dtype", "sizes", "ops", "warmup"),
+        *("iters", "torch", "nccl", "time", "op", "bytes", "time_us", "time_us_max"),
+        *("algbw_gbps", "busbw_gbps", "errors", "measurements", "elapsed_s"),
+    }
+)
 
 # NVLink multicast off in NCCL, PyTorch and NVSHMEM (as bench/trainer.py sets it): the shared
 # GPU hosts require it. A value the job's environment gives wins.
@@ -118,6 +132,19 @@ def parse_ops(text: str) -> list[str]:
     if unknown or not ops:
         raise ValueError(f"unknown operation {', '.join(unknown)}: choose from {', '.join(OPS)}")
     return ops
+
+
+def parse_labels(text: str) -> dict[str, int | str]:
+    """ "candidate=3,round=1,fabric=ib" → {"candidate": 3, "round": 1, "fabric": "ib"}."""
+    labels: dict[str, int | str] = {}
+    for part in text.split(","):
+        key, equals, value = part.strip().partition("=")
+        if not equals or not re.fullmatch(r"[a-z_]+", key):
+            raise ValueError(f"{part.strip()!r} is not a label (KEY=VALUE, the key in a-z and _)")
+        if key in EVENT_FIELDS:
+            raise ValueError(f"label {key!r} would replace an event's own field")
+        labels[key] = int(value) if re.fullmatch(r"-?\d+", value) else value
+    return labels
 
 
 def bandwidths(op: str, *, size: int, seconds: float, world_size: int) -> tuple[float, float]:
@@ -327,11 +354,15 @@ def parse_args(argv):
     parser.add_argument("--ops", default="all", help=f"all, or a list from {', '.join(OPS)}")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument(
+        "--label", default="", help="KEY=VALUE[,KEY=VALUE]: fields added to rank 0's events"
+    )
     args = parser.parse_args(argv)
     try:
         args.sizes = parse_sizes(args.sizes)
         args.ops = parse_ops(args.ops)
+        args.label = parse_labels(args.label) if args.label else {}
     except ValueError as error:
         parser.error(str(error))
     if args.warmup < 0 or args.iters < 1:
@@ -355,7 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     ops = list(args.ops)
     if world.size == 1 and "copy" not in ops:
         ops.append("copy")  # the collectives are trivial here; a copy exercises the device
-    report = metrics.emit if world.rank == 0 else (lambda event: None)
+    labels = args.label
+
+    def report(event: dict) -> None:
+        if world.rank == 0:
+            metrics.emit({**event, **labels})
+
     report(
         {
             "event": "collective_start",

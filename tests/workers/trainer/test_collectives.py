@@ -60,6 +60,23 @@ def test_ops_parse():
         parse_ops("all_reduce,broadcast")
 
 
+def test_labels_parse_to_integers_where_they_can():
+    assert collectives.parse_labels("candidate=3,round=0,fabric=ib,shift=-2,tag=3a") == {
+        "candidate": 3,
+        "round": 0,
+        "fabric": "ib",
+        "shift": -2,
+        "tag": "3a",
+    }
+    for bad in ("candidate", "Candidate=1", "run-id=2", "=1", "op=all_reduce", "event=x"):
+        with pytest.raises(ValueError):
+            collectives.parse_labels(bad)
+    assert collectives.parse_args([]).label == {}
+    with pytest.raises(SystemExit) as refused:
+        collectives.parse_args(["--label", "round"])
+    assert refused.value.code == 2
+
+
 def test_chunked_operations_round_to_whole_chunks():
     elements = collectives.elements_for
     assert elements("all_reduce", 1000, element_size=4, world_size=3) == 250
@@ -158,6 +175,8 @@ def test_torchrun_on_the_cpu_reports_every_measurement(nproc):
         assert event["busbw_gbps"] == pytest.approx(event["algbw_gbps"] * factor, abs=2e-6)
     (end,) = [e for e in events if e["event"] == "collective_end"]
     assert end["measurements"] == len(measured) and end["errors"] == 0
+    # A label may not take a field's name: the list of them is whole.
+    assert all(e.keys() <= collectives.EVENT_FIELDS for e in events if e["event"] != "env")
     assert "deprecated" not in stderr
 
 
