@@ -227,6 +227,17 @@ FABRIC_ERROR_RATE_LIMITS = {
     **json.loads(env_str("FABRIC_ERROR_RATE_LIMITS") or "{}"),
 }
 FABRIC_CLEAR_AFTER_S = env_int("FABRIC_CLEAR_AFTER_S", 600)
+
+# NCCL tuning runs (apps/tuning/runs.py). The adoption rule's confidence (shared among a
+# run's candidates, Bonferroni); the preset whose gradient buckets are the sizes that matter
+# by default; how often a pool's adopted settings are re-measured (a drift check), and the
+# team whose GPU time drift checks are counted to (ops name one; none: no drift checks).
+TUNING_CONFIDENCE = float(env_str("TUNING_CONFIDENCE") or "0.95")
+TUNING_PRESET = env_str("TUNING_PRESET") or "8b"
+TUNING_DRIFT_EVERY_S = env_int("TUNING_DRIFT_EVERY_S", 7 * 86400)
+TUNING_DRIFT_TEAM = env_str("TUNING_DRIFT_TEAM")
+TUNING_JUDGE_REDRIVE_S = env_int("TUNING_JUDGE_REDRIVE_S", 120)
+CELERY_BEAT_SCHEDULE["tuning-sweep"] = {"task": "tuning.sweep", "schedule": 300.0}
 # Where local and SSH nodes' agents watch for spot notices (none: off; AWS nodes get
 # the real instance metadata address in their user data).
 AGENT_IMDS_URL = env_str("AGENT_IMDS_URL")

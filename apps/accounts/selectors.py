@@ -240,3 +240,14 @@ def team_secret_values(*, team_id: int, names) -> dict[str, str]:
 
 def team_ids_by_slug(*, slugs) -> dict[str, int]:
     return dict(Team.objects.filter(slug__in=slugs).values_list("slug", "id"))
+
+
+def team_by_key(key) -> Team | None:
+    """A team by id (an int) or slug."""
+    lookup = {"pk": key} if isinstance(key, int) else {"slug": str(key)}
+    return Team.objects.filter(**lookup).first()
+
+
+def first_team_of(*, user) -> Team | None:
+    """The user's first team by slug (what a run counts to when its starter names none)."""
+    return Team.objects.filter(pk__in=roles_of(user).team_ids).order_by("slug").first()

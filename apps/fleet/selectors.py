@@ -752,3 +752,20 @@ def gpu_latest_readings():
         )
         .iterator(chunk_size=5000)
     )
+
+
+def pool_by_key(key) -> NodePool | None:
+    """A pool by id (an int) or slug."""
+    lookup = {"pk": key} if isinstance(key, int) else {"slug": str(key)}
+    return NodePool.objects.filter(**lookup).first()
+
+
+def nodes_named(*, names) -> dict[str, Node]:
+    """The nodes of these names that are not gone, by name."""
+    return {
+        n.name: n for n in Node.objects.filter(name__in=list(names)).exclude(state__in=GONE_STATES)
+    }
+
+
+def pool_nodes_in(*, pool_id: int, states) -> list[Node]:
+    return list(Node.objects.filter(pool_id=pool_id, state__in=list(states)).order_by("name"))

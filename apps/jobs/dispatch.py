@@ -42,8 +42,9 @@ from apps.jobs.models import (
     StepMetric,
 )
 from apps.jobs.models.jobs import FINISHED_STATES, STARTED_STATES, STOPPING_STATES
-from apps.jobs.trainer_lines import int_or_none, rank_environment, step_metric
+from apps.jobs.trainer_lines import int_or_none, rank_environment, step_metric, trainer_event
 from apps.jobs.transitions import allocations_runs_ended, job_note, job_transition, runs_stop_for
+from apps.tuning.runs import tuning_events_record
 from apps.tuning.services import nccl_environments_render
 from controlplane.errors import ApplicationError
 
@@ -105,13 +106,13 @@ def processes_per_node(job: Job) -> int:
     """How many processes (ranks) each node of the job runs: torchrun starts one per GPU for
     the trainer; a command job's node runs its one command (its own launcher, if any, starts
     the rest)."""
-    return job.gpus_per_node if job.kind == JobKind.TRAINER else 1
+    return job.gpus_per_node if job.kind != JobKind.COMMAND else 1
 
 
 def ranks_did(job: Job, nodes: int, did: str) -> str:
     """What every rank of an attempt on `nodes` nodes did, counted in ranks (nodes ×
     processes per node), not nodes: "all 8 ranks (1 node × 8 processes) exited 0"."""
-    if job.kind != JobKind.TRAINER:
+    if job.kind == JobKind.COMMAND:
         return f"the command {did} on " + ("its node" if nodes == 1 else f"all {nodes} nodes")
     per_node = processes_per_node(job)
     ranks = nodes * per_node
@@ -180,7 +181,7 @@ def run_plan(
     }
     if slots:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in slots)
-    listens = rank == 0 and (job.kind == JobKind.TRAINER or nnodes > 1)
+    listens = rank == 0 and (job.kind != JobKind.COMMAND or nnodes > 1)
     checked = {"rendezvous_port": port} if listens else {}
     if job.kind == JobKind.COMMAND:
         command = spec["command"]
@@ -193,6 +194,20 @@ def run_plan(
             "git": command.get("git"),
             "files": [],
             **checked,
+        }
+    if job.kind == JobKind.TUNING:
+        from apps.jobs.tuning_runs import PLAN_FILE, tuning_plan_file
+
+        # The driver sets each candidate's whole NCCL environment per launch.
+        return {
+            "job": job.pk,
+            "gpu_slots": slots,
+            "argv": ["python3", "-m", "workers.trainer.tuning", "--plan", PLAN_FILE],
+            "env": env,
+            "workdir": "",
+            "git": None,
+            **checked,
+            "files": [tuning_plan_file(job)],
         }
     from apps.jobs.runconfig import checkpoint_dir, trainer_run_config
 
@@ -322,6 +337,8 @@ def job_dispatch(
                         checkpoint_s3=checkpoint_s3,
                     ),
                     secret_names=sorted(job.spec.get("secrets") or []),
+                    nccl_profile=rendered[0].profile if rendered else "",
+                    nccl_profile_version=rendered[0].version or None if rendered else None,
                     rendezvous_host=host if rank == 0 else "",
                     rendezvous_port=port if rank == 0 else None,
                 )
@@ -703,6 +720,12 @@ def run_logs_append(*, node_id: int, run_id: int, lines: list, dropped: int = 0)
     metrics = [m for m in (step_metric(run, r) for r in printed) if m]
     if metrics:
         StepMetric.objects.bulk_create(metrics, ignore_conflicts=True)
+    if run.job.kind == JobKind.TUNING:
+        # Figures and progress, checked against the run's plan; each launch's ranks have
+        # their candidate's environment, so no rank's is kept as the job's.
+        events = [e for e in (trainer_event(r.text) for r in printed) if e]
+        tuning_events_record(job_id=run.job_id, events=events, head=run.node_rank == 0)
+        return len(rows)
     environments = [e for e in (rank_environment(run, r) for r in printed) if e]
     if environments:
         # The first report of a rank counts: a second one (a forged or repeated line) is dropped.

@@ -28,6 +28,7 @@ from apps.jobs.models import (
 )
 from apps.jobs.models.jobs import FINISHED_STATES, HOLDING_STATES
 from apps.outbox import services as outbox
+from apps.tuning.runs import tuning_runs_follow_jobs
 from controlplane.bulk import InArray, update_logged
 from controlplane.cache import best_effort
 from controlplane.celery import app
@@ -50,6 +51,10 @@ JOB_TRANSITIONS: dict[str, set[str]] = {
     J.FAILED: {J.PENDING},
     J.CANCELLED: {J.PENDING},
 }
+
+
+# The job states a tuning run follows; admissions (a first pass's thousands) are not among them.
+TUNING_FOLLOWS = {J.RUNNING, J.PENDING, J.SUCCEEDED, J.FAILED, J.CANCELLED}
 
 
 def actor_label(by) -> str:
@@ -144,6 +149,9 @@ def jobs_move(*, moves: list[Move], to: str, by, now: dt.datetime, **fields) -> 
         allocations_release(job_ids=leaving, now=now)
     if to in FINISHED_STATES:
         _owe_webhook_calls(ids, now=now)
+    if to in TUNING_FOLLOWS:
+        # A tuning run follows its job (apps/tuning/runs.py): one look-up by job id.
+        tuning_runs_follow_jobs(job_ids=ids, to=to, reason=moves[0].reason)
     if to in (J.PENDING, J.CANCELLED, J.FAILED, J.SUCCEEDED):
         schedule_soon()
 

@@ -310,3 +310,117 @@ def judge_all(
         )
         for name, figures in candidates.items()
     )
+
+
+# --- several operations, and drift -------------------------------------------------------------
+
+
+def judge_ops(
+    baseline: Mapping[str, Mapping[int, Sequence[float]]],
+    candidate: Mapping[str, Mapping[int, Sequence[float]]],
+    *,
+    matter: Mapping[str, Iterable[int]],
+    confidence: float = 0.95,
+    name: str = "candidate",
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> Verdict:
+    """`judge` over several operations ({op: {size: rounds}}): adopted when it is faster beyond
+    the noise at every size that matters of every operation that matters (`matter`: {op:
+    sizes}; an operation not named there only must not be slower) and slower nowhere.
+    Each change carries its operation in `op`."""
+    if set(baseline) != set(candidate):
+        raise MeasurementError(f"the baseline and {name} were not measured on the same operations")
+    unknown = sorted(set(matter) - set(baseline))
+    if unknown:
+        raise MeasurementError(f"operations that matter were not measured: {', '.join(unknown)}")
+    if not any(tuple(sizes) for sizes in matter.values()):
+        raise MeasurementError("no sizes that matter")
+    changes: list[SizeChange] = []
+    for op in sorted(baseline):
+        sizes = tuple(matter.get(op, ()))
+        verdict = judge(
+            baseline[op],
+            candidate[op],
+            sizes=sizes or None,
+            confidence=confidence,
+            name=name,
+            resamples=resamples,
+            seed=seed,
+        )
+        changes += [
+            OpSizeChange(op, c.size, c.change, c.low, c.high, matters=bool(sizes) and c.matters)
+            for c in verdict.changes
+        ]
+    mattering = [c for c in changes if c.matters]
+    slower_elsewhere = [c for c in changes if c.slower and not c.matters]
+    return Verdict(
+        candidate=name,
+        adopt=all(c.faster for c in mattering) and not slower_elsewhere,
+        confidence=confidence,
+        rounds=min(len(v) for figures in baseline.values() for v in figures.values()),
+        changes=tuple(changes),
+        reasons=tuple(c.describe() for c in mattering + slower_elsewhere),
+    )
+
+
+@dataclass(frozen=True)
+class OpSizeChange(SizeChange):
+    """A change at one size of one operation."""
+
+    op: str = ""
+
+    def __init__(self, op, size, change, low, high, *, matters):
+        object.__setattr__(self, "op", op)
+        super().__init__(size, change, low, high, matters)
+
+    def describe(self) -> str:
+        return f"{self.op.replace('_', '-')}: {super().describe()}"
+
+
+def judge_drift(
+    reference: Mapping[str, Mapping[int, Sequence[float]]],
+    now: Mapping[str, Mapping[int, Sequence[float]]],
+    *,
+    matter: Mapping[str, Iterable[int]],
+    confidence: float = 0.95,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> Verdict:
+    """Whether the same settings measured later (`now`) are slower than when they were
+    adopted (`reference`) beyond the noise. The two runs' rounds are not paired (they ran
+    days apart), so each size's change is the log ratio of the two medians, with a
+    bootstrap that resamples each run's rounds on its own. `adopt` here means "drifted":
+    slower beyond the noise at some size that matters."""
+    rng = random.Random(f"drift:{seed}")  # noqa: S311 (a seeded statistic)
+    changes: list[SizeChange] = []
+    tail = (1 - confidence) / 2
+    for op in sorted(set(reference) & set(now)):
+        sizes = set(matter.get(op, ()))
+        for size in sorted(set(reference[op]) & set(now[op])):
+            before = _rounds({size: reference[op][size]}, "the reference")[size]
+            after = _rounds({size: now[op][size]}, "the drift check")[size]
+            mid = math.log(statistics.median(after) / statistics.median(before))
+            boot = sorted(
+                math.log(
+                    statistics.median(rng.choices(after, k=len(after)))
+                    / statistics.median(rng.choices(before, k=len(before)))
+                )
+                for _ in range(resamples)
+            )
+            low = boot[math.floor(tail * (resamples - 1))]
+            high = boot[math.ceil((1 - tail) * (resamples - 1))]
+            pct = [100 * math.expm1(x) for x in (mid, low, high)]
+            changes.append(OpSizeChange(op, size, *pct, matters=size in sizes))
+    if not changes:
+        raise MeasurementError("the drift check and its reference share no measured size")
+    slower = [c for c in changes if c.matters and c.slower]
+    return Verdict(
+        candidate="drift check",
+        adopt=bool(slower),
+        confidence=confidence,
+        rounds=min(len(v) for figures in now.values() for v in figures.values()),
+        changes=tuple(changes),
+        reasons=tuple(c.describe() for c in slower)
+        or ("within the noise of the adopted figures at every size that matters",),
+    )

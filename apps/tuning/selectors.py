@@ -5,7 +5,13 @@ from dataclasses import dataclass
 from django.db.models import QuerySet
 
 from apps.fleet.selectors import pools_for_listing
-from apps.tuning.models import ANY_FABRIC, NcclProfile, parse_version
+from apps.tuning.models import (
+    ANY_FABRIC,
+    TUNING_FINISHED,
+    NcclProfile,
+    TuningRun,
+    parse_version,
+)
 
 
 def profiles_visible() -> QuerySet[NcclProfile]:
@@ -66,3 +72,22 @@ def default_profile(
         return (profile.fabric != ANY_FABRIC, parse_version(profile.min_nccl_version), profile.name)
 
     return max(candidates, key=rank, default=None)
+
+
+def tuning_run_of_job(*, job_id: int) -> TuningRun:
+    return TuningRun.objects.get(job_id=job_id)
+
+
+def tuning_pools_busy() -> set[int]:
+    """Pools with a tuning run not finished."""
+    return set(
+        TuningRun.objects.exclude(state__in=TUNING_FINISHED).values_list("pool_id", flat=True)
+    )
+
+
+def tuning_references_latest(*, states) -> dict[int, TuningRun]:
+    """Each pool's newest finished run in `states`, by pool id."""
+    latest = {}
+    for run in TuningRun.objects.filter(state__in=list(states)).order_by("pool_id", "-finished_at"):
+        latest.setdefault(run.pool_id, run)
+    return latest

@@ -4,11 +4,20 @@ nodes (its profile, then the job's overrides, linted), and the check job submiss
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from django.db import transaction
+from django.db.models import F
+
 from apps.accounts.selectors import roles_of
 from apps.accounts.services import audited_create, audited_delete, audited_update
 from apps.tuning import linter
 from apps.tuning.catalogue import COVERED_PREFIXES, PARTLY_COVERED_PREFIXES
-from apps.tuning.models import ANY_FABRIC, NcclProfile, parse_version
+from apps.tuning.models import (
+    ANY_FABRIC,
+    NcclProfile,
+    NcclProfileVersion,
+    VersionSource,
+    parse_version,
+)
 from apps.tuning.selectors import PoolNccl, default_profile, pools_nccl, profiles_all
 from controlplane.errors import ApplicationError
 
@@ -93,19 +102,60 @@ def _check_profile(profile: NcclProfile) -> None:
         raise ApplicationError(f"The profile does not pass the linter: {fields}.", details=problems)
 
 
-def nccl_profile_create(*, by, **fields) -> NcclProfile:
+def _person(by):
+    return by if by is not None and by.pk else None
+
+
+def profile_version_add(
+    profile: NcclProfile, *, by, source: str, note: str = "", tuning_run=None
+) -> NcclProfileVersion:
+    """Record the profile's environment as it now stands as its next version (the caller
+    holds the profile's row)."""
+    NcclProfile.objects.filter(pk=profile.pk).update(version=F("version") + 1)
+    profile.refresh_from_db(fields=["version"])
+    return NcclProfileVersion.objects.create(
+        profile=profile,
+        number=profile.version,
+        env=profile.env,
+        reasons=profile.reasons,
+        source=source,
+        note=note[:300],
+        tuning_run=tuning_run,
+        made_by=_person(by),
+    )
+
+
+@transaction.atomic
+def nccl_profile_create(*, by, note: str = "", tuning_run=None, **fields) -> NcclProfile:
+    """A new profile, and its version 1. `pool` (a tuning run's adoption) ties it to one pool."""
     _require_ops(by)
+    pool = fields.pop("pool", None)
     unknown = set(fields) - PROFILE_FIELDS
     if unknown:
         raise ApplicationError(f"Unknown fields: {', '.join(sorted(unknown))}.")
     fields.setdefault("env", {})
     fields.setdefault("reasons", {})
     _check_profile(NcclProfile(**fields))
-    fields["updated_by"] = by if by is not None and by.pk else None
-    return audited_create(model=NcclProfile, by=by, fields=fields, action="nccl_profile.create")
+    fields["updated_by"] = _person(by)
+    if pool is not None:
+        fields["pool"] = pool
+    profile = audited_create(model=NcclProfile, by=by, fields=fields, action="nccl_profile.create")
+    source = VersionSource.ADOPTED if tuning_run is not None else VersionSource.CREATED
+    profile_version_add(profile, by=by, source=source, note=note, tuning_run=tuning_run)
+    return profile
 
 
-def nccl_profile_update(*, profile: NcclProfile, by, **changes) -> NcclProfile:
+@transaction.atomic
+def nccl_profile_update(
+    *,
+    profile: NcclProfile,
+    by,
+    source: str = VersionSource.EDITED,
+    note: str = "",
+    tuning_run=None,
+    **changes,
+) -> NcclProfile:
+    """Change a profile; a change of its environment or reasons is its next version."""
     _require_ops(by)
     if "name" in changes and changes["name"] != profile.name:
         raise ApplicationError(
@@ -119,8 +169,35 @@ def nccl_profile_update(*, profile: NcclProfile, by, **changes) -> NcclProfile:
     for name, value in changes.items():
         setattr(draft, name, value)
     _check_profile(draft)
-    changes["updated_by"] = by if by is not None and by.pk else None
-    return audited_update(instance=profile, by=by, changes=changes, action="nccl_profile.update")
+    changes["updated_by"] = _person(by)
+    before = (
+        NcclProfile.objects.select_for_update().values_list("env", "reasons").get(pk=profile.pk)
+    )
+    profile = audited_update(instance=profile, by=by, changes=changes, action="nccl_profile.update")
+    if (profile.env, profile.reasons) != tuple(before):
+        profile_version_add(profile, by=by, source=source, note=note, tuning_run=tuning_run)
+    return profile
+
+
+def nccl_profile_version_restore(*, version: NcclProfileVersion, by) -> NcclProfile:
+    """Make an earlier version the profile's environment again, as its next version: one
+    action, linted like any edit (a version the linter now refuses is not restored)."""
+    _require_ops(by)
+    profile = version.profile
+    if version.number == profile.version:
+        raise ApplicationError(
+            f"Version {version.number} is {profile.name}'s current version.",
+            code="invalid_transition",
+            status=409,
+        )
+    return nccl_profile_update(
+        profile=profile,
+        by=by,
+        env=version.env,
+        reasons=version.reasons,
+        source=VersionSource.RESTORED,
+        note=f"version {version.number} restored",
+    )
 
 
 def nccl_profile_delete(*, profile: NcclProfile, by) -> None:
@@ -148,6 +225,7 @@ class RenderedEnvironment:
 
     pool: PoolNccl
     profile: str  # the profile's name, or "" when none applies
+    version: int = 0  # the profile's version number (NcclProfileVersion.number)
     variables: list[RenderedVariable] = field(default_factory=list)
     verdicts: list[linter.Verdict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # about the profile itself
@@ -173,6 +251,7 @@ class RenderedEnvironment:
             "fabric": self.pool.fabric,
             "nccl_version": self.pool.nccl_version,
             "profile": self.profile or None,
+            "profile_version": self.version or None,
             "ok": self.ok,
             "problems": self.problems,
             "variables": [
@@ -224,7 +303,11 @@ def nccl_environment_render(
                 f"Profile {name} is not for NCCL {pool.nccl_version} (pool {pool.slug})."
             )
     else:
-        profile = default_profile(
+        # A profile tuned for this very pool (a tuning run adopted it) comes first for jobs
+        # across its nodes, which is what a tuning run measures.
+        tuned = [p for p in profiles if p.pool_id == pool.pool_id] if not single_node else []
+        profile = tuned[0] if tuned else None
+        profile = profile or default_profile(
             profiles, fabric=pool.fabric, nccl_version=pool.nccl_version, single_node=single_node
         )
     variables = {
@@ -243,6 +326,7 @@ def nccl_environment_render(
     return RenderedEnvironment(
         pool=pool,
         profile=profile.name if profile else "",
+        version=profile.version if profile else 0,
         variables=list(variables.values()),
         verdicts=linter.lint(env, context=context, reasons=reasons),
         problems=problems,

@@ -3,4 +3,13 @@
 Imported by the Celery app on start; every module here registers its tasks by name.
 """
 
-from workers.tasks import checkpoints, cloud, costs, fleet, jobs, outbox, provisioning  # noqa: F401
+from workers.tasks import (  # noqa: F401
+    checkpoints,
+    cloud,
+    costs,
+    fleet,
+    jobs,
+    outbox,
+    provisioning,
+    tuning,
+)

@@ -4,20 +4,26 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0020_job_estimate'),
+        ("jobs", "0020_job_estimate"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='job',
-            name='node_ids',
+            model_name="job",
+            name="node_ids",
             field=models.JSONField(blank=True, editable=False, null=True),
         ),
         migrations.AlterField(
-            model_name='job',
-            name='kind',
-            field=models.CharField(choices=[('trainer', 'Bundled trainer'), ('command', 'Custom command'), ('tuning', 'NCCL tuning run')], max_length=10),
+            model_name="job",
+            name="kind",
+            field=models.CharField(
+                choices=[
+                    ("trainer", "Bundled trainer"),
+                    ("command", "Custom command"),
+                    ("tuning", "NCCL tuning run"),
+                ],
+                max_length=10,
+            ),
         ),
     ]

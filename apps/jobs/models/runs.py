@@ -49,6 +49,10 @@ class Run(models.Model):
     )
     plan = models.JSONField(help_text="argv, env (no secret values), workdir, files, git.")
     secret_names = models.JSONField(default=list)
+    # The NCCL profile version the plan's environment came from (tuning.NcclProfileVersion:
+    # who made it, or which tuning run's figures chose it). Empty: none applied.
+    nccl_profile = models.CharField(max_length=50, blank=True)
+    nccl_profile_version = models.PositiveIntegerField(null=True, blank=True)
     state = models.CharField(max_length=10, choices=RunState.choices, default=RunState.PLANNED)
     pid = models.IntegerField(null=True, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
