@@ -35,6 +35,18 @@ one pool, never fewer than min_nodes; if not even those fit, it waits (and reser
 preempts or bursts) for its whole gang. Its gang is narrowed first to what an eligible
 pool can ever hold and its team's quota has room for. Quotas count the GPUs placed. A
 job without a range costs the walk one comparison.
+
+A gang's traffic crosses the fabric, so it takes nodes whose fabric is degraded (NodeSlot
+.degraded) only when it cannot be placed without them: each pool keeps the degraded nodes
+with free GPUs (`degraded_free`), a gang's search leaves them out first, and a fit that
+needs them scores after every healthy one. One-node jobs take them as any other node.
+
+A pinned job (Pending.node_ids: a tuning run measuring the nodes ops chose) runs on exactly
+those nodes, all in one pool, each with gpus_per_node free to it now (windows, reservations
+and tenancy as for any job; degradation does not matter), or waits, saying which of them
+stand in the way, and reserves them for the earliest time they are all free. It never goes
+elsewhere, never bursts and never preempts. Quotas and the backfill depth count it as any
+job. The snapshot's nodes are looked up by id only once a pinned job is in the queue.
 """
 
 import heapq
@@ -99,6 +111,26 @@ def _what(job: Pending) -> str:
     return f"{job.nodes} × {job.gpus_per_node} {_gpu_word(job)}"
 
 
+def _ids_word(ids: list[int]) -> str:
+    """'node 12', 'nodes 12 and 14', 'nodes 12, 14, 15 and 3 more' (ids: the snapshot has
+    no names)."""
+    if len(ids) == 1:
+        return f"node {ids[0]}"
+    shown = [str(x) for x in ids[:3]]
+    rest = len(ids) - len(shown)
+    if rest:
+        return f"nodes {', '.join(shown)} and {rest} more"
+    return f"nodes {', '.join(shown[:-1])} and {shown[-1]}"
+
+
+def _pinned_words(job: Pending) -> str:
+    """'waiting for its 2 pinned nodes (8 H100 each)', or its one pinned node."""
+    count = len(job.node_ids)
+    if count == 1:
+        return f"waiting for its pinned node ({job.gpus_per_node} {_gpu_word(job)})"
+    return f"waiting for its {count} pinned nodes ({job.gpus_per_node} {_gpu_word(job)} each)"
+
+
 def _blocks(w: Window, team: int, start: float, end: float) -> bool:
     """Whether window w keeps a job of `team` running over [start, end) off its nodes."""
     return (w.team_id is None or w.team_id != team) and start < w.end and end > w.start
@@ -118,6 +150,7 @@ class PoolCapacity:
         "blocked_seen",
         "bucket",
         "burst_nodes",
+        "degraded_free",
         "exhausted",
         "free",
         "gpu_type",
@@ -207,6 +240,9 @@ class PoolCapacity:
         spare = self.spare
         self.holding = holding
         self.placed_on: set[int] = set()
+        # Degraded nodes with free GPUs in the index: what a gang's search leaves out first.
+        self.degraded_free: set[int] = set()
+        degraded_free = self.degraded_free
         held_free = [0] * (g_max + 2)
         for n in schedulable:
             x = n.id
@@ -236,6 +272,8 @@ class PoolCapacity:
                     f = 0
             free[x] = f
             rack_of[x] = pos
+            if f and n.degraded:
+                degraded_free.add(x)
         self.free = free
         self.rack_of = rack_of
         self.rack_nodes = rack_nodes
@@ -466,8 +504,9 @@ class PoolCapacity:
             pool_cnt[k] -= 1
         if b > 0:
             heapq.heappush(self.heaps[b], x)
-        elif x in self.reserved_free:
+        else:
             self.reserved_free.discard(x)
+            self.degraded_free.discard(x)
 
     def reserve(self, nodes, start: float, until: float) -> None:
         """Hold nodes for a blocked job from `start` to `until` (INFINITY: no known end).
@@ -642,6 +681,7 @@ class _Pass:
                 self.over_nominal.setdefault(gpu_type, set()).add(team_id)
         self.victims: set[int] = set()
         self.quota_waits: dict[tuple, Wait] = {}  # one Wait per wording, shared by its jobs
+        self.nodes_by_id: dict[int, NodeSlot] | None = None  # built for the first pinned job
         self.depth = max(self.settings.backfill_depth, 0)
 
     # -- the walk ----------------------------------------------------------------------------
@@ -663,7 +703,7 @@ class _Pass:
             known = shapes.get(shape)
             if known is None:
                 known = shapes[shape] = self.shape(job)
-            if job.min_nodes and job.min_nodes < job.nodes:
+            if job.min_nodes and job.min_nodes < job.nodes and job.node_ids is None:
                 job, known = self.widest_gang(job, known, shapes)
             pools, single_type, types, never = known
             if never is not None:
@@ -698,6 +738,11 @@ class _Pass:
                     if len(allowed) == len(types)
                     else tuple(p for p in pools if p.gpu_type in allowed)
                 )
+            pinned = job.node_ids
+            if pinned is not None:
+                fitting = self.pinned_pool(job, pools, fitting)
+                if fitting is None:
+                    continue  # it waits, and said why
             for p in fitting:
                 if not p.exhausted:
                     break
@@ -709,10 +754,15 @@ class _Pass:
                     p.attempts += 1
                     if p.attempts >= depth:
                         p.exhausted = True
-            if not self.try_place(job, fitting) and not (
-                job.min_nodes and job.min_nodes < job.nodes and self.place_fewer(job, pools)
-            ):
-                self.blocked(job, fitting)
+            if pinned is not None:
+                placed = self.place_pinned(job, fitting[0])  # or it waits, saying for what
+            else:
+                placed = self.try_place(job, fitting) or bool(
+                    job.min_nodes and job.min_nodes < job.nodes and self.place_fewer(job, pools)
+                )
+                if not placed:
+                    self.blocked(job, fitting)
+            if not placed:
                 for p in fitting:
                     if not p.blocked_seen:
                         p.blocked_seen = True
@@ -875,7 +925,14 @@ class _Pass:
                     continue
             if g > p.gpus_max or p.pool_cnt[g] < n:
                 continue
-            fit = p.best_fit(n, g, self.blocked_nodes(job, p))
+            blocked = self.blocked_nodes(job, p)
+            if n > 1 and p.degraded_free:
+                # Healthy nodes first; a fit that needs degraded ones scores after them all.
+                fit = p.best_fit(n, g, blocked | p.degraded_free)
+                if fit is None and (fit := p.best_fit(n, g, blocked)) is not None:
+                    fit = ((2, *fit[0]), fit[1])
+            else:
+                fit = p.best_fit(n, g, blocked)
             if fit is not None and (best is None or fit[0] < best[0]):
                 best, best_pool = fit, p
         if best is None:
@@ -918,6 +975,109 @@ class _Pass:
         if best is None:
             return None
         return (-1, best[0] - g), [best[1]]
+
+    # -- pinned jobs ---------------------------------------------------------------------------
+
+    def pinned_pool(self, job: Pending, eligible, fitting) -> tuple[PoolCapacity] | None:
+        """The pool of a pinned job's nodes, as the one pool it may try, or None when it
+        cannot run there at all (a node gone, nodes in several pools, a pool it may not
+        use, its quota): then it waits, and says why."""
+        nodes = self.nodes_by_id
+        if nodes is None:
+            nodes = self.nodes_by_id = {n.id: n for n in self.snap.nodes}
+        ids = sorted(job.node_ids)
+        words = _pinned_words(job)
+        if gone := [x for x in ids if x not in nodes]:
+            self.wait(job, f"{words}: {_ids_word(gone)} gone from the fleet")
+            return None
+        if len(ids) != job.nodes:
+            self.wait(job, f"{words}: it asks for {_nodes_word(job.nodes)}, not {len(ids)}")
+            return None
+        pool_ids = sorted({nodes[x].pool_id for x in ids})
+        if len(pool_ids) > 1:
+            listed = ", ".join(str(p) for p in pool_ids)
+            self.wait(job, f"{words}: they lie in pools {listed}, and a job runs in one pool")
+            return None
+        pool = self.pools.get(pool_ids[0])
+        if pool is None or pool not in eligible:
+            self.wait(
+                job,
+                f"{words}: pool {pool_ids[0]} is not one it may use "
+                f"(disabled, or not its GPU type or placement)",
+            )
+            return None
+        if pool not in fitting:
+            self.wait(job, self.quota_reason(job, [pool.gpu_type]))
+            return None
+        return (pool,)
+
+    def place_pinned(self, job: Pending, pool: PoolCapacity) -> bool:
+        """Place a pinned job on all its nodes if each may take it now, by try_place's rules
+        (schedulable, gpus_per_node free to its team, no window in the way, no reservation
+        of a higher job it would still run on); else it waits, naming the nodes in the way,
+        and reserves its nodes from the earliest time they are all free to it."""
+        g, team = job.gpus_per_node, job.team_id
+        now = self.now
+        end = now + job.time_limit_s
+        ids = sorted(job.node_ids)
+        free, owner, reserved = pool.free, pool.owner, pool.reserved
+        in_way: dict[str, list[int]] = {}
+        for x in ids:
+            if x not in free:
+                why = "not schedulable"
+            elif self.nodes_by_id[x].gpus_total < g:
+                why = f"with fewer than {g} GPUs"
+            elif x in pool.node_windows and not pool.window_usable(x, team, now, end):
+                why = "held back by a window"
+            elif reserved.get(x, INFINITY) < end:
+                why = "held for higher-priority jobs"
+            elif x in owner and not (job.nodes == 1 and owner[x] == team):
+                why = "busy (a team's jobs: one team per node)"
+            elif (pool.spare.get(team, {}).get(x, 0) if x in owner else free[x]) < g:
+                why = "busy"
+            else:
+                continue
+            in_way.setdefault(why, []).append(x)
+        if not in_way:
+            for x in ids:
+                pool.book(x, g, end, team)
+            self.decisions.placements.append(
+                Placement(
+                    job_id=job.job_id,
+                    pool_id=pool.id,
+                    node_gpus=tuple((x, g) for x in ids),
+                    backfilled=pool.blocked_seen,
+                )
+            )
+            self._hold(team, pool.gpu_type, job.gpus)
+            return True
+        reason = f"{_pinned_words(job)}: " + ", ".join(
+            f"{_ids_word(xs)} {why}" for why, xs in in_way.items()
+        )
+        start = self.pinned_start(job, pool, ids)
+        if start is None:
+            self.wait(job, reason)
+        else:
+            pool.reserve(ids, start, start + job.time_limit_s)
+            self.wait(job, f"{reason}; earliest start {clock(start, now)} (reserved)", start)
+        return False
+
+    def pinned_start(self, job: Pending, pool: PoolCapacity, ids: list[int]) -> float | None:
+        """The earliest time all of a pinned job's nodes have its GPUs free, no reservation
+        on them and no window in its way; None if one of them never will (as far as this
+        pass knows: not schedulable, too small, or held with no known end)."""
+        g, team, limit = job.gpus_per_node, job.team_id, job.time_limit_s
+        if any(x not in pool.free or self.nodes_by_id[x].gpus_total < g for x in ids):
+            return None
+        start = max(pool.ready_at(x, g) for x in ids)
+        if start == INFINITY:
+            return None
+        windows = [w for x in ids for w in pool.node_windows.get(x, ())]
+        # A window in the way ends at some time: the nodes stay free to the job after it.
+        for t in sorted({start} | {w.end for w in windows if w.end > start}):
+            if all(pool.window_usable(x, team, t, t + limit) for x in ids):
+                return t
+        return None
 
     def _hold(self, team_id: int, gpu_type: str, gpus: int) -> None:
         """The team holds (or is promised) `gpus` more GPUs of the type from now on."""

@@ -78,6 +78,7 @@ PENDING_COLUMNS = (
     "spot_allowed",
     "time_limit_s",
     "min_nodes",
+    "node_ids",
 )
 
 
@@ -151,11 +152,21 @@ class KeptPending:
         jobs, versions = self.jobs, self.versions
         for row in rows:
             job_id = row[0]
+            pinned = row[11]
             jobs[job_id] = new(
-                pending, (job_id, row[1], PRIORITY_RANK[row[2]], *row[3:10], True, row[10] or 0)
+                pending,
+                (
+                    job_id,
+                    row[1],
+                    PRIORITY_RANK[row[2]],
+                    *row[3:10],
+                    True,
+                    row[10] or 0,
+                    None if pinned is None else frozenset(pinned),
+                ),
             )
             if versioned:
-                versions[job_id] = row[11]
+                versions[job_id] = row[12]
         self.rows_read += len(rows)
 
     def _with_budgets(self, budget_left) -> list[plain.Pending]:
@@ -275,6 +286,9 @@ def read_snapshot(*, now: dt.datetime, budget_left) -> tuple[plain.Snapshot, Rea
         Q(last_heartbeat_at__lt=now - dt.timedelta(seconds=settings.NODE_QUIET_AFTER_S)),
         output_field=BooleanField(),
     )
+    degraded = ExpressionWrapper(
+        Q(fabric_degraded_since__isnull=False), output_field=BooleanField()
+    )
     user, local = JobIsolation.USER.value, Provider.LOCAL.value
     new, slot = tuple.__new__, plain.NodeSlot  # as Pending in KeptPending._keep
     nodes = tuple(
@@ -291,11 +305,22 @@ def read_snapshot(*, now: dt.datetime, budget_left) -> tuple[plain.Snapshot, Rea
                 and (isolation == user or provider == local),
                 (isolation == user and pool_id in shared_pools)
                 or (local_shared and provider == local),
+                fabric_degraded,
             ),
         )
-        for node_id, pool_id, rack_id, gpus, state, isolation, provider, quiet in fetch_rows(
+        for (
+            node_id,
+            pool_id,
+            rack_id,
+            gpus,
+            state,
+            isolation,
+            provider,
+            quiet,
+            fabric_degraded,
+        ) in fetch_rows(
             Node.objects.exclude(state__in=GONE_STATES)
-            .annotate(quiet=quiet_since)
+            .annotate(quiet=quiet_since, fabric_degraded=degraded)
             .values_list(
                 "id",
                 "pool_id",
@@ -305,6 +330,7 @@ def read_snapshot(*, now: dt.datetime, budget_left) -> tuple[plain.Snapshot, Rea
                 "job_isolation",
                 "provider",
                 "quiet",
+                "fabric_degraded",
             )
             .order_by("id")
         )

@@ -29,6 +29,9 @@ class NodeSlot(NamedTuple):
     # Whether it may hold several teams' jobs at once (its pool's tenancy is shared and its
     # agent runs each job as its own user); if not, it holds one team's jobs at a time.
     shared: bool = False
+    # Its InfiniBand/EFA error rates passed their limits (Node.fabric_degraded_since): a gang
+    # avoids it while healthy nodes can hold the gang; a one-node job's traffic stays on it.
+    degraded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,10 @@ class Pending(NamedTuple):
     # The fewest nodes it may start on (Slurm's --nodes=min-max): fewer than `nodes` only
     # when the whole gang cannot be placed now. 0: exactly `nodes` (no range).
     min_nodes: int = 0
+    # Pinned (Job.node_ids): it runs on exactly these nodes, all of them, or waits; it never
+    # goes elsewhere, never bursts and never preempts (a tuning run measures the nodes ops
+    # chose). None: wherever the planner places it.
+    node_ids: frozenset[int] | None = None
 
     @property
     def gpus(self) -> int:

@@ -51,7 +51,9 @@ def cloud(pool_id=9, gpu_type="H100", *, spot=True, max_nodes=4, burst_delay_s=6
     )
 
 
-def node(node_id, *, pool=1, rack=1, total=8, schedulable=True, shared=True) -> NodeSlot:
+def node(
+    node_id, *, pool=1, rack=1, total=8, schedulable=True, shared=True, degraded=False
+) -> NodeSlot:
     """A node spec; its free GPUs are worked out from the running jobs by `snap`. Shared by
     default: the examples of the rules that tenancy leaves alone mix teams on nodes."""
     return NodeSlot(
@@ -62,6 +64,7 @@ def node(node_id, *, pool=1, rack=1, total=8, schedulable=True, shared=True) -> 
         gpus_free=total,
         schedulable=schedulable,
         shared=shared,
+        degraded=degraded,
     )
 
 
@@ -79,6 +82,7 @@ def job(
     spot=False,
     budget_ok=True,
     min_nodes=0,
+    node_ids=None,
 ) -> Pending:
     return Pending(
         job_id=job_id,
@@ -93,6 +97,7 @@ def job(
         time_limit_s=int(limit),
         budget_ok=budget_ok,
         min_nodes=min_nodes,
+        node_ids=None if node_ids is None else frozenset(node_ids),
     )
 
 
@@ -938,6 +943,7 @@ def snapshots(draw) -> Snapshot:
                     gpus_free=0,
                     schedulable=draw(st.integers(0, 6)) > 0,
                     shared=draw(st.booleans()),
+                    degraded=draw(st.integers(0, 3)) == 0,
                 )
             )
     free = {n.id: n.gpus_total for n in nodes}
@@ -1110,13 +1116,8 @@ def test_a_one_node_job_on_a_shared_node_takes_the_tightest_that_fits(s):
     shared node before any job blocked its pool (so no reservation) takes a node with the
     fewest free GPUs among those of the pool that any team may use (shared, or holding
     nothing) and where no window is in the way."""
-    d = plan(s)
-    jobs = {j.job_id: j for j in s.pending}
     nodes = {n.id: n for n in s.nodes}
-    free = {n.id: n.gpus_free for n in s.nodes if n.schedulable}
-    teams = teams_on(s)
-    for p in d.placements:
-        j = jobs[p.job_id]
+    for p, j, free, teams in replay(s, plan(s)):
         ((x, g),) = p.node_gpus if len(p.node_gpus) == 1 else ((None, 0),)
         if x is not None and nodes[x].shared and not p.backfilled:
             fits = [
@@ -1128,6 +1129,17 @@ def test_a_one_node_job_on_a_shared_node_takes_the_tightest_that_fits(s):
                 and not any(y in w.node_ids and blocks(w, j, s.now) for w in s.windows)
             ]
             assert free[x] == min(free[y] for y in fits)
+
+
+def replay(s: Snapshot, d):
+    """The pass's placements in order, each with its job, each schedulable node's free GPUs
+    just before it and each node's teams (both updated once the next is asked for)."""
+    jobs = {j.job_id: j for j in s.pending}
+    free = {n.id: n.gpus_free for n in s.nodes if n.schedulable}
+    teams = teams_on(s)
+    for p in d.placements:
+        j = jobs[p.job_id]
+        yield p, j, free, teams
         for y, gpus in p.node_gpus:
             free[y] -= gpus
             teams.setdefault(y, set()).add(j.team_id)

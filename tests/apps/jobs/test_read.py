@@ -161,3 +161,20 @@ def test_a_node_that_missed_a_heartbeat_takes_no_new_work_until_it_answers(setti
     assert schedulable() == {answering.pk: True, quiet.pk: False, never.pk: True}
     Node.objects.filter(pk=quiet.pk).update(last_heartbeat_at=now)
     assert schedulable()[quiet.pk] is True
+
+
+def test_a_pinned_job_and_a_degraded_node_come_through_the_snapshot(
+    kept, fleet_pool, quota, team, researcher
+):
+    """Job.node_ids as the set of pinned nodes (None: not pinned), and a node whose fabric
+    is degraded (fabric_degraded_since set) as `degraded`."""
+    healthy, degraded = (factories.make_node(pool=fleet_pool) for _ in range(2))
+    Node.objects.filter(pk=degraded.pk).update(fabric_degraded_since=timezone.now())
+    pinned, free = submit(team, researcher, "pinned"), submit(team, researcher, "free")
+    Job.objects.filter(pk=pinned.pk).update(node_ids=[healthy.pk, degraded.pk])
+    snapshot, _ = read_snapshot(now=timezone.now(), budget_left=always)
+    by_id = {j.job_id: j for j in snapshot.pending}
+    assert by_id[pinned.pk].node_ids == frozenset({healthy.pk, degraded.pk})
+    assert by_id[free.pk].node_ids is None
+    flags = {n.id: n.degraded for n in snapshot.nodes}
+    assert flags[healthy.pk] is False and flags[degraded.pk] is True
