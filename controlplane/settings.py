@@ -237,6 +237,7 @@ TUNING_PRESET = env_str("TUNING_PRESET") or "8b"
 TUNING_DRIFT_EVERY_S = env_int("TUNING_DRIFT_EVERY_S", 7 * 86400)
 TUNING_DRIFT_TEAM = env_str("TUNING_DRIFT_TEAM")
 TUNING_JUDGE_REDRIVE_S = env_int("TUNING_JUDGE_REDRIVE_S", 120)
+TUNING_OUTPUT_WAIT_S = env_int("TUNING_OUTPUT_WAIT_S", 60)
 CELERY_BEAT_SCHEDULE["tuning-sweep"] = {"task": "tuning.sweep", "schedule": 300.0}
 # Where local and SSH nodes' agents watch for spot notices (none: off; AWS nodes get
 # the real instance metadata address in their user data).

@@ -340,7 +340,9 @@ def tuning_events_record(*, job_id: int, events: list[dict], head: bool) -> int:
         return 0
     with transaction.atomic():
         run = TuningRun.objects.select_for_update().filter(job_id=job_id).first()
-        if run is None or run.state not in (S.QUEUED, S.RUNNING):
+        # JUDGING too: the agent relays output apart from the exit, so the last launch's
+        # lines may come after the job ended (the judge waits for them).
+        if run is None or run.state not in (S.QUEUED, S.RUNNING, S.JUDGING):
             return 0
         sizes, ops = set(run.sizes), set(run.ops)
         count, rounds = len(run.candidates), run.rounds
@@ -467,13 +469,20 @@ def _mattering(run: TuningRun) -> dict[str, list[int]]:
     return {op: list(run.sizes_that_matter) for op in ops}
 
 
-def tuning_run_judge(run_id: int) -> TuningRun | None:
+def tuning_run_judge(run_id: int, *, now: dt.datetime | None = None) -> TuningRun | None:
     """Apply the adoption rule (a tuning run) or the drift test (a drift check) to a measured
-    run. Safe to run twice: only a JUDGING run is judged."""
+    run. Safe to run twice: only a JUDGING run is judged. Until its last launch's output has
+    come (the agent relays it apart from the exit) it waits, up to TUNING_OUTPUT_WAIT_S after
+    the job ended; then it judges what came, and a candidate short of rounds is not judged.
+    A run left JUDGING is returned as it is (the task asks again)."""
+    now = now or timezone.now()
     with transaction.atomic():
         run = TuningRun.objects.select_for_update().filter(pk=run_id, state=S.JUDGING).first()
         if run is None:
             return None
+        waited = (now - run.measured_at).total_seconds() if run.measured_at else math.inf
+        if run.launches_done < run.launches_total and waited < settings.TUNING_OUTPUT_WAIT_S:
+            return run
         if run.kind == TuningRunKind.DRIFT:
             return _judge_drift(run)
         return _judge_tuning(run)
@@ -644,5 +653,5 @@ def tuning_runs_redrive(*, now=None) -> int:
         )
     )
     for pk in ids:
-        tuning_run_judge(pk)
+        tuning_run_judge(pk, now=now)
     return len(ids)

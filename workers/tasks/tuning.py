@@ -8,11 +8,17 @@ tuning.sweep   every few minutes: judges runs whose judge task was lost, and sta
 from celery import shared_task
 
 
-@shared_task(name="tuning.judge", acks_late=True, reject_on_worker_lost=True)
-def judge(run_id: int) -> str:
+@shared_task(
+    name="tuning.judge", bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None
+)
+def judge(self, run_id: int) -> str:
+    from apps.tuning.models import TuningRunState
     from apps.tuning.runs import tuning_run_judge
 
     run = tuning_run_judge(run_id)
+    if run is not None and run.state == TuningRunState.JUDGING:
+        # Its last output is still on the way: ask again (the judge stops waiting in time).
+        raise self.retry(countdown=5)
     return run.state if run is not None else "not judging"
 
 

@@ -48,14 +48,18 @@ def start(pool, by, team, **plan):
     return tuning_run_start(pool=pool.slug, by=by, team=team.slug, **plan)
 
 
-def report(run, speed: dict[int, float], *, noise=0.02, seed=0, errors=None):
+def report(run, speed: dict[int, float], *, noise=0.02, seed=0, errors=None, skip=()):
     """What the job's first node would print: every candidate, round, op and size, each
-    candidate's bus bandwidth its `speed` × 100 GB/s (1.0 when not named), with noise."""
+    candidate's bus bandwidth its `speed` × 100 GB/s (1.0 when not named), with noise;
+    the launches in `skip` ((round, candidate)) print nothing."""
     rng = random.Random(seed)  # noqa: S311 (made-up figures)
     events = []
+    done = 0
     for round_, order in enumerate(run.order):
         drift = rng.uniform(0.9, 1.1)  # the fabric's mood this round: hits all alike
         for candidate in order:
+            if (round_, candidate) in skip:
+                continue
             for op in run.ops:
                 for size in run.sizes:
                     busbw = 100 * speed.get(candidate, 1.0) * drift * rng.gauss(1, noise)
@@ -72,7 +76,8 @@ def report(run, speed: dict[int, float], *, noise=0.02, seed=0, errors=None):
                             "errors": (errors or {}).get(candidate, 0),
                         }
                     )
-            events.append({"event": "tuning_launch", "done": 0, "round": round_})
+            done += 1
+            events.append({"event": "tuning_launch", "done": done, "round": round_})
     return runs.tuning_events_record(job_id=run.job_id, events=events, head=True)
 
 
@@ -240,6 +245,22 @@ def test_a_candidate_that_gave_wrong_results_is_disqualified_however_fast(ib_poo
     run = measured(run)
     assert run.state == S.NOTHING_ADOPTED
     assert run.result["not_judged"][run.candidates[1]["label"]].startswith("gave wrong results")
+
+
+def test_the_judge_waits_for_the_last_launchs_lines_then_judges_what_came(
+    ib_pool, ops_user, team, settings
+):
+    run = start(ib_pool, ops_user, team)
+    report(run, {1: 1.3, 2: 1.3}, skip={(4, 2)})  # the last round of candidate 2 never came
+    runs.tuning_runs_follow_jobs(job_ids=[run.job_id], to="running")
+    runs.tuning_runs_follow_jobs(job_ids=[run.job_id], to="succeeded")
+    run.refresh_from_db()
+    assert run.launches_done == run.launches_total - 1
+    assert runs.tuning_run_judge(run.pk).state == S.JUDGING  # still waiting
+    later = timezone.now() + dt.timedelta(seconds=settings.TUNING_OUTPUT_WAIT_S + 1)
+    run = runs.tuning_run_judge(run.pk, now=later)
+    assert run.state == S.AWAITING_APPROVAL and run.result["chosen"] == 1
+    assert "4 rounds" in run.result["not_judged"][run.candidates[2]["label"]]
 
 
 def test_ops_may_decline_and_the_baseline_stays(ib_pool, ops_user, team):
