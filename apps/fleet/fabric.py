@@ -16,6 +16,7 @@ import re
 
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from apps.accounts.services import audit_record
 from apps.fleet.models import Node, NodeEvent
@@ -126,7 +127,10 @@ def node_fabric_degraded_mark(*, node_id: int, record: dict) -> Node | None:
 
 
 def node_fabric_degraded_clear(*, node_id: int) -> Node | None:
-    """The node's fabric error rates stayed within their limits long enough: healthy again."""
+    """The node's fabric error rates stayed within their limits long enough: healthy again
+    (unless a measurement marked it: only another measurement clears that)."""
+    if Node.objects.filter(pk=node_id, fabric_degraded_reason__startswith=MEASURED).exists():
+        return None
     minutes = settings.FABRIC_CLEAR_AFTER_S / 60
     return _set(
         node_id,
@@ -134,6 +138,25 @@ def node_fabric_degraded_clear(*, node_id: int) -> Node | None:
         reason="",
         event=f"fabric healthy again: error rates within limits for {minutes:g} min",
     )
+
+
+# How a mark by measurement begins (a drift check's bisection, apps/jobs/tuning_runs.py), so
+# that the counters' all-clear leaves it alone.
+MEASURED = "measured slow"
+
+
+def node_fabric_measured_slow(*, node_id: int, reason: str) -> Node | None:
+    """A drift check measured the node's links slower than its pool's adopted figures."""
+    why = f"{MEASURED}: {reason}"[:300]
+    return _set(node_id, since=timezone.now(), reason=why, event=f"fabric degraded: {why}")
+
+
+def node_fabric_measured_ok(*, node_id: int, reason: str) -> Node | None:
+    """A later measurement found the node's links as fast as adopted: a mark by measurement
+    is lifted (a mark by the error counters is theirs to lift)."""
+    if not Node.objects.filter(pk=node_id, fabric_degraded_reason__startswith=MEASURED).exists():
+        return None
+    return _set(node_id, since=None, reason="", event=f"fabric healthy again: {reason}"[:300])
 
 
 @transaction.atomic

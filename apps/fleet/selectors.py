@@ -8,6 +8,7 @@ from django.conf import settings
 from django.db.models import (
     Avg,
     Count,
+    Exists,
     F,
     Max,
     Min,
@@ -20,6 +21,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, TruncHour
 from django.utils import timezone
 
+from apps.fleet.fabric import MEASURED
 from apps.fleet.models import (
     GONE_STATES,
     SCHEDULABLE_STATES,
@@ -769,3 +771,28 @@ def nodes_named(*, names) -> dict[str, Node]:
 
 def pool_nodes_in(*, pool_id: int, states) -> list[Node]:
     return list(Node.objects.filter(pool_id=pool_id, state__in=list(states)).order_by("name"))
+
+
+def nodes_measured_slow(*, pool_id: int) -> dict[int, str]:
+    """The pool's nodes a drift check marked slow (apps/fleet/fabric.py MEASURED): id → name."""
+    return dict(
+        Node.objects.filter(pool_id=pool_id, fabric_degraded_reason__startswith=MEASURED)
+        .order_by("name")
+        .values_list("pk", "name")
+    )
+
+
+def nodes_back_from_repair(*, pool_id: int) -> list[str]:
+    """Names of the pool's ready nodes that a drift check marked slow and that were drained
+    after it (for their repair) and are back: each is due a check of its own."""
+    drained_since = NodeEvent.objects.filter(
+        node=OuterRef("pk"), to_state=NodeState.DRAINED, at__gt=OuterRef("fabric_degraded_since")
+    )
+    return list(
+        Node.objects.filter(
+            pool_id=pool_id, state=NodeState.READY, fabric_degraded_reason__startswith=MEASURED
+        )
+        .filter(Exists(drained_since))
+        .order_by("name")
+        .values_list("name", flat=True)
+    )

@@ -12,17 +12,31 @@ from django.utils import timezone
 
 from apps.accounts.selectors import first_team_of, roles_of, team_by_key
 from apps.accounts.services import audit_record, snapshot
+from apps.fleet.fabric import node_fabric_measured_ok, node_fabric_measured_slow
 from apps.fleet.models import NodeState
-from apps.fleet.selectors import nodes_named, pool_by_key, pool_nodes_in
+from apps.fleet.selectors import (
+    nodes_back_from_repair,
+    nodes_measured_slow,
+    nodes_named,
+    pool_by_key,
+    pool_nodes_in,
+)
 from apps.jobs.models import Job, JobEvent, JobKind, JobState
 from apps.jobs.services import job_cancel
 from apps.jobs.transitions import actor_label, schedule_soon
 from apps.tuning import runs as tuning
-from apps.tuning.models import TuningRunKind, TuningRunState
+from apps.tuning.models import (
+    BISECT_AGAINST_GOOD,
+    BISECT_PAIRS,
+    BISECT_REPAIRED,
+    TuningRunKind,
+    TuningRunState,
+)
 from apps.tuning.selectors import (
     pools_nccl,
     tuning_pools_busy,
     tuning_references_latest,
+    tuning_run_get,
     tuning_run_of_job,
 )
 from controlplane.errors import ApplicationError
@@ -218,4 +232,150 @@ def drift_checks_start(*, now: dt.datetime | None = None) -> int:
             started += 1
         except ApplicationError:
             continue  # its nodes are gone or its profile no longer lints: ops see the pool
+    return started
+
+
+# --- bisection: which nodes made a pool slower ----------------------------------------------------
+
+
+def _check(parent, nodes: list[str], step: int):
+    """A drift check of `nodes` (names) on the parent's settings and sizes, as its child."""
+    reference = parent.reference
+    return tuning_run_start(
+        pool=parent.pool_id,
+        by=None,
+        nodes=nodes,
+        team=parent.job.team_id if parent.job_id else settings.TUNING_DRIFT_TEAM,
+        kind=TuningRunKind.DRIFT,
+        reference=reference,
+        rounds=parent.rounds,
+        ops=list(parent.ops),
+        sizes=list(parent.sizes),
+        sizes_that_matter=list(parent.sizes_that_matter),
+        warmup=parent.warmup,
+        iters=parent.iters,
+        parent=parent,
+        step=step,
+    )
+
+
+def _pairs(names: list[str]) -> list[list[str]]:
+    """Disjoint pairs; an odd one out goes with the first."""
+    pairs = [names[i : i + 2] for i in range(0, len(names) - 1, 2)]
+    if len(names) % 2:
+        pairs.append([names[-1], names[0]])
+    return pairs
+
+
+def _ready_outside(run) -> list[str]:
+    """The run's pool's ready nodes that it did not measure and no check marked slow."""
+    slow = nodes_measured_slow(pool_id=run.pool_id)
+    return [
+        n.name
+        for n in pool_nodes_in(pool_id=run.pool_id, states=(NodeState.READY,))
+        if n.pk not in slow and n.pk not in run.node_ids
+    ]
+
+
+def drift_followup(run_id: int) -> dict:
+    """After a drift check is judged: bisect a drop down to the nodes behind it, and mark
+    them (their fabric is degraded, so the scheduler keeps multi-node jobs off them while
+    healthy nodes are free; apps/fleet/fabric.py).
+
+    A drop over three or more nodes → each pair of them measured apart. Once every pair
+    has ended, the nodes of steady pairs are good, and each node of a slow pair is measured
+    again beside a good one (or beside a ready node of the pool that was not measured, when
+    no pair was steady; with none, no node is to blame more than another and only the
+    pool's check says it drifted). A node slow beside a good one is marked; a single node's
+    drop marks it. A node back from repair, measured beside a good one, is marked again or
+    cleared by that check.
+    """
+    run = tuning_run_get(run_id=run_id)
+    done = {"started": 0, "marked": [], "cleared": []}
+    if run.kind != TuningRunKind.DRIFT or run.state not in (
+        TuningRunState.DRIFTED,
+        TuningRunState.STEADY,
+    ):
+        return done
+    slow = run.state == TuningRunState.DRIFTED
+    why = f"drift check #{run.pk}: {run.state_reason}"
+    if run.step in (BISECT_AGAINST_GOOD, BISECT_REPAIRED) or len(run.node_ids) == 1:
+        # The first node is the one in question; a second is known good.
+        suspect, name = run.node_ids[0], run.node_names[0]
+        changed = (
+            node_fabric_measured_slow(node_id=suspect, reason=why)
+            if slow
+            else node_fabric_measured_ok(node_id=suspect, reason=why)
+        )
+        if changed:
+            done["marked" if slow else "cleared"].append(name)
+        return done
+    if run.step == 0:
+        if not slow:
+            return done
+        if len(run.node_names) > 2:
+            for pair in _pairs(list(run.node_names)):
+                _check(run, pair, BISECT_PAIRS)
+                done["started"] += 1
+            return done
+        suspects, good = list(run.node_names), _ready_outside(run)
+        parent = run
+    else:
+        parent = run.parent
+        siblings = [r for r in parent.children.all() if r.step == BISECT_PAIRS]
+        if any(not r.finished for r in siblings):
+            return done
+        good = [n for r in siblings if r.state == TuningRunState.STEADY for n in r.node_names]
+        suspects = sorted(
+            {n for r in siblings if r.state == TuningRunState.DRIFTED for n in r.node_names}
+            - set(good)
+        )
+        good = good or _ready_outside(parent)
+    if not good:
+        return done
+    for name in suspects:
+        _check(parent, [name, good[0]], BISECT_AGAINST_GOOD)
+        done["started"] += 1
+    return done
+
+
+def repaired_nodes_check() -> int:
+    """A node a drift check marked slow that ops drained and have since returned to work
+    (after its repair) is measured beside a good node of its pool: steady clears the mark."""
+    if not settings.TUNING_DRIFT_TEAM:
+        return 0
+    started = 0
+    busy = tuning_pools_busy()
+    for pool_id, last in tuning_references_latest(states=REFERENCE_STATES).items():
+        back = nodes_back_from_repair(pool_id=pool_id)
+        if pool_id in busy or not back:
+            continue
+        slow = nodes_measured_slow(pool_id=pool_id)
+        good = [
+            n.name
+            for n in pool_nodes_in(pool_id=pool_id, states=(NodeState.READY,))
+            if n.pk not in slow
+        ]
+        if not good:
+            continue
+        reference = last if last.kind == TuningRunKind.TUNING else (last.reference or last)
+        try:
+            tuning_run_start(
+                pool=pool_id,
+                by=None,
+                nodes=[back[0], good[0]],  # one per pool at a time: the good node is pinned too
+                team=settings.TUNING_DRIFT_TEAM,
+                kind=TuningRunKind.DRIFT,
+                reference=reference,
+                rounds=reference.rounds,
+                ops=list(reference.ops),
+                sizes=list(reference.sizes),
+                sizes_that_matter=list(reference.sizes_that_matter),
+                warmup=reference.warmup,
+                iters=reference.iters,
+                step=BISECT_REPAIRED,
+            )
+            started += 1
+        except ApplicationError:
+            continue
     return started

@@ -168,6 +168,11 @@ class TuningRunKind(models.TextChoices):
     DRIFT = "drift", "Drift check"  # the baseline alone, against its adopted figures
 
 
+# A drift check's steps: the pool's nodes together; pairs of them; a node of a slow pair
+# against a node of a steady one; a node back from repair against a steady one.
+BISECT_TOP, BISECT_PAIRS, BISECT_AGAINST_GOOD, BISECT_REPAIRED = 0, 1, 2, 3
+
+
 class TuningRunState(models.TextChoices):
     QUEUED = "queued", "Queued"  # its job waits for the nodes
     RUNNING = "running", "Running"
@@ -226,6 +231,12 @@ class TuningRun(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     measured_at = models.DateTimeField(null=True, blank=True)
+    # Bisection of a drift (apps/jobs/tuning_runs.py drift_followup): the check that found it,
+    # and which step this one is (BISECT_* below).
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="children"
+    )
+    step = models.PositiveSmallIntegerField(default=0)
     state = models.CharField(
         max_length=10, choices=TuningRunState.choices, default=TuningRunState.QUEUED
     )

@@ -170,6 +170,8 @@ def tuning_run_create(
     iters: int = 20,
     seed: int | None = None,
     reference: TuningRun | None = None,
+    parent: TuningRun | None = None,
+    step: int = 0,
 ) -> TuningRun:
     """A run's plan, checked: baseline and candidates (each through the linter for the
     pool's fabric and NCCL), the launch order per round. Its job is made by the caller
@@ -281,6 +283,8 @@ def tuning_run_create(
         iters=iters,
         approval_required=approval_required,
         reference=reference,
+        parent=parent,
+        step=step,
         created_by=by if by is not None and by.pk else None,
         state_reason="waiting for its nodes",
     )
@@ -643,8 +647,9 @@ def tuning_run_decline(*, run: TuningRun, by, reason: str = "") -> TuningRun:
     return _move(run, S.DECLINED, why, by=by, decided_by=by)
 
 
-def tuning_runs_redrive(*, now=None) -> int:
-    """Judge again the runs left JUDGING past TUNING_JUDGE_REDRIVE_S (their task was lost)."""
+def tuning_runs_redrive(*, now=None) -> list[int]:
+    """Judge again the runs left JUDGING past TUNING_JUDGE_REDRIVE_S (their task was lost);
+    the ids of those judged now."""
     now = now or timezone.now()
     stale = now - dt.timedelta(seconds=settings.TUNING_JUDGE_REDRIVE_S)
     ids = list(
@@ -652,6 +657,9 @@ def tuning_runs_redrive(*, now=None) -> int:
             "pk", flat=True
         )
     )
+    judged = []
     for pk in ids:
-        tuning_run_judge(pk, now=now)
-    return len(ids)
+        run = tuning_run_judge(pk, now=now)
+        if run is not None and run.state != S.JUDGING:
+            judged.append(pk)
+    return judged

@@ -91,3 +91,7 @@ def tuning_references_latest(*, states) -> dict[int, TuningRun]:
     for run in TuningRun.objects.filter(state__in=list(states)).order_by("pool_id", "-finished_at"):
         latest.setdefault(run.pool_id, run)
     return latest
+
+
+def tuning_run_get(*, run_id: int) -> TuningRun:
+    return TuningRun.objects.select_related("parent", "reference", "job").get(pk=run_id)

@@ -13,11 +13,24 @@ import pytest
 from django.utils import timezone
 
 from apps.accounts.models import AuditEvent
+from apps.fleet.fabric import node_fabric_degraded_clear
+from apps.fleet.models import Node
+from apps.fleet.services import node_drain, node_undrain
 from apps.jobs import transitions
 from apps.jobs.models import Job, JobKind, JobState
-from apps.jobs.tuning_runs import drift_checks_start, tuning_plan_file, tuning_run_start
+from apps.jobs.tuning_runs import (
+    drift_checks_start,
+    drift_followup,
+    repaired_nodes_check,
+    tuning_plan_file,
+    tuning_run_start,
+)
 from apps.tuning import runs
 from apps.tuning.models import (
+    BISECT_AGAINST_GOOD,
+    BISECT_PAIRS,
+    BISECT_REPAIRED,
+    TUNING_FINISHED,
     NcclProfile,
     NcclProfileVersion,
     TuningMeasurement,
@@ -330,3 +343,70 @@ def test_a_drift_check_compares_the_settings_with_the_figures_they_were_adopted_
     report(check, {0: 1.3 * speed}, seed=5)
     check = measured(check)
     assert check.state == state, check.state_reason
+
+
+def drifted_pool(ib_pool, ops_user, team, settings) -> TuningRun:
+    """A pool whose adopted settings were measured again over its 4 nodes, 30% slower."""
+    adopted(ib_pool, ops_user, team)
+    settings.TUNING_DRIFT_TEAM = team.slug
+    later = timezone.now() + dt.timedelta(seconds=settings.TUNING_DRIFT_EVERY_S + 60)
+    drift_checks_start(now=later)
+    check = TuningRun.objects.get(kind=TuningRunKind.DRIFT)
+    report(check, {0: 1.3 * 0.7}, seed=3)
+    return measured(check)
+
+
+def judged(check, speed: float, seed: int) -> dict:
+    report(check, {0: 1.3 * speed}, seed=seed)
+    measured(check)
+    return drift_followup(check.pk)
+
+
+def test_a_drift_is_bisected_to_the_node_behind_it_which_is_marked_until_a_check_clears_it(
+    ib_pool, ops_user, team, settings
+):
+    top = drifted_pool(ib_pool, ops_user, team, settings)
+    assert top.state == S.DRIFTED
+    assert drift_followup(top.pk)["started"] == 2
+    first, second = top.children.order_by("pk")
+    names = list(top.node_names)
+    assert [first.node_names, second.node_names] == [names[:2], names[2:]]
+    assert first.step == BISECT_PAIRS and first.reference == top.reference
+    assert first.job.node_ids == first.node_ids  # pinned to the pair
+
+    # The first pair is slow, the second steady: each node of the slow pair beside a good one.
+    assert judged(first, 0.7, seed=11)["started"] == 0  # waits for its sibling
+    assert judged(second, 1.0, seed=12)["started"] == 2
+    beside = {tuple(r.node_names): r for r in top.children.filter(step=BISECT_AGAINST_GOOD)}
+    assert set(beside) == {(names[0], names[2]), (names[1], names[2])}
+    assert judged(beside[names[0], names[2]], 0.7, seed=13)["marked"] == [names[0]]
+    assert judged(beside[names[1], names[2]], 1.0, seed=14) == {
+        "started": 0,
+        "marked": [],
+        "cleared": [],
+    }
+    slow = Node.objects.get(name=names[0])
+    assert slow.fabric_degraded_reason.startswith("measured slow: drift check #")
+    assert not Node.objects.get(name=names[1]).fabric_degraded_since
+    # The error counters' all-clear leaves a measured mark alone.
+    assert node_fabric_degraded_clear(node_id=slow.pk) is None
+
+    # Ops drain it, repair it, return it: it is measured beside a good node, and cleared.
+    node_drain(node=slow, reason="cable swapped", by=ops_user)
+    node_undrain(node=Node.objects.get(pk=slow.pk), by=ops_user)
+    for run in TuningRun.objects.exclude(state__in=TUNING_FINISHED):
+        transitions.job_transition(job=run.job, to=JobState.CANCELLED, reason="done", by=None)
+    assert repaired_nodes_check() == 1
+    repair = TuningRun.objects.get(step=BISECT_REPAIRED)
+    assert repair.node_names[0] == names[0] and repair.node_names[1] != names[0]
+    assert judged(repair, 1.0, seed=15)["cleared"] == [names[0]]
+    assert Node.objects.get(pk=slow.pk).fabric_degraded_since is None
+
+
+def test_a_drift_with_every_pair_slow_marks_no_node(ib_pool, ops_user, team, settings):
+    top = drifted_pool(ib_pool, ops_user, team, settings)
+    drift_followup(top.pk)
+    first, second = top.children.order_by("pk")
+    judged(first, 0.7, seed=21)
+    assert judged(second, 0.7, seed=22) == {"started": 0, "marked": [], "cleared": []}
+    assert not Node.objects.filter(pool=ib_pool, fabric_degraded_since__isnull=False).exists()
