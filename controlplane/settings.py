@@ -342,6 +342,9 @@ SPECTACULAR_SETTINGS = {
         "GpuTypeEnum": "apps.accounts.models.GPU_TYPES",
         "JobGpuTypeEnum": "apps.jobs.models.jobs.JOB_GPU_TYPES",
         "FabricEnum": "apps.fleet.models.pools.Fabric",
+        "TuningRunStateEnum": "apps.tuning.models.TuningRunState",
+        "TuningRunKindEnum": "apps.tuning.models.TuningRunKind",
+        "VersionSourceEnum": "apps.tuning.models.VersionSource",
     },
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums"],
 }

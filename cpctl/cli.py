@@ -3,7 +3,8 @@
 Standard library only (it runs in CI images without Django). Configuration from
 the environment: CPCTL_URL (default http://127.0.0.1:8000) and CPCTL_TOKEN.
 Exit codes: 0 done, 1 the API said no (its error is printed) or `nccl-lint` found an
-error, 2 bad usage or no connection.
+error, 2 bad usage or no connection; waiting for a job or a tuning run, 3 it failed and 4
+it was cancelled.
 """
 
 import argparse
@@ -482,6 +483,237 @@ def cmd_nccl_lint(client, args):
     return 1 if answer["counts"]["error"] else 0
 
 
+# --- NCCL tuning runs and profile versions -----------------------------------------------------
+
+# A run that stops changing on its own: measured and judged (or waiting for ops), or stopped.
+TUNING_DONE = {
+    "awaiting": 0,
+    "adopted": 0,
+    "nothing": 0,
+    "declined": 0,
+    "steady": 0,
+    "drifted": 0,
+    "failed": 3,
+    "cancelled": 4,
+}
+
+
+def _candidate(text: str) -> dict:
+    """--candidate NAME=VALUE[,NAME=VALUE]: one candidate's variables."""
+    changes = {}
+    for part in text.split(","):
+        name, equals, value = part.partition("=")
+        if not equals or not name.strip():
+            raise argparse.ArgumentTypeError(f"{part!r} is not NAME=VALUE")
+        changes[name.strip()] = value.strip()
+    return changes
+
+
+def _time_left(seconds) -> str:
+    if seconds is None:
+        return ""
+    if seconds < 60:
+        return ", less than a minute left"
+    minutes = round(seconds / 60)
+    if minutes < 90:
+        return f", about {minutes} min left"
+    return f", about {minutes // 60} h {minutes % 60:02d} min left"
+
+
+def _progress_line(run: dict) -> str:
+    progress = run["progress"]
+    return f"{progress['done']}/{progress['total']} launches{_time_left(progress['eta_s'])}"
+
+
+def _print_verdicts(run: dict) -> None:
+    """What the adoption rule (or the drift test) said, and what became of it."""
+    print(f"tuning run {run['id']} {run['state']}: {run['reason']}")
+    result = run.get("result") or {}
+    for label, verdict in sorted((result.get("verdicts") or {}).items()):
+        mark = "faster" if verdict["adopt"] else "not adopted"
+        print(f"  {label}: {mark}: {verdict['summary']}")
+    for label, note in sorted((result.get("not_judged") or {}).items()):
+        print(f"  {label}: {note}")
+    if "verdict" in result:  # a drift check's one verdict
+        print(f"  baseline: {result['verdict']['summary']}")
+    version = run.get("adopted_version")
+    if version:
+        print(f"  adopted as {version['profile']} v{version['number']}")
+    elif run["state"] == "awaiting":
+        print(f"  approve with: cpctl tuning adopt {run['id']} (or decline)")
+
+
+def _tuning_wait(client: Client, run_id: int, *, poll_s: float) -> int:
+    """Progress lines as the run measures, then its verdicts; the exit code says how it
+    ended (0 measured and judged, 3 failed, 4 cancelled)."""
+    last = None
+    while True:
+        run = client.request("GET", f"tuning-runs/{run_id}/")
+        shown = (run["state"], _progress_line(run) if run["state"] == "running" else "")
+        if shown != last:
+            print(shown[1] or f"tuning run {run_id}: {run['state']}", flush=True)
+            last = shown
+        if run["state"] in TUNING_DONE:
+            _print_verdicts(run)
+            return TUNING_DONE[run["state"]]
+        time.sleep(poll_s)
+
+
+def cmd_tuning_start(client, args):
+    body = {"pool": args.pool}
+    if args.nodes:
+        body["nodes"] = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    if args.rounds is not None:
+        body["rounds"] = args.rounds
+    if args.candidate:
+        body["candidates"] = args.candidate
+    if args.no_approval:
+        body["approval_required"] = False
+    if args.team:
+        body["team"] = args.team
+    run = client.request("POST", "tuning-runs/", body)
+    if args.output == "json" and not args.wait:
+        _emit(args, run, [])
+        return 0
+    print(
+        f"tuning run {run['id']} {run['state']} on {run['pool']} "
+        f"({len(run['nodes'])} nodes, {len(run['candidates']) - 1} candidates × "
+        f"{run['rounds']} rounds; job {run['job']})",
+        flush=True,
+    )
+    return _tuning_wait(client, run["id"], poll_s=args.poll) if args.wait else 0
+
+
+def cmd_tuning_show(client, args):
+    run = client.request("GET", f"tuning-runs/{args.run_id}/")
+    if args.output == "json":
+        _emit(args, run, [])
+        return 0
+    print(f"tuning run {run['id']} ({run['kind']}) on {run['pool']}: {run['state']}")
+    print(f"  nodes: {', '.join(run['nodes'])}; job {run['job']}")
+    print(f"  progress: {_progress_line(run)}")
+    for candidate in run["candidates"]:
+        changes = ", ".join(f"{k}={v}" for k, v in candidate["changes"].items()) or "—"
+        print(f"  [{candidate['index']}] {candidate['label']} ({candidate['origin']}): {changes}")
+    if run["state"] in TUNING_DONE:
+        _print_verdicts(run)
+    else:
+        print(f"  {run['reason']}")
+    return 0
+
+
+def cmd_tuning_list(client, args):
+    query = {"pool": args.pool, "state": args.state}
+    rows = list(client.all_pages("tuning-runs/", query))
+    for row in rows:
+        row["progress_"] = f"{row['progress']['done']}/{row['progress']['total']}"
+        version = row["adopted_version"]
+        row["adopted"] = f"{version['profile']} v{version['number']}" if version else ""
+    _emit(
+        args,
+        rows,
+        ["id", "kind", "pool", "state", "progress_", "adopted", "created_at", "finished_at"],
+    )
+    return 0
+
+
+def _tuning_decide(client, args, path: str, body=None):
+    run = client.request("POST", f"tuning-runs/{args.run_id}/{path}/", body)
+    if args.output == "json":
+        _emit(args, run, [])
+    else:
+        _print_verdicts(run)
+    return 0
+
+
+def cmd_tuning_adopt(client, args):
+    return _tuning_decide(client, args, "adopt")
+
+
+def cmd_tuning_decline(client, args):
+    return _tuning_decide(client, args, "decline", {"reason": args.reason or ""})
+
+
+def cmd_tuning_cancel(client, args):
+    return _tuning_decide(client, args, "cancel")
+
+
+def cmd_nccl_versions(client, args):
+    rows = list(client.all_pages(f"nccl-profiles/{args.profile}/versions/"))
+    for row in rows:
+        row["current"] = "yes" if row["current"] else ""
+        row["made_by"] = row["made_by"] or ""
+        row["tuning_run"] = row["tuning_run"] or ""
+    _emit(args, rows, ["number", "current", "source", "made_at", "made_by", "tuning_run", "note"])
+    return 0
+
+
+def cmd_nccl_restore(client, args):
+    profile = client.request(
+        "POST", f"nccl-profiles/{args.profile}/versions/{args.number}/restore/"
+    )
+    if args.output == "json":
+        _emit(args, profile, [])
+    else:
+        print(f"{profile['name']} is now version {profile['version']} (version {args.number}'s)")
+    return 0
+
+
+def _tuning_parsers(sub) -> None:
+    tuning = sub.add_parser("tuning", help="NCCL tuning runs: start, follow, adopt (ops)")
+    runs = tuning.add_subparsers(dest="tuning_command", required=True)
+    start = runs.add_parser("start", help="measure a pool's NCCL settings against candidates")
+    start.add_argument("pool", help="the pool's slug")
+    start.add_argument("--nodes", help="node names, comma-separated (default: every ready one)")
+    start.add_argument("--rounds", type=int, help="rounds of every setting (at least 5)")
+    start.add_argument(
+        "--candidate",
+        action="append",
+        type=_candidate,
+        metavar="NAME=VALUE[,NAME=VALUE]",
+        help="a candidate of your own (repeat for more), measured with the generated ones",
+    )
+    start.add_argument(
+        "--no-approval", action="store_true", help="adopt what passes the rule without asking"
+    )
+    start.add_argument("--team", help="the team whose GPU time it counts to (its slug)")
+    start.add_argument(
+        "--wait",
+        action="store_true",
+        help="print progress until it is measured and judged, then the verdicts: exit 0, "
+        "3 failed, 4 cancelled",
+    )
+    start.add_argument("--poll", type=float, default=10.0, help="seconds between checks")
+    start.set_defaults(run=cmd_tuning_start)
+    show = runs.add_parser("show", help="a run: progress, candidates, verdicts")
+    show.add_argument("run_id", type=int, metavar="ID")
+    show.set_defaults(run=cmd_tuning_show)
+    listing = runs.add_parser("list", help="tuning runs, newest first")
+    listing.add_argument("--pool", help="only this pool's (its slug)")
+    listing.add_argument("--state", help="only runs in this state (running, awaiting…)")
+    listing.set_defaults(run=cmd_tuning_list)
+    adopt = runs.add_parser("adopt", help="approve what the adoption rule chose (ops)")
+    adopt.add_argument("run_id", type=int, metavar="ID")
+    adopt.set_defaults(run=cmd_tuning_adopt)
+    decline = runs.add_parser("decline", help="keep the baseline (ops)")
+    decline.add_argument("run_id", type=int, metavar="ID")
+    decline.add_argument("--reason")
+    decline.set_defaults(run=cmd_tuning_decline)
+    cancel = runs.add_parser("cancel", help="cancel a queued or running run (ops)")
+    cancel.add_argument("run_id", type=int, metavar="ID")
+    cancel.set_defaults(run=cmd_tuning_cancel)
+
+    nccl = sub.add_parser("nccl", help="NCCL profiles' versions")
+    profiles = nccl.add_subparsers(dest="nccl_command", required=True)
+    versions = profiles.add_parser("versions", help="a profile's versions, newest first")
+    versions.add_argument("profile", help="the profile's name")
+    versions.set_defaults(run=cmd_nccl_versions)
+    restore = profiles.add_parser("restore", help="make an earlier version current again (ops)")
+    restore.add_argument("profile")
+    restore.add_argument("number", type=int)
+    restore.set_defaults(run=cmd_nccl_restore)
+
+
 def count(text: str) -> int:
     """A non-negative whole number (argparse names it in its error)."""
     number = int(text)
@@ -582,6 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument("--fabric", choices=["infiniband", "roce", "efa", "tcp"])
     lint.add_argument("--nccl-version", help="the nodes' NCCL, e.g. 2.21.5")
     lint.set_defaults(run=cmd_nccl_lint)
+    _tuning_parsers(sub)
     return parser
 
 
@@ -597,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cpctl: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C during --wait or --follow: the job goes on
-        print("cpctl: interrupted (the job is not cancelled)", file=sys.stderr)
+        what = "tuning run" if args.command == "tuning" else "job"
+        print(f"cpctl: interrupted (the {what} is not cancelled)", file=sys.stderr)
         return 130
     except (urllib.error.URLError, OSError) as exc:
         print(f"cpctl: cannot reach {args.url}: {exc}", file=sys.stderr)

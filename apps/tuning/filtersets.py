@@ -1,8 +1,15 @@
-"""Filters for NCCL profiles: API query parameters and the Profiles page alike."""
+"""Filters for NCCL profiles and tuning runs: API query parameters and the pages alike."""
 
 import django_filters as filters
 
-from apps.tuning.models import PROFILE_FABRICS, NcclProfile
+from apps.tuning.models import (
+    PROFILE_FABRICS,
+    NcclProfile,
+    TuningRun,
+    TuningRunKind,
+    TuningRunState,
+)
+from controlplane.filters import ChoicesFilter, IdFilter
 
 
 class NcclProfileFilterSet(filters.FilterSet):
@@ -12,3 +19,14 @@ class NcclProfileFilterSet(filters.FilterSet):
     class Meta:
         model = NcclProfile
         fields = ["name", "single_node", "is_default", "built_in"]
+
+
+class TuningRunFilterSet(filters.FilterSet):
+    pool = filters.CharFilter(field_name="pool__slug", label="Pool (its slug)")
+    pool_id = IdFilter(field_name="pool_id")
+    state = ChoicesFilter(choices=TuningRunState.choices)
+    kind = filters.ChoiceFilter(choices=TuningRunKind.choices)
+
+    class Meta:
+        model = TuningRun
+        fields = []

@@ -1,15 +1,21 @@
 """Reads of NCCL profiles, and of what the pools say about their nodes' NCCL."""
 
+import statistics
+from collections import defaultdict
 from dataclasses import dataclass
 
 from django.db.models import QuerySet
+from django.utils import timezone
 
 from apps.fleet.selectors import pools_for_listing
 from apps.tuning.models import (
     ANY_FABRIC,
     TUNING_FINISHED,
     NcclProfile,
+    NcclProfileVersion,
+    TuningMeasurement,
     TuningRun,
+    TuningRunState,
     parse_version,
 )
 
@@ -95,3 +101,78 @@ def tuning_references_latest(*, states) -> dict[int, TuningRun]:
 
 def tuning_run_get(*, run_id: int) -> TuningRun:
     return TuningRun.objects.select_related("parent", "reference", "job").get(pk=run_id)
+
+
+# --- what the API and cpctl show of tuning runs and profile versions -------------------------
+
+
+def tuning_runs_visible() -> QuerySet[TuningRun]:
+    """Every tuning run, newest first: anyone signed in reads them, as they read the NCCL
+    profiles the runs choose."""
+    return TuningRun.objects.select_related(
+        "pool", "adopted_version__profile", "created_by", "decided_by"
+    ).order_by("-created_at", "-id")
+
+
+def tuning_run_progress(run: TuningRun, *, now=None) -> dict:
+    """Launches done of the plan's total, and the time left while it runs, at the pace so
+    far (from `started_at`): null before the first launch is done and once it stops running."""
+    done, total = run.launches_done, run.launches_total
+    eta = None
+    if run.state == TuningRunState.RUNNING and run.started_at is not None and done:
+        elapsed = ((now or timezone.now()) - run.started_at).total_seconds()
+        eta = max(0, round(elapsed * (total - done) / done))
+    return {
+        "done": done,
+        "total": total,
+        "percent": round(100 * done / total, 1) if total else 0.0,
+        "eta_s": eta,
+    }
+
+
+def tuning_run_figures(*, run: TuningRun) -> list[dict]:
+    """Per candidate, operation and size (in the plan's order): each round's bus bandwidth
+    (None for a round with no figure) and the median of those it has (one query)."""
+    rounds: dict[tuple, list] = defaultdict(lambda: [None] * run.rounds)
+    for candidate, op, size, round_, busbw in (
+        TuningMeasurement.objects.filter(run=run)
+        .order_by()
+        .values_list("candidate", "op", "bytes", "round", "busbw_gbps")
+    ):
+        rounds[candidate, op, size][round_] = busbw
+    labels = {c["index"]: c["label"] for c in run.candidates}
+    ops = {op: n for n, op in enumerate(run.ops)}
+    rows = []
+    for (candidate, op, size), values in sorted(
+        rounds.items(), key=lambda item: (item[0][0], ops.get(item[0][1], 99), item[0][2])
+    ):
+        rows.append(
+            {
+                "candidate": candidate,
+                "label": labels.get(candidate, ""),
+                "baseline": candidate == 0,
+                "op": op,
+                "bytes": size,
+                "median_busbw_gbps": statistics.median(v for v in values if v is not None),
+                "busbw_gbps": values,
+            }
+        )
+    return rows
+
+
+def tuning_measurements_of(*, run: TuningRun) -> QuerySet[TuningMeasurement]:
+    """Every figure of a run, by candidate, operation, size and round (its CSV)."""
+    return TuningMeasurement.objects.filter(run=run).order_by("candidate", "op", "bytes", "round")
+
+
+def profile_named(*, name: str) -> NcclProfile | None:
+    return NcclProfile.objects.filter(name=name).first()
+
+
+def profile_versions(*, profile: NcclProfile) -> QuerySet[NcclProfileVersion]:
+    """A profile's versions, newest first."""
+    return (
+        NcclProfileVersion.objects.filter(profile=profile)
+        .select_related("made_by", "profile")
+        .order_by("-number")
+    )

@@ -35,6 +35,7 @@ from apps.fleet.agents import node_agent_token_issue
 from apps.fleet.models import NodeEvent, OrphanInstance
 from apps.jobs import services as jobs
 from apps.jobs.models import Webhook
+from apps.jobs.tuning_runs import tuning_run_start
 from apps.tuning import services as tuning
 from tests import factories
 from tests.apps.fleet.test_services import ready_node
@@ -207,6 +208,11 @@ def _fleet(world: World) -> None:
             by=None, team=team, bucket=f"sec-{key}-checkpoints"
         ).pk
     checkpoints.s3_destination_create(by=None, pool=pool, bucket="sec-pool-checkpoints")
+    # A queued tuning run on the pool's nodes (adopting or declining it is a 409, cancelling
+    # it is allowed: either way, past the permission).
+    world.objects["tuning-run", "own"] = tuning_run_start(
+        pool=pool.slug, by=world.users[OPS], team=world.alpha.slug, sizes=[2**20], limit=2
+    ).pk
 
 
 def _jobs(world: World) -> None:

@@ -174,6 +174,18 @@ POLICY: dict[tuple[str, str], Rule] = {
     ),
     # --- NCCL settings ----------------------------------------------------------------
     **crud("nccl-profile", *OPS_),
+    ("nccl-profile-versions", "GET"): read(),
+    ("nccl-profile-version-restore", "POST"): write(ADMIN, *OPS_),
+    # Tuning runs: everyone reads them (their figures choose every job's NCCL settings);
+    # starting, adopting, declining and cancelling one are ops' actions on the fleet, with
+    # the scope ops' other node actions take (drain).
+    ("tuning-run-list", "GET"): read(),
+    ("tuning-run-list", "POST"): write(ADMIN, *OPS_),
+    ("tuning-run-detail", "GET"): read(),
+    ("tuning-run-figures", "GET"): read(),
+    ("tuning-run-adopt", "POST"): write(ADMIN, *OPS_),
+    ("tuning-run-decline", "POST"): write(ADMIN, *OPS_),
+    ("tuning-run-cancel", "POST"): write(ADMIN, *OPS_),
     ("nccl-lint", "POST"): write(READ, *EVERYONE),  # "a read token is enough"
     ("nccl-variables", "GET"): read(),
     # --- costs --------------------------------------------------------------------------
@@ -283,9 +295,14 @@ def _routes() -> dict[str, Route]:
 ROUTES = _routes()
 
 
+# URL arguments other than an object's id, naming the world's objects (tests/security/conftest.py).
+NAMED = {"name": "sec-custom", "number": 1}
+
+
 def url(route: str, pk=None) -> str:
     args = ROUTES[route].args
-    return reverse(route, kwargs={arg: pk or 1 for arg in args}) if args else reverse(route)
+    kwargs = {arg: NAMED.get(arg, pk or 1) for arg in args}
+    return reverse(route, kwargs=kwargs) if args else reverse(route)
 
 
 def test_every_route_and_method_is_in_the_table(client, world):
@@ -391,6 +408,8 @@ def _bodies(world) -> dict:
         "webhook-list": {"team": alpha, "url": "https://hooks.example.com/new"},
         "nccl-profile-list": {"name": "sec-new", "title": "New", "fabric": "infiniband"},
         "nccl-lint": {"env": {"NCCL_DEBUG": "WARN"}, "fabric": "infiniband"},
+        "tuning-run-list": {"pool": "sec-h100", "team": "sec-alpha", "sizes": [2**20]},
+        "tuning-run-decline": {"reason": "test"},
         "owned-price-list": {
             "pool": ids["pool"],
             "effective_from": now.isoformat(),

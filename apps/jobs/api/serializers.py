@@ -1,4 +1,4 @@
-"""JSON shapes of job specs, jobs, their events, the queue and reservations.
+"""JSON shapes of job specs, jobs, their events, the queue, reservations and tuning runs.
 
 The submit serializers check types and ranges only; the rules that tie the
 fields together (layout against GPUs, tp against heads...) live in apps/jobs/specs.py.
@@ -25,6 +25,10 @@ from apps.jobs.selectors import (
     jobs_visible_to,
     webhook_url_seen_by,
 )
+from apps.tuning import runs as tuning_runs
+from apps.tuning.api.serializers import EnvironmentField
+from apps.tuning.models import TuningRunKind, TuningRunState
+from apps.tuning.selectors import tuning_run_progress
 from controlplane.api import (
     ScopedPrimaryKeyField,
     SharedFieldsMixin,
@@ -631,3 +635,151 @@ def advice_data(advice) -> dict:
         "suggested": one(advice.suggested),
         "basis": advice.basis,
     }
+
+
+# --- NCCL tuning runs (apps/jobs/tuning_runs.py, apps/tuning/runs.py) ----------------------------
+
+
+class TuningRunStartSerializer(StrictSerializer):
+    """A tuning run to start on a pool: ops only. What is left out takes the defaults of
+    apps/tuning/runs.py (every operation, 1 KiB to 1 GiB, the trainer's gradient bucket sizes
+    as the sizes that matter, 5 rounds, ops' approval required)."""
+
+    pool = Text(max_length=100, help_text="The pool's slug or id.")
+    nodes = serializers.ListField(
+        child=Text(max_length=100),
+        required=False,
+        max_length=1000,
+        help_text="Node names of the pool; default: every ready or busy node of it.",
+    )
+    team = Text(
+        max_length=100,
+        required=False,
+        help_text="The team (slug or id) whose GPU time it counts to; default: your first.",
+    )
+    candidates = serializers.ListField(
+        child=EnvironmentField(),
+        required=False,
+        max_length=50,
+        help_text="Your own candidates, each a map of NCCL variables to values, measured "
+        "with the generated ones; each must pass the linter.",
+    )
+    rounds = serializers.IntegerField(required=False, min_value=1, max_value=1000)
+    ops = serializers.ListField(
+        child=serializers.ChoiceField(choices=list(tuning_runs.OPS)),
+        required=False,
+        max_length=len(tuning_runs.OPS),
+    )
+    sizes = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=2**40),
+        required=False,
+        max_length=64,
+        help_text="Message sizes in bytes: powers of two from 1 KiB to 1 GiB.",
+    )
+    sizes_that_matter = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=2**40),
+        required=False,
+        max_length=64,
+        help_text="Where a candidate must be faster beyond the noise to be adopted.",
+    )
+    approval_required = serializers.BooleanField(
+        required=False, help_text="Whether adoption waits for ops to approve (default yes)."
+    )
+    priority = serializers.ChoiceField(choices=PriorityClass.choices, required=False)
+    limit = serializers.IntegerField(
+        required=False, min_value=1, max_value=100, help_text="At most this many candidates."
+    )
+
+    def validate(self, attrs):
+        # A slug or an id, as the services take them.
+        for name in ("pool", "team"):
+            if name in attrs and attrs[name].isdigit():
+                attrs[name] = int(attrs[name])
+        return attrs
+
+
+class TuningProgressSerializer(StrictSerializer):
+    done = serializers.IntegerField(help_text="Launches measured (one per setting and round).")
+    total = serializers.IntegerField()
+    percent = serializers.FloatField()
+    eta_s = serializers.IntegerField(
+        allow_null=True, help_text="Seconds left at the pace so far; null unless running."
+    )
+
+
+class TuningCandidateSerializer(StrictSerializer):
+    index = serializers.IntegerField(help_text="0 is the baseline.")
+    label = serializers.CharField()
+    changes = serializers.DictField(child=serializers.CharField())
+    origin = serializers.CharField(help_text="baseline, generated or ops.")
+
+
+class AdoptedVersionSerializer(StrictSerializer):
+    profile = serializers.CharField(source="profile.name")
+    number = serializers.IntegerField()
+
+
+class TuningRunEventSerializer(StrictSerializer):
+    at = serializers.DateTimeField()
+    from_state = serializers.CharField()
+    to_state = serializers.CharField()
+    reason = serializers.CharField()
+    actor_label = serializers.CharField()
+
+
+class TuningRunSerializer(StrictSerializer):
+    """A tuning run: what it measures, where, how far it is, and what it adopted."""
+
+    id = serializers.IntegerField()
+    kind = serializers.ChoiceField(choices=TuningRunKind.choices)
+    pool = serializers.CharField(source="pool.slug", help_text="The pool's slug.")
+    pool_id = serializers.IntegerField()
+    nodes = serializers.ListField(child=serializers.CharField(), source="node_names")
+    job = serializers.IntegerField(source="job_id", allow_null=True)
+    state = serializers.ChoiceField(choices=TuningRunState.choices)
+    reason = serializers.CharField(source="state_reason")
+    progress = serializers.SerializerMethodField()
+    rounds = serializers.IntegerField()
+    approval_required = serializers.BooleanField()
+    adopted_version = AdoptedVersionSerializer(allow_null=True)
+    created_at = serializers.DateTimeField()
+    created_by = serializers.CharField(source="created_by.username", default=None, allow_null=True)
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+    decided_by = serializers.CharField(source="decided_by.username", default=None, allow_null=True)
+
+    @extend_schema_field(TuningProgressSerializer)
+    def get_progress(self, run) -> dict:
+        return tuning_run_progress(run)
+
+
+class TuningRunDetailSerializer(TuningRunSerializer):
+    candidates = TuningCandidateSerializer(many=True)
+    ops = serializers.ListField(child=serializers.CharField())
+    sizes = serializers.ListField(child=serializers.IntegerField(), help_text="Bytes.")
+    sizes_that_matter = serializers.ListField(child=serializers.IntegerField())
+    result = serializers.JSONField(
+        allow_null=True,
+        help_text="Once judged: the chosen candidate's index (null: none), the reason, and "
+        "each candidate's verdict by label, with its change per operation and size.",
+    )
+    events = TuningRunEventSerializer(many=True)
+
+
+class TuningFigureSerializer(StrictSerializer):
+    candidate = serializers.IntegerField()
+    label = serializers.CharField()
+    baseline = serializers.BooleanField()
+    op = serializers.CharField()
+    bytes = serializers.IntegerField()
+    median_busbw_gbps = serializers.FloatField(help_text="The median over the rounds.")
+    busbw_gbps = serializers.ListField(
+        child=serializers.FloatField(allow_null=True),
+        help_text="Each round's bus bandwidth, GB/s, in round order (null: no figure).",
+    )
+
+
+class TuningFiguresSerializer(StrictSerializer):
+    run = serializers.IntegerField()
+    rounds = serializers.IntegerField()
+    figures = TuningFigureSerializer(many=True)

@@ -1,9 +1,11 @@
-"""API views for jobs, the queue and reservations."""
+"""API views for jobs, the queue, reservations and NCCL tuning runs."""
 
 from django.http import QueryDict
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import generics, mixins, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
 from apps.accounts.models import TokenScope
@@ -13,8 +15,13 @@ from apps.jobs.api import serializers as s
 from apps.jobs.filtersets import JobFilterSet, ReservationFilterSet
 from apps.jobs.models import Job
 from apps.jobs.models.jobs import FINISHED_STATES, jobs_note_last_pass
+from apps.jobs.tuning_runs import tuning_run_cancel, tuning_run_start
+from apps.tuning import runs as tuning
+from apps.tuning import selectors as tuning_selectors
+from apps.tuning.filtersets import TuningRunFilterSet
 from controlplane.api import ServiceViewSet, reject_unstorable_text
 from controlplane.errors import ApplicationError
+from controlplane.exports import CsvRenderer, csv_errors_as_json, csv_response
 
 IDEMPOTENCY_HEADER = OpenApiParameter(
     name="Idempotency-Key",
@@ -269,3 +276,168 @@ class WebhookViewSet(
 
     def perform_destroy(self, instance):
         services.webhook_delete(webhook=instance, by=self.request.user)
+
+
+class TuningRunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """NCCL tuning runs: everyone signed in reads them (their figures choose the NCCL
+    profiles every job gets); ops start, adopt, decline and cancel them. `format=csv` on the
+    list: one row per run, every page."""
+
+    filterset_class = TuningRunFilterSet
+    ordering_fields = ["created_at", "finished_at"]
+    lookup_value_regex = ServiceViewSet.lookup_value_regex
+
+    def get_renderers(self):
+        if self.action in ("list", "figures"):
+            return [JSONRenderer(), CsvRenderer()]
+        return super().get_renderers()
+
+    def get_queryset(self):
+        runs = tuning_selectors.tuning_runs_visible()
+        if self.action == "retrieve":
+            runs = runs.prefetch_related("events")
+        return runs
+
+    def get_serializer_class(self):
+        return s.TuningRunDetailSerializer if self.action == "retrieve" else s.TuningRunSerializer
+
+    @extend_schema(
+        responses={
+            (200, "application/json"): s.TuningRunSerializer(many=True),
+            (200, "text/csv"): OpenApiTypes.STR,
+        }
+    )
+    def list(self, request, *args, **kwargs):
+        if not isinstance(request.accepted_renderer, CsvRenderer):
+            return super().list(request, *args, **kwargs)
+        runs = self.filter_queryset(self.get_queryset())
+        return csv_response("tuning-runs.csv", TUNING_RUN_COLUMNS, _tuning_run_rows(runs))
+
+    @extend_schema(request=s.TuningRunStartSerializer, responses={201: s.TuningRunDetailSerializer})
+    def create(self, request, *args, **kwargs):
+        """Start a tuning run on a pool (ops): 201 with the run, its job queued. A plan the
+        linter or the rules refuse is a 400 naming each field (`candidates.NCCL_ALGO`)."""
+        body = s.TuningRunStartSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        run = tuning_run_start(by=request.user, **body.validated_data)
+        return self._answer(run, code=status.HTTP_201_CREATED)
+
+    def _answer(self, run, code=status.HTTP_200_OK):
+        run = self.get_queryset().prefetch_related("events").get(pk=run.pk)
+        context = self.get_serializer_context()
+        return Response(s.TuningRunDetailSerializer(run, context=context).data, status=code)
+
+    @extend_schema(
+        responses={
+            (200, "application/json"): s.TuningFiguresSerializer,
+            (200, "text/csv"): OpenApiTypes.STR,
+        }
+    )
+    @action(detail=True, methods=["get"], filter_backends=[], pagination_class=None)
+    def figures(self, request, pk=None):
+        """Bus bandwidth per candidate, operation and message size: each round's figure and
+        their median (what the adoption rule compares). `format=csv`: one row per figure."""
+        run = self.get_object()
+        if isinstance(request.accepted_renderer, CsvRenderer):
+            labels = {c["index"]: c["label"] for c in run.candidates}
+            return csv_response(
+                f"tuning-run-{run.pk}.csv",
+                FIGURE_COLUMNS,
+                (
+                    [
+                        m.candidate,
+                        labels.get(m.candidate, ""),
+                        m.round,
+                        m.op,
+                        m.bytes,
+                        m.busbw_gbps,
+                        m.algbw_gbps,
+                        m.time_us,
+                        m.errors,
+                    ]
+                    for m in tuning_selectors.tuning_measurements_of(run=run)
+                ),
+            )
+        answer = {
+            "run": run.pk,
+            "rounds": run.rounds,
+            "figures": tuning_selectors.tuning_run_figures(run=run),
+        }
+        return Response(s.TuningFiguresSerializer(answer).data)
+
+    @extend_schema(request=None, responses=s.TuningRunDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def adopt(self, request, pk=None):
+        """Approve what the adoption rule chose: the pool's profile gets it as a new version.
+        409 unless the run awaits approval."""
+        return self._answer(tuning.tuning_run_adopt(run=self.get_object(), by=request.user))
+
+    @extend_schema(request=s.ReasonSerializer, responses=s.TuningRunDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def decline(self, request, pk=None):
+        """Keep the baseline: 409 unless the run awaits approval."""
+        body = s.ReasonSerializer(data=request.data or {})
+        body.is_valid(raise_exception=True)
+        run = tuning.tuning_run_decline(
+            run=self.get_object(), by=request.user, **body.validated_data
+        )
+        return self._answer(run)
+
+    @extend_schema(request=None, responses=s.TuningRunDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        """Cancel its job (queued or running runs only: 409 otherwise); the run follows."""
+        return self._answer(tuning_run_cancel(run=self.get_object(), by=request.user))
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        csv_errors_as_json(request, response)
+        return super().finalize_response(request, response, *args, **kwargs)
+
+
+TUNING_RUN_COLUMNS = [
+    "id",
+    "kind",
+    "pool",
+    "nodes",
+    "state",
+    "reason",
+    "done",
+    "total",
+    "created_at",
+    "started_at",
+    "finished_at",
+    "adopted_version",
+]
+FIGURE_COLUMNS = [
+    "candidate",
+    "label",
+    "round",
+    "op",
+    "bytes",
+    "busbw_gbps",
+    "algbw_gbps",
+    "time_us",
+    "errors",
+]
+
+
+def _tuning_run_rows(runs):
+    def when(at):
+        return at.isoformat() if at else ""
+
+    for run in runs.iterator(chunk_size=500):
+        version = run.adopted_version
+        yield [
+            run.pk,
+            run.kind,
+            run.pool.slug,
+            " ".join(run.node_names),
+            run.state,
+            run.state_reason,
+            run.launches_done,
+            run.launches_total,
+            when(run.created_at),
+            when(run.started_at),
+            when(run.finished_at),
+            f"{version.profile.name} v{version.number}" if version else "",
+        ]

@@ -1,4 +1,4 @@
-"""JSON shapes of NCCL profiles, the catalogue and lint verdicts."""
+"""JSON shapes of NCCL profiles and their versions, the catalogue and lint verdicts."""
 
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
@@ -6,7 +6,7 @@ from rest_framework import serializers
 from apps.fleet.models import Fabric
 from apps.fleet.models.pools import NCCL_VERSION_PATTERN
 from apps.tuning import linter
-from apps.tuning.models import NcclProfile
+from apps.tuning.models import NcclProfile, NcclProfileVersion, VersionSource
 from controlplane.api import StrictModelSerializer, StrictSerializer, Text
 
 MAX_VARIABLES = 256
@@ -65,12 +65,13 @@ class NcclProfileSerializer(StrictModelSerializer):
             "env",
             "reasons",
             "built_in",
+            "version",
             "lint",
             "created_at",
             "updated_at",
             "updated_by",
         ]
-        read_only_fields = ["built_in", "created_at", "updated_at"]
+        read_only_fields = ["built_in", "version", "created_at", "updated_at"]
 
     @extend_schema_field(VerdictSerializer(many=True))
     def get_lint(self, profile) -> list[dict]:
@@ -134,3 +135,33 @@ class VariableSerializer(StrictSerializer):
     discouraged = serializers.CharField()
     fabrics = serializers.ListField(child=serializers.CharField())
     note = serializers.CharField()
+
+
+class NcclProfileVersionSerializer(StrictModelSerializer):
+    """A profile's environment as it stood from `made_at`, and where it came from: an edit,
+    a tuning run's adoption (`tuning_run`), or a restore."""
+
+    source = serializers.ChoiceField(choices=VersionSource.choices)
+    made_by = serializers.CharField(
+        source="made_by.username", read_only=True, default=None, allow_null=True
+    )
+    tuning_run = serializers.IntegerField(source="tuning_run_id", allow_null=True)
+    current = serializers.SerializerMethodField(help_text="Whether jobs get this version now.")
+
+    class Meta:
+        model = NcclProfileVersion
+        fields = [
+            "number",
+            "source",
+            "note",
+            "made_at",
+            "made_by",
+            "tuning_run",
+            "current",
+            "env",
+            "reasons",
+        ]
+        read_only_fields = fields
+
+    def get_current(self, version) -> bool:
+        return version.number == version.profile.version

@@ -1,8 +1,11 @@
-"""API views for NCCL settings: profiles (ops write), the catalogue, and the linter."""
+"""API views for NCCL settings: profiles and their versions (ops write), the catalogue, and
+the linter."""
 
 from dataclasses import asdict
 
+from django.http import Http404
 from drf_spectacular.utils import extend_schema
+from rest_framework import generics
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -68,3 +71,34 @@ class NcclVariablesView(APIView):
     def get(self, request):
         rows = [{**asdict(var), "family": var.family} for var in catalogue.VARIABLES.values()]
         return Response(s.VariableSerializer(sorted(rows, key=lambda r: r["name"]), many=True).data)
+
+
+def _profile(name: str):
+    profile = selectors.profile_named(name=name)
+    if profile is None:
+        raise Http404
+    return profile
+
+
+class NcclProfileVersionsView(generics.ListAPIView):
+    """A profile's versions, newest first: each one's environment, where it came from (an
+    edit, a tuning run's adoption, a restore), who made it and when."""
+
+    serializer_class = s.NcclProfileVersionSerializer
+    filter_backends = []
+
+    def get_queryset(self):
+        return selectors.profile_versions(profile=_profile(self.kwargs["name"]))
+
+
+class NcclProfileVersionRestoreView(APIView):
+    """Make an earlier version the profile's environment again, as its next version (ops):
+    linted like any edit; 409 for the current version."""
+
+    @extend_schema(request=None, responses=s.NcclProfileSerializer)
+    def post(self, request, name: str, number: str):
+        version = selectors.profile_versions(profile=_profile(name)).filter(number=number).first()
+        if version is None:
+            raise Http404
+        profile = services.nccl_profile_version_restore(version=version, by=request.user)
+        return Response(s.NcclProfileSerializer(profile).data)

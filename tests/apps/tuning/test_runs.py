@@ -61,6 +61,21 @@ def start(pool, by, team, **plan):
     return tuning_run_start(pool=pool.slug, by=by, team=team.slug, **plan)
 
 
+def collective(candidate: int, round_: int, op: str, size: int, busbw: float, errors=0) -> dict:
+    """One figure as the benchmark prints it."""
+    return {
+        "event": "collective",
+        "candidate": candidate,
+        "round": round_,
+        "op": op,
+        "bytes": size,
+        "busbw_gbps": busbw,
+        "algbw_gbps": busbw / 2,
+        "time_us": size / busbw / 1e3,
+        "errors": errors,
+    }
+
+
 def report(run, speed: dict[int, float], *, noise=0.02, seed=0, errors=None, skip=()):
     """What the job's first node would print: every candidate, round, op and size, each
     candidate's bus bandwidth its `speed` × 100 GB/s (1.0 when not named), with noise;
@@ -77,17 +92,9 @@ def report(run, speed: dict[int, float], *, noise=0.02, seed=0, errors=None, ski
                 for size in run.sizes:
                     busbw = 100 * speed.get(candidate, 1.0) * drift * rng.gauss(1, noise)
                     events.append(
-                        {
-                            "event": "collective",
-                            "candidate": candidate,
-                            "round": round_,
-                            "op": op,
-                            "bytes": size,
-                            "busbw_gbps": busbw,
-                            "algbw_gbps": busbw / 2,
-                            "time_us": size / busbw / 1e3,
-                            "errors": (errors or {}).get(candidate, 0),
-                        }
+                        collective(
+                            candidate, round_, op, size, busbw, (errors or {}).get(candidate, 0)
+                        )
                     )
             done += 1
             events.append({"event": "tuning_launch", "done": done, "round": round_})
