@@ -17,7 +17,11 @@ from apps.fleet.fabric import node_fabric_degraded_clear
 from apps.fleet.models import Node
 from apps.fleet.services import node_drain, node_undrain
 from apps.jobs import transitions
+from apps.jobs.dispatch import job_dispatch
 from apps.jobs.models import Job, JobKind, JobState
+from apps.jobs.models import Run as JobRun
+from apps.jobs.scheduler.run import scheduling_pass
+from apps.jobs.services import job_submit
 from apps.jobs.tuning_runs import (
     drift_checks_start,
     drift_followup,
@@ -46,6 +50,7 @@ from apps.tuning.services import (
     nccl_profile_version_restore,
 )
 from controlplane.errors import ApplicationError
+from tests.apps.jobs.conftest import command_spec
 
 pytestmark = pytest.mark.django_db
 S = TuningRunState
@@ -417,3 +422,26 @@ def test_a_drift_with_every_pair_slow_marks_no_node(ib_pool, ops_user, team, set
     judged(first, 0.7, seed=21)
     assert judged(second, 0.7, seed=22) == {"started": 0, "marked": [], "cleared": []}
     assert not Node.objects.filter(pool=ib_pool, fabric_degraded_since__isnull=False).exists()
+
+
+def test_the_next_job_across_the_pools_nodes_gets_the_adopted_version_and_says_which(
+    ib_pool, ops_user, team, researcher, h100_quota, client
+):
+    run = adopted(ib_pool, ops_user, team)
+    # (Its job was never placed here: out of the queue, so that it holds no node.)
+    transitions.job_transition(job=run.job, to=JobState.CANCELLED, reason="measured", by=None)
+    chosen = run.candidates[run.result["chosen"]]
+    spec = command_spec(team, resources={"gpu_type": "H100", "gpus": 16})
+    job, _ = job_submit(team=team, spec=spec, submitted_by=researcher)
+    scheduling_pass()
+    job_dispatch(job_id=job.pk)
+    plans = list(JobRun.objects.filter(job=job))
+    assert len(plans) == 2
+    for plan in plans:
+        assert (plan.nccl_profile, plan.nccl_profile_version) == ("ib-h100-tuned", 1)
+        for name, value in chosen["changes"].items():
+            assert plan.plan["env"][name] == value
+    client.force_login(researcher)
+    page = client.get(f"/jobs/{job.pk}/")
+    assert b"NCCL settings from profile" in page.content
+    assert b"ib-h100-tuned v1" in page.content
