@@ -1,8 +1,15 @@
-"""Filters for NCCL profiles: API query parameters and the Profiles page alike."""
+"""Filters for NCCL profiles and tuning runs: API query parameters and the pages alike."""
 
 import django_filters as filters
 
-from apps.tuning.models import PROFILE_FABRICS, NcclProfile
+from apps.tuning.models import (
+    PROFILE_FABRICS,
+    NcclProfile,
+    TuningRun,
+    TuningRunKind,
+    TuningRunState,
+)
+from controlplane.filters import ChoicesFilter
 
 
 class NcclProfileFilterSet(filters.FilterSet):
@@ -12,3 +19,16 @@ class NcclProfileFilterSet(filters.FilterSet):
     class Meta:
         model = NcclProfile
         fields = ["name", "single_node", "is_default", "built_in"]
+
+
+class TuningRunFilterSet(filters.FilterSet):
+    """`?pool=ib-h100&state=adopted`: a pool by its slug, the profile a run measured by name."""
+
+    pool = filters.CharFilter(field_name="pool__slug")
+    profile = filters.CharFilter(field_name="profile__name")
+    state = ChoicesFilter(choices=TuningRunState.choices)
+    kind = filters.ChoiceFilter(choices=TuningRunKind.choices)
+
+    class Meta:
+        model = TuningRun
+        fields = ["pool", "profile", "state", "kind"]

@@ -9,14 +9,16 @@ from apps.tuning.models import (
     ANY_FABRIC,
     TUNING_FINISHED,
     NcclProfile,
+    NcclProfileVersion,
     TuningRun,
+    TuningRunEvent,
     parse_version,
 )
 
 
 def profiles_visible() -> QuerySet[NcclProfile]:
     """Every profile: anyone signed in reads them (jobs name them)."""
-    return NcclProfile.objects.select_related("updated_by").order_by("name")
+    return NcclProfile.objects.select_related("updated_by", "pool").order_by("name")
 
 
 def profiles_all() -> list[NcclProfile]:
@@ -91,3 +93,44 @@ def tuning_references_latest(*, states) -> dict[int, TuningRun]:
     for run in TuningRun.objects.filter(state__in=list(states)).order_by("pool_id", "-finished_at"):
         latest.setdefault(run.pool_id, run)
     return latest
+
+
+# --- tuning runs and profile versions, for the pages ------------------------------------------
+
+
+def tuning_runs_for_listing() -> QuerySet[TuningRun]:
+    """Newest first, with what a row shows (pool, who started it, the profile measured and the
+    version adopted) in the same query."""
+    return TuningRun.objects.select_related(
+        "pool", "created_by", "profile", "adopted_version__profile"
+    ).order_by("-created_at", "-id")
+
+
+def tuning_run_for_page(*, run_id: int) -> TuningRun | None:
+    return (
+        tuning_runs_for_listing()
+        .select_related("job", "decided_by", "baseline_version")
+        .filter(pk=run_id)
+        .first()
+    )
+
+
+def tuning_run_events(*, run: TuningRun) -> list[TuningRunEvent]:
+    return list(run.events.order_by("at", "id"))
+
+
+def profile_versions(*, profile: NcclProfile) -> list[NcclProfileVersion]:
+    """A profile's versions, newest first, with who made each and the run that chose it."""
+    return list(
+        NcclProfileVersion.objects.filter(profile=profile)
+        .select_related("made_by", "tuning_run")
+        .order_by("-number")
+    )
+
+
+def profile_version_get(*, profile_name: str, number: int) -> NcclProfileVersion | None:
+    return (
+        NcclProfileVersion.objects.select_related("profile")
+        .filter(profile__name=profile_name, number=number)
+        .first()
+    )

@@ -48,6 +48,21 @@ def start(pool, by, team, **plan):
     return tuning_run_start(pool=pool.slug, by=by, team=team.slug, **plan)
 
 
+def figure(candidate: int, round_: int, op: str, size: int, busbw: float, errors=0) -> dict:
+    """One line of the collective benchmark's output, as the agent relays it."""
+    return {
+        "event": "collective",
+        "candidate": candidate,
+        "round": round_,
+        "op": op,
+        "bytes": size,
+        "busbw_gbps": busbw,
+        "algbw_gbps": busbw / 2,
+        "time_us": size / busbw / 1e3,
+        "errors": errors,
+    }
+
+
 def report(run, speed: dict[int, float], *, noise=0.02, seed=0, errors=None):
     """What the job's first node would print: every candidate, round, op and size, each
     candidate's bus bandwidth its `speed` × 100 GB/s (1.0 when not named), with noise."""
@@ -60,17 +75,7 @@ def report(run, speed: dict[int, float], *, noise=0.02, seed=0, errors=None):
                 for size in run.sizes:
                     busbw = 100 * speed.get(candidate, 1.0) * drift * rng.gauss(1, noise)
                     events.append(
-                        {
-                            "event": "collective",
-                            "candidate": candidate,
-                            "round": round_,
-                            "op": op,
-                            "bytes": size,
-                            "busbw_gbps": busbw,
-                            "algbw_gbps": busbw / 2,
-                            "time_us": size / busbw / 1e3,
-                            "errors": (errors or {}).get(candidate, 0),
-                        }
+                        figure(candidate, round_, op, size, busbw, (errors or {}).get(candidate, 0))
                     )
             events.append({"event": "tuning_launch", "done": 0, "round": round_})
     return runs.tuning_events_record(job_id=run.job_id, events=events, head=True)
