@@ -8,7 +8,7 @@ curves, and spend by day on the Costs page.
 
 import html
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from django.utils.html import escape, format_html
 from django.utils.safestring import SafeString, mark_safe
@@ -58,10 +58,12 @@ def line_chart(
     height: int = 200,
     colours: Sequence[str] | None = None,
     legend: bool = True,
+    bold: Collection[str] = (),
 ) -> SafeString:
     """One SVG with a line per series; the series' names make the legend (unless `legend` is
     off: the page has one of its own). `colours`: one per series, in order (series_colours);
-    by default the newest series, last, is the boldest and the older ones grey."""
+    by default the newest series, last, is the boldest and the older ones grey. The series
+    named in `bold` are drawn thicker (a reference the others are read against)."""
     points = [p for values in series.values() for p in values if math.isfinite(p[1])]
     if not points:
         return format_html('<p class="empty chart-empty">{}: no data yet.</p>', title)
@@ -110,8 +112,10 @@ def line_chart(
             else PALETTE[(len(PALETTE) - len(names) + i) % len(PALETTE)]
         )
         path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in values)
+        thick = name in bold
         parts.append(
-            f'<polyline class="series" fill="none" stroke="{colour}" stroke-width="1.6" '
+            f'<polyline class="series{" bold" if thick else ""}" fill="none" stroke="{colour}" '
+            f'stroke-width="{3.2 if thick else 1.6}" '
             f'points="{path}"><title>{escape(name)}</title></polyline>'
         )
         if legend and len(names) > 1:  # the legend, right-aligned along the top

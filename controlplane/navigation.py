@@ -9,6 +9,7 @@ SECTIONS = [
     ("Fleet", "fleet:overview"),
     ("NCCL profiles", "tuning:profiles"),
     ("NCCL lint", "tuning:lint"),
+    ("NCCL tuning", "tuning-runs:list"),
     ("Costs", "costs:overview"),
     ("Checkpoints", "checkpoints:overview"),
     ("Admin", "admin:index"),  # staff only (STAFF_ONLY)

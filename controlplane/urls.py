@@ -26,6 +26,8 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("fleet/", include("apps.fleet.urls")),
     path("jobs/", include("apps.jobs.urls")),
+    # Tuning runs' pages are the jobs app's (a run is a job); the profiles' are tuning's.
+    path("nccl/tuning/", include("apps.jobs.tuning_urls")),
     path("nccl/", include("apps.tuning.urls")),
     path("costs/", include("apps.costs.urls")),
     path("checkpoints/", include("apps.checkpoints.urls")),

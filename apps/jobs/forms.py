@@ -1,7 +1,8 @@
-"""The Submit page's form: a person's view of the job spec, turned into the API's spec.
+"""The Submit page's form: a person's view of the job spec, turned into the API's spec; and
+the form that starts an NCCL tuning run.
 
-The form reads types only; the spec it makes goes through the API's submit serializer
-and service, whose errors land back on the form's fields (add_spec_errors)."""
+The forms read types only; what they make goes through the services (the submit serializer
+and service; tuning_run_start), whose errors land back on the form's fields."""
 
 from django import forms
 
@@ -470,3 +471,94 @@ def _form_field(path: str) -> str | None:
             return SPEC_FIELDS[path]
         path = path.rpartition(".")[0]
     return None
+
+
+# --- NCCL tuning runs ------------------------------------------------------------------------
+
+
+def parse_candidates(text: str) -> tuple[list[dict[str, str]], list[str]]:
+    """Ops' own candidates, one a line: `NCCL_ALGO=Tree, NCCL_PROTO=Simple`. Returns the
+    candidates and a problem per line that is not such pairs (blank lines and # comments
+    are skipped)."""
+    found, problems = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        changes = {}
+        for pair in line.split(","):
+            name, equals, value = pair.strip().partition("=")
+            if not equals or not name.strip() or not value.strip():
+                problems.append(f"Line {number}: {pair.strip() or '(empty)'} is not NAME=VALUE.")
+                break
+            changes[name.strip()] = value.strip()
+        else:
+            found.append(changes)
+    return found, problems
+
+
+class TuningRunForm(forms.Form):
+    """What ops choose for a tuning run; the plan's checks are the service's
+    (apps/jobs/tuning_runs.py tuning_run_start), whose errors land on these fields."""
+
+    pool = forms.ChoiceField()
+    nodes = forms.CharField(
+        required=False,
+        help_text="Node names of that pool, separated by commas or spaces; "
+        "blank: every node of the pool that is ready or busy.",
+    )
+    rounds = forms.IntegerField(
+        initial=5, help_text="Each round measures the baseline and every candidate once."
+    )
+    limit = forms.IntegerField(
+        label="Candidates (at most)",
+        initial=12,
+        min_value=1,
+        max_value=50,
+        help_text="Yours first, then variations from the catalogue for the pool's fabric.",
+    )
+    candidates = forms.CharField(
+        label="Your own candidates",
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3, "spellcheck": "false"}),
+        help_text="One candidate a line: NAME=VALUE pairs separated by commas.",
+    )
+    approval_required = forms.BooleanField(
+        required=False, initial=True, help_text="A candidate the rule adopts waits for ops."
+    )
+    team = forms.ChoiceField(
+        required=False, help_text="Whose GPU time it counts to; blank: your first team."
+    )
+
+    def __init__(self, *args, pools: list[tuple[str, str]], teams: list[str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["pool"].choices = pools
+        self.fields["team"].choices = [("", "My first team")] + [(t, t) for t in teams]
+
+    def clean_candidates(self) -> list[dict[str, str]]:
+        found, problems = parse_candidates(self.cleaned_data.get("candidates") or "")
+        if problems:
+            raise forms.ValidationError(problems)
+        return found
+
+    def to_plan(self) -> dict:
+        data = self.cleaned_data
+        names = [n for n in data["nodes"].replace(",", " ").split() if n]
+        return {
+            "pool": data["pool"],
+            "nodes": names or None,
+            "team": data["team"] or None,
+            "rounds": data["rounds"],
+            "limit": data["limit"],
+            "candidates": data["candidates"],
+            "approval_required": data["approval_required"],
+        }
+
+    def add_service_errors(self, details: dict) -> None:
+        """The service's details ({"rounds": [...], "candidates.NCCL_ALGO": [...]}) on the
+        field they name (`candidates.NAME` on candidates, with the name)."""
+        for key, problems in details.items():
+            field, _, variable = key.partition(".")
+            target = field if field in self.fields else None
+            for problem in problems if isinstance(problems, list) else [problems]:
+                self.add_error(target, f"{variable}: {problem}" if variable else str(problem))

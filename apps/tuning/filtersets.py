@@ -22,8 +22,12 @@ class NcclProfileFilterSet(filters.FilterSet):
 
 
 class TuningRunFilterSet(filters.FilterSet):
+    """`?pool=ib-h100&state=adopted`: a pool by its slug (or `pool_id`), the profile a run
+    measured by name."""
+
     pool = filters.CharFilter(field_name="pool__slug", label="Pool (its slug)")
     pool_id = IdFilter(field_name="pool_id")
+    profile = filters.CharFilter(field_name="profile__name")
     state = ChoicesFilter(choices=TuningRunState.choices)
     kind = filters.ChoiceFilter(choices=TuningRunKind.choices)
 

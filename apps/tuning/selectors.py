@@ -15,6 +15,7 @@ from apps.tuning.models import (
     NcclProfileVersion,
     TuningMeasurement,
     TuningRun,
+    TuningRunEvent,
     TuningRunState,
     parse_version,
 )
@@ -22,7 +23,7 @@ from apps.tuning.models import (
 
 def profiles_visible() -> QuerySet[NcclProfile]:
     """Every profile: anyone signed in reads them (jobs name them)."""
-    return NcclProfile.objects.select_related("updated_by").order_by("name")
+    return NcclProfile.objects.select_related("updated_by", "pool").order_by("name")
 
 
 def profiles_all() -> list[NcclProfile]:
@@ -173,6 +174,38 @@ def profile_versions(*, profile: NcclProfile) -> QuerySet[NcclProfileVersion]:
     """A profile's versions, newest first."""
     return (
         NcclProfileVersion.objects.filter(profile=profile)
-        .select_related("made_by", "profile")
+        .select_related("made_by", "profile", "tuning_run")
         .order_by("-number")
+    )
+
+
+# --- tuning runs and profile versions, for the pages ------------------------------------------
+
+
+def tuning_runs_for_listing() -> QuerySet[TuningRun]:
+    """Newest first, with what a row shows (pool, who started it, the profile measured and the
+    version adopted) in the same query."""
+    return TuningRun.objects.select_related(
+        "pool", "created_by", "profile", "adopted_version__profile"
+    ).order_by("-created_at", "-id")
+
+
+def tuning_run_for_page(*, run_id: int) -> TuningRun | None:
+    return (
+        tuning_runs_for_listing()
+        .select_related("job", "decided_by", "baseline_version")
+        .filter(pk=run_id)
+        .first()
+    )
+
+
+def tuning_run_events(*, run: TuningRun) -> list[TuningRunEvent]:
+    return list(run.events.order_by("at", "id"))
+
+
+def profile_version_get(*, profile_name: str, number: int) -> NcclProfileVersion | None:
+    return (
+        NcclProfileVersion.objects.select_related("profile")
+        .filter(profile__name=profile_name, number=number)
+        .first()
     )

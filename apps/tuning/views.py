@@ -4,6 +4,7 @@ page and the catalogue of variables, open to every signed-in user."""
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
@@ -77,8 +78,30 @@ def profile_detail(request, name: str):
             "counts": linter.counts(verdicts),
             "file_text": linter.render_env_file(profile.env or {}),
             "can_edit": _can_edit(request.user),
+            "versions": selectors.profile_versions(profile=profile),
         },
     )
+
+
+@login_required
+@require_POST
+def profile_version_restore(request, name: str, number: int):
+    """One action: an earlier version becomes the profile's environment again (as its next
+    version), through the service, which lints it like any edit."""
+    if not _can_edit(request.user):
+        raise PermissionDenied("Only ops restore NCCL profile versions.")
+    version = selectors.profile_version_get(profile_name=name, number=number)
+    if version is None:
+        raise Http404("No such version.")
+    try:
+        profile = services.nccl_profile_version_restore(version=version, by=request.user)
+    except ApplicationError as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.success(
+            request, f"Version {number} of {name} restored as version {profile.version}."
+        )
+    return redirect("tuning:profile", name=name)
 
 
 def _show_problems(form: ProfileForm, exc: ApplicationError) -> None:

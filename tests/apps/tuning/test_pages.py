@@ -233,10 +233,11 @@ def _more_profiles(count: int) -> None:
 
 
 # The session, the user, their roles and the navigation's budget alerts, then the page's own
-# read (the profiles with their editors; the linter and the catalogue read nothing).
+# read (the profiles with their editors; the linter and the catalogue read nothing); a
+# profile's page also reads its versions, with their authors and tuning runs, in one query.
 NCCL_PAGES = [
     ("/nccl/profiles/", "GET", 5),
-    ("/nccl/profiles/ib-nvswitch-8gpu/", "GET", 5),
+    ("/nccl/profiles/ib-nvswitch-8gpu/", "GET", 6),
     ("/nccl/lint/", "GET", 4),
     ("/nccl/lint/", "POST", 4),
     ("/nccl/variables/", "GET", 4),
