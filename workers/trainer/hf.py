@@ -35,6 +35,7 @@ import re
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -309,7 +310,9 @@ def read_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
         if key.startswith("model.")
     }
     state = {"model": model}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # that one process is meant, which it warns about
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {canonical_name(k): v for k, v in state["model"].items()}
 
 
