@@ -142,6 +142,18 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_problem(path: Path, name: str, expected: dict) -> str | None:
+    """What is wrong with one file of a checkpoint against its manifest entry, or None."""
+    file = path / name
+    if not file.is_file():
+        return f"{name} is missing"
+    if file.stat().st_size != expected["size"]:
+        return f"{name} has {file.stat().st_size} bytes, not {expected['size']}"
+    if sha256_of(file) != expected["sha256"]:
+        return f"{name} does not match its SHA-256"
+    return None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -443,13 +455,7 @@ class Checkpointer:
                 raise ValueError(f"manifest format {manifest.get('format')}")
             names = sorted(manifest["files"])
             for name in names[self.world.rank :: self.world.size]:
-                expected, file = manifest["files"][name], path / name
-                if not file.is_file():
-                    problem = f"{name} is missing"
-                elif file.stat().st_size != expected["size"]:
-                    problem = f"{name} has {file.stat().st_size} bytes, not {expected['size']}"
-                elif sha256_of(file) != expected["sha256"]:
-                    problem = f"{name} does not match its SHA-256"
+                problem = file_problem(path, name, manifest["files"][name])
                 if problem:
                     break
         except (OSError, ValueError, KeyError, TypeError) as e:

@@ -21,6 +21,7 @@ at once instead of being ignored for a day of training.
       "pipeline": {"schedule": "1f1b", "microbatches": null, "stages_per_rank": 2},
       "checkpoint": {"dir": "/shared/ckpt/job-7", "every_steps": 500, "every_minutes": null,
                      "keep": 3, "resume_from": null, "resume_newest": true, "s3": null},
+      "init": {"hf": "/shared/models/llama"},     # starting weights (see Init); none: random
       "seed": 0,
       "collective_timeout_s": 600,
       "log_every": 1
@@ -126,6 +127,17 @@ class Data:
 
 
 @dataclass(frozen=True)
+class Init:
+    """Where the starting weights come from; without any, the seeded random initialisation.
+
+    hf: a Hugging Face Llama checkpoint directory (config.json and safetensors), read by
+    hf.py; its sizes must be those of `model`. A checkpoint the run resumes from wins.
+    """
+
+    hf: str | None = None
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelShape
     data: Data = field(default_factory=Data)
@@ -138,6 +150,7 @@ class RunConfig:
     compile: bool = False
     attention_backend: str = "auto"
     kernels: Kernels = field(default_factory=Kernels)
+    init: Init = field(default_factory=Init)
     seed: int = 0
     collective_timeout_s: float = 600.0
     log_every: int = 1
@@ -193,6 +206,7 @@ TOP_LEVEL = {
     "compile",
     "attention_backend",
     "kernels",
+    "init",
     "seed",
     "collective_timeout_s",
     "log_every",
@@ -219,6 +233,7 @@ def parse(data: dict) -> RunConfig:
         compile=bool(data.get("compile", False)),
         attention_backend=data.get("attention_backend") or "auto",
         kernels=_section(Kernels, data.get("kernels"), "kernels"),
+        init=_section(Init, data.get("init"), "init"),
         seed=int(data.get("seed") or 0),
         collective_timeout_s=float(data.get("collective_timeout_s") or 600),
         log_every=int(data.get("log_every") or 1),

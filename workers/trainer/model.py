@@ -25,8 +25,6 @@ from torch import nn
 
 from workers.trainer.presets import ModelShape
 
-ROPE_THETA = 10_000.0
-
 
 class Attention(nn.Module):
     # Kernel choices (Transformer.use_kernels); parameters and results are the same either way.
@@ -104,15 +102,17 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, shape: ModelShape, *, norm_eps: float = 1e-5):
+    def __init__(self, shape: ModelShape):
         super().__init__()
         problems = shape.problems()
         if problems:
             raise ValueError("; ".join(problems))
         self.shape = shape
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(shape.vocab_size, shape.dim)
-        self.layers = nn.ModuleDict({str(i): Block(shape, norm_eps) for i in range(shape.layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(shape.dim, eps=norm_eps)
+        self.layers = nn.ModuleDict(
+            {str(i): Block(shape, shape.norm_eps) for i in range(shape.layers)}
+        )
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
         self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         # Rotary tables are derived, not learned: not saved, rebuilt by init_weights.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -185,14 +185,19 @@ def fill(param: torch.Tensor, full: torch.Tensor) -> None:
 def rotary_tables(shape: ModelShape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position × frequency, (max_seq_len, head_dim), halves repeated."""
     half = shape.head_dim // 2
-    freqs = ROPE_THETA ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
+    freqs = shape.rope_theta ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
     angles = torch.outer(torch.arange(shape.max_seq_len, device=device, dtype=torch.float32), freqs)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of (batch, seq, heads, head_dim), the two halves of each head paired."""
+    """Rotary embedding of (batch, seq, heads, head_dim), the two halves of each head paired.
+
+    Dimension i turns with dimension i + head_dim/2 (the "rotate_half" layout of Hugging
+    Face's Llama, not the adjacent pairs of Meta's original code), so q and k weights move
+    between the two without a permutation (hf.py).
+    """
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]

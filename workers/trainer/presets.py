@@ -23,6 +23,10 @@ class ModelShape:
     ffn_dim: int
     vocab_size: int
     max_seq_len: int = 8192
+    # Llama's published values differ in these two (Llama 2: 1e-5 and 10,000; Llama 3:
+    # 1e-5 and 500,000), so a model imported from Hugging Face carries its own.
+    norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
 
     @property
     def head_dim(self) -> int:

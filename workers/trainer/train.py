@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from workers.trainer import metrics, parallelize
+from workers.trainer import hf, metrics, parallelize
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.config import RunConfig, stage_count
 from workers.trainer.data import Batches, open_source
@@ -60,6 +60,8 @@ class Model:
             parallelize.parallelize(part, world)
             part.to_empty(device=world.device)
             part.init_weights(seed=config.seed, device=world.device)
+        if config.init.hf:  # starting weights; a checkpoint resumed from later still wins
+            hf.load_into([part for _, part in stages], config.init.hf, config.model)
         if world.data_parallel == "ddp":
             stages = [(index, parallelize.wrap_ddp(part, world)) for index, part in stages]
         self.parts = [part for _, part in stages]
