@@ -247,12 +247,16 @@ def _mixture_found(job: Job) -> tuple[list[dict], dict[str, Dataset]]:
     found = getattr(job, "_mixture_datasets", None)
     if found is None:
         names = {e["dataset"] for e in mixture}
-        found = {
-            d.name: d
-            for d in Dataset.objects.select_related("team").filter(
-                team_id=job.team_id, name__in=names
-            )
-        } if names else {}
+        found = (
+            {
+                d.name: d
+                for d in Dataset.objects.select_related("team").filter(
+                    team_id=job.team_id, name__in=names
+                )
+            }
+            if names
+            else {}
+        )
         job._mixture_datasets = found
     return mixture, found
 
@@ -272,16 +276,52 @@ def missing_datasets(job: Job) -> list[str]:
 
 def run_mixture(datasets: list[tuple[Dataset, float]]) -> list[dict]:
     """run.json's `data.mixture`: where each dataset is on the node, and its weight."""
-    return [
-        {"path": node_dir(d) if d.on_s3 else d.uri, "weight": weight} for d, weight in datasets
-    ]
+    return [{"path": node_dir(d) if d.on_s3 else d.uri, "weight": weight} for d, weight in datasets]
 
 
 def stage_plan(datasets: list[tuple[Dataset, float]]) -> str:
     """stage.json for workers.trainer.stage: every dataset of the mixture (shared ones are
     checked in place, S3 ones copied into their cache directory)."""
     entries = [
-        {"name": d.name, "uri": d.uri, "dest": node_dir(d) if d.on_s3 else ""}
-        for d, _ in datasets
+        {"name": d.name, "uri": d.uri, "dest": node_dir(d) if d.on_s3 else ""} for d, _ in datasets
     ]
     return json.dumps({"datasets": entries}, indent=2, sort_keys=True)
+
+
+# --- lists ----------------------------------------------------------------------------------
+
+CSV_COLUMNS = [
+    "id",
+    "team",
+    "name",
+    "uri",
+    "tokenizer",
+    "tokenizer_sha256",
+    "vocab_size",
+    "shards",
+    "tokens",
+    "documents",
+    "bytes",
+    "created_by",
+    "created_at",
+]
+
+
+def csv_rows(datasets: QuerySet[Dataset]):
+    """The CSV of the Datasets page and of `GET /api/v1/datasets/?format=csv` alike."""
+    for d in datasets.iterator(chunk_size=500):
+        yield [
+            d.pk,
+            d.team.slug,
+            d.name,
+            d.uri,
+            d.tokenizer_name,
+            d.tokenizer_sha256,
+            d.vocab_size,
+            d.shards,
+            d.tokens,
+            d.documents,
+            d.bytes,
+            d.created_by.username if d.created_by else "",
+            d.created_at.isoformat(),
+        ]

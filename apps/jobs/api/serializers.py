@@ -14,7 +14,15 @@ from apps.accounts.selectors import teams_visible_to
 from apps.fleet.models import Node
 from apps.jobs import specs
 from apps.jobs.extensions import job_detail_part
-from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
+from apps.jobs.models import (
+    Dataset,
+    Job,
+    JobEvent,
+    Placement,
+    PriorityClass,
+    Reservation,
+    Webhook,
+)
 from apps.jobs.models.jobs import ACTIVE_STATES, ANY_GPU
 from apps.jobs.selectors import (
     LOG_SEARCH_MAX,
@@ -556,6 +564,38 @@ class WebhookCreatedSerializer(WebhookSerializer):
 
     class Meta(WebhookSerializer.Meta):
         fields = [*WebhookSerializer.Meta.fields, "signing_key"]
+
+
+class DatasetSerializer(StrictModelSerializer):
+    """A registered dataset: where it lives, its tokenizer and sizes, and its index."""
+
+    team = ScopedPrimaryKeyField(selector=teams_visible_to)
+    team_slug = serializers.CharField(source="team.slug", read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = Dataset
+        fields = [
+            "id",
+            "team",
+            "team_slug",
+            "name",
+            "uri",
+            "tokenizer_name",
+            "tokenizer_sha256",
+            "vocab_size",
+            "shards",
+            "tokens",
+            "documents",
+            "bytes",
+            "index",
+            "index_sha256",
+            "created_by",
+            "created_at",
+        ]
+        read_only_fields = [f for f in fields if f not in ("team", "name", "uri", "index")]
+        # The service checks the name, the URI and the index, with a 400 naming the field.
+        extra_kwargs = {"name": {"validators": []}}
 
 
 class LogQuerySerializer(StrictSerializer):

@@ -6,41 +6,73 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('accounts', '0004_apitoken_parent'),
-        ('jobs', '0022_run_nccl_profile_version'),
+        ("accounts", "0004_apitoken_parent"),
+        ("jobs", "0022_run_nccl_profile_version"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='run',
-            name='staging',
+            model_name="run",
+            name="staging",
             field=models.JSONField(blank=True, null=True),
         ),
         migrations.CreateModel(
-            name='Dataset',
+            name="Dataset",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=100)),
-                ('uri', models.CharField(help_text='s3://bucket/prefix/ or an absolute shared path.', max_length=1000)),
-                ('tokenizer_name', models.CharField(blank=True, max_length=200)),
-                ('tokenizer_sha256', models.CharField(blank=True, max_length=64)),
-                ('vocab_size', models.PositiveIntegerField()),
-                ('shards', models.PositiveIntegerField()),
-                ('tokens', models.PositiveBigIntegerField()),
-                ('bytes', models.PositiveBigIntegerField()),
-                ('documents', models.PositiveBigIntegerField()),
-                ('index', models.JSONField(help_text="The dataset's index.json, as registered.")),
-                ('index_sha256', models.CharField(help_text="Keys the nodes' staged copies.", max_length=64)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='datasets', to='accounts.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.SlugField(max_length=100)),
+                (
+                    "uri",
+                    models.CharField(
+                        help_text="s3://bucket/prefix/ or an absolute shared path.", max_length=1000
+                    ),
+                ),
+                ("tokenizer_name", models.CharField(blank=True, max_length=200)),
+                ("tokenizer_sha256", models.CharField(blank=True, max_length=64)),
+                ("vocab_size", models.PositiveIntegerField()),
+                ("shards", models.PositiveIntegerField()),
+                ("tokens", models.PositiveBigIntegerField()),
+                ("bytes", models.PositiveBigIntegerField()),
+                ("documents", models.PositiveBigIntegerField()),
+                ("index", models.JSONField(help_text="The dataset's index.json, as registered.")),
+                (
+                    "index_sha256",
+                    models.CharField(help_text="Keys the nodes' staged copies.", max_length=64),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "created_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="datasets",
+                        to="accounts.team",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['team__name', 'name'],
-                'constraints': [models.UniqueConstraint(fields=('team', 'name'), name='dataset_name_unique_per_team')],
+                "ordering": ["team__name", "name"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("team", "name"), name="dataset_name_unique_per_team"
+                    )
+                ],
             },
         ),
     ]

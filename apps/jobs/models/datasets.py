@@ -10,7 +10,9 @@ class Dataset(models.Model):
 
     team = models.ForeignKey("accounts.Team", on_delete=models.PROTECT, related_name="datasets")
     name = models.SlugField(max_length=100)
-    uri = models.CharField(max_length=1000, help_text="s3://bucket/prefix/ or an absolute shared path.")
+    uri = models.CharField(
+        max_length=1000, help_text="s3://bucket/prefix/ or an absolute shared path."
+    )
     tokenizer_name = models.CharField(max_length=200, blank=True)
     tokenizer_sha256 = models.CharField(max_length=64, blank=True)
     vocab_size = models.PositiveIntegerField()
