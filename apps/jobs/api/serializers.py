@@ -594,7 +594,9 @@ class DatasetSerializer(StrictModelSerializer):
             "created_at",
         ]
         read_only_fields = [f for f in fields if f not in ("team", "name", "uri", "index")]
-        # The service checks the name, the URI and the index, with a 400 naming the field.
+        # The service checks the name (unique in the team), the URI and the index, with a
+        # 400 naming the field.
+        validators = []
         extra_kwargs = {"name": {"validators": []}}
 
 
