@@ -6,6 +6,7 @@ from django.urls import NoReverseMatch, reverse
 
 SECTIONS = [
     ("Queue", "jobs:queue"),
+    ("Datasets", "jobs:datasets"),
     ("Fleet", "fleet:overview"),
     ("NCCL profiles", "tuning:profiles"),
     ("NCCL lint", "tuning:lint"),

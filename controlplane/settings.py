@@ -405,6 +405,9 @@ RENDEZVOUS_PORT_SPREAD = env_int("RENDEZVOUS_PORT_SPREAD", 1000)
 JOB_START_TIMEOUT_S = env_int("JOB_START_TIMEOUT_S", 900)
 LOG_RETENTION_DAYS = env_int("LOG_RETENTION_DAYS", 30)
 CHECKPOINT_ROOT = env_str("CHECKPOINT_ROOT", str(VAR_DIR / "checkpoints"))
+# Where each node keeps its copies of S3 datasets (apps/jobs/datasets.py): one directory
+# per team and dataset, kept across jobs so a dataset already there is not fetched again.
+DATASET_CACHE_DIR = env_str("DATASET_CACHE_DIR", "/var/lib/controlplane/datasets")
 
 # Team secrets are encrypted with these Fernet keys (newest first); empty: derived
 # from SECRET_KEY. Generate one with

@@ -457,6 +457,35 @@ def cmd_jobs(client, args):
     return 0
 
 
+def cmd_dataset_register(client, args):
+    """Register a dataset from its index.json (what `python -m workers.trainer.prepare`
+    wrote beside the shards), read here and sent whole."""
+    index = _load_spec(args.index)
+    body = {"team": _team_id(client, args.team), "name": args.name, "uri": args.uri}
+    dataset = client.request("POST", "datasets/", {**body, "index": index})
+    if args.output == "json":
+        _emit(args, dataset, [])
+    else:
+        print(
+            f"dataset {dataset['id']} {dataset['name']}: {dataset['shards']} shards, "
+            f"{dataset['tokens']} tokens, vocabulary {dataset['vocab_size']} ({dataset['uri']})"
+        )
+    return 0
+
+
+def cmd_datasets(client, args):
+    rows = list(client.all_pages("datasets/", {}))
+    for row in rows:
+        row.pop("index", None)
+        row["team"] = row["team_slug"]
+    _emit(
+        args,
+        rows,
+        ["id", "team", "name", "uri", "tokenizer_name", "vocab_size", "shards", "tokens"],
+    )
+    return 0
+
+
 def cmd_nccl_lint(client, args):
     """One verdict per variable of an environment block, from the server's linter."""
     try:
@@ -807,6 +836,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit", type=count, default=20, help="show the latest N jobs (default 20; 0 for all)"
     )
     jobs.set_defaults(run=cmd_jobs)
+    dataset = sub.add_parser("dataset", help="register a dataset").add_subparsers(
+        dest="dataset_command", required=True
+    )
+    register = dataset.add_parser("register", help="register a dataset from its index.json")
+    register.add_argument("name", help="a slug, unique in the team")
+    register.add_argument("--team", required=True, help="the team's slug")
+    register.add_argument("--uri", required=True, help="s3://bucket/prefix/ or a shared path")
+    register.add_argument("--index", required=True, help="the dataset's index.json")
+    register.set_defaults(run=cmd_dataset_register)
+    sub.add_parser("datasets", help="your teams' datasets").set_defaults(run=cmd_datasets)
     lint = sub.add_parser(
         "nccl-lint", help="lint an NCCL environment block: exit 1 when any variable is an error"
     )

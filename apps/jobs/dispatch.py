@@ -28,6 +28,7 @@ from apps.accounts.selectors import team_secret_values
 from apps.fleet.agents import agent_runs_held
 from apps.fleet.models import GONE_STATES, NodeState
 from apps.fleet.selectors import node_names, nodes_by_rack
+from apps.jobs import datasets
 from apps.jobs.models import (
     OPEN_RUN_STATES,
     Allocation,
@@ -42,7 +43,13 @@ from apps.jobs.models import (
     StepMetric,
 )
 from apps.jobs.models.jobs import FINISHED_STATES, STARTED_STATES, STOPPING_STATES
-from apps.jobs.trainer_lines import int_or_none, rank_environment, step_metric, trainer_event
+from apps.jobs.trainer_lines import (
+    int_or_none,
+    rank_environment,
+    stage_progress,
+    step_metric,
+    trainer_event,
+)
 from apps.jobs.transitions import allocations_runs_ended, job_note, job_transition, runs_stop_for
 from apps.tuning.runs import tuning_events_record
 from apps.tuning.services import nccl_environments_render
@@ -213,24 +220,35 @@ def run_plan(
 
     # Fewer out-of-memory stops from fragmentation on long runs (PyTorch's allocator).
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    argv = trainer_argv(job, rank=rank, nnodes=nnodes, head=head, port=port)
+    run_json = trainer_run_config(
+        job, attempt=attempt, nodes=nnodes, resume_from=resume_from, s3=checkpoint_s3
+    )
+    files = [{"path": "run.json", "content": run_json}]
+    # Made on the node and handed to the job's user before the trainer starts.
+    owned_dirs = [checkpoint_dir(job)]
+    mixture = datasets.job_datasets(job)
+    if mixture:
+        # The datasets are staged (S3 ones copied into the node's cache, shared ones checked)
+        # before torchrun starts, which the stage module execs: an argument list throughout.
+        argv = [
+            *("python3", "-m", "workers.trainer.stage", "--plan", datasets.STAGE_PLAN_FILE),
+            *("--then", "--", *argv),
+        ]
+        files.append({"path": datasets.STAGE_PLAN_FILE, "content": datasets.stage_plan(mixture)})
+        owned_dirs += [datasets.node_dir(d) for d, _ in mixture if d.on_s3]
+        if settings.AWS_ENDPOINT_URL and any(d.on_s3 for d, _ in mixture):
+            env.setdefault("AWS_ENDPOINT_URL", settings.AWS_ENDPOINT_URL)
     return {
         "job": job.pk,
         "gpu_slots": slots,
-        "argv": trainer_argv(job, rank=rank, nnodes=nnodes, head=head, port=port),
+        "argv": argv,
         "env": env,
         "workdir": "",
         "git": None,
         **checked,
-        # Made on the node and handed to the job's user before the trainer starts.
-        "owned_dirs": [checkpoint_dir(job)],
-        "files": [
-            {
-                "path": "run.json",
-                "content": trainer_run_config(
-                    job, attempt=attempt, nodes=nnodes, resume_from=resume_from, s3=checkpoint_s3
-                ),
-            }
-        ],
+        "owned_dirs": owned_dirs,
+        "files": files,
     }
 
 
@@ -312,6 +330,9 @@ def job_dispatch(
             ]
             return _transition(job, J.FAILED, ("NCCL settings refused: " + "; ".join(problems)))
         nccl_env = rendered[0].env if rendered else {}
+        gone = datasets.missing_datasets(job) if job.kind == JobKind.TRAINER else []
+        if gone:
+            return _transition(job, J.FAILED, f"dataset {gone[0]} is no longer registered")
         attempt = _current_attempt(job) + 1
         head = nodes[0]
         host = _node_address(head)
@@ -726,6 +747,9 @@ def run_logs_append(*, node_id: int, run_id: int, lines: list, dropped: int = 0)
         events = [e for e in (trainer_event(r.text) for r in printed) if e]
         tuning_events_record(job_id=run.job_id, events=events, head=run.node_rank == 0)
         return len(rows)
+    staging = [e for e in (stage_progress(r.text) for r in printed) if e]
+    if staging:
+        Run.objects.filter(pk=run.pk).update(staging=staging[-1])
     environments = [e for e in (rank_environment(run, r) for r in printed) if e]
     if environments:
         # The first report of a rank counts: a second one (a forged or repeated line) is dropped.

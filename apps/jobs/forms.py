@@ -4,6 +4,8 @@ the form that starts an NCCL tuning run.
 The forms read types only; what they make goes through the services (the submit serializer
 and service; tuning_run_start), whose errors land back on the form's fields."""
 
+import re
+
 from django import forms
 
 from apps.accounts.models import Team
@@ -80,6 +82,8 @@ SPEC_FIELDS = {
     "trainer.model": "preset",
     **{f"trainer.model.{key}": field for field, key in MODEL_SIZES.items()},
     "trainer.dataset": "dataset",
+    "trainer.data": "dataset",
+    "trainer.data.mixture": "dataset",
     "trainer.steps": "steps",
     "trainer.global_batch": "global_batch",
     "trainer.seq_len": "seq_len",
@@ -206,7 +210,8 @@ class SubmitForm(forms.Form):
     dataset = forms.CharField(
         initial="synthetic",
         required=False,
-        help_text="A token file path on shared storage, or 'synthetic'.",
+        help_text="A token file path on shared storage, 'synthetic', or registered datasets "
+        "of the team mixed by weight: wiki-en=0.7, books=0.3.",
     )
     steps = forms.IntegerField(initial=1000, required=False)
     global_batch = forms.IntegerField(initial=64, required=False)
@@ -396,7 +401,7 @@ class SubmitForm(forms.Form):
     def _trainer(self) -> dict:
         data = self.cleaned_data
         trainer = {
-            "dataset": data.get("dataset") or "synthetic",
+            **_data_source(data.get("dataset") or "synthetic"),
             "steps": data.get("steps") or 1000,
             "global_batch": data.get("global_batch") or 64,
             "seq_len": data.get("seq_len") or 512,
@@ -462,6 +467,25 @@ def _secret_choices(user, teams: list[Team]) -> list[tuple[str, str]]:
     if len(teams) <= 1:
         return [(name, name) for name in holders]
     return [(name, f"{name} ({', '.join(slugs)})") for name, slugs in holders.items()]
+
+
+_PART = r"[a-z0-9][a-z0-9_-]*\s*=\s*[^,\s]+"
+_MIXTURE = re.compile(rf"\s*{_PART}(\s*,\s*{_PART})*\s*")
+
+
+def _data_source(text: str) -> dict:
+    """The spec's data: `name=weight, ...` names registered datasets (data.mixture); anything
+    else is a token file path or 'synthetic'."""
+    if not _MIXTURE.fullmatch(text):
+        return {"dataset": text}
+    mixture = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, weight = (x.strip() for x in part.partition("="))
+        try:
+            mixture.append({"dataset": name, "weight": float(weight)})
+        except ValueError:
+            return {"dataset": text}  # the API's serializer says what is wrong with it
+    return {"data": {"mixture": mixture}}
 
 
 def _form_field(path: str) -> str | None:

@@ -10,6 +10,7 @@ import posixpath
 
 from django.conf import settings
 
+from apps.jobs import datasets
 from apps.jobs.models import Job
 from apps.jobs.specs import dp_shard_on
 
@@ -84,6 +85,12 @@ def trainer_run_config(
     # larger share of it on fewer nodes, so a resumed run keeps its schedule.
     trainer = job.spec["trainer"]
     config = trainer_settings(trainer, layout_on(job, job.nodes if nodes is None else nodes))
+    mixture = datasets.job_datasets(job)
+    if mixture:
+        config["data"] = {
+            "mixture": datasets.run_mixture(mixture),
+            "seq_len": trainer["seq_len"],
+        }
     config["job"] = {"id": job.pk, "uuid": str(job.uuid), "attempt": attempt, "name": job.name}
     config["checkpoint"] = {
         "dir": checkpoint_dir(job),

@@ -18,7 +18,7 @@ from apps.accounts.services import audit_record, snapshot
 from apps.costs import selectors as costs
 from apps.costs.money import money_text
 from apps.fleet.selectors import pools_capacity
-from apps.jobs import advisor, specs
+from apps.jobs import advisor, datasets, specs
 from apps.jobs.models import (
     Job,
     JobEvent,
@@ -106,6 +106,13 @@ def job_submit(*, team, spec: dict, submitted_by, idempotency_key: str = "") -> 
     if resources is not None:
         if spec.get("trainer"):
             specs.check_trainer(spec["trainer"], resources, errors)
+            shape = specs.model_shape(spec["trainer"])
+            datasets.check_mixture(
+                team=team,
+                trainer=spec["trainer"],
+                vocab_size=shape.vocab_size if shape else None,
+                errors=errors,
+            )
         where = spec.get("placement", {}).get("where", "owned_then_cloud")
         specs.check_capacity(
             resources,

@@ -106,3 +106,26 @@ def rank_environment(run: Run, line: LogLine) -> RankEnvironment | None:
         env=kept,
         reported_at=line.at,
     )
+
+
+STAGE_COUNTS = ("files_done", "files", "bytes_done", "bytes", "reused_bytes")
+
+
+def stage_progress(text: str) -> dict | None:
+    """workers.trainer.stage's progress, `{"event":"stage","dataset","files_done","files",
+    "bytes_done","bytes","reused_bytes"}` (or `in_place` for a shared path), its end, or its
+    failure: kept field by field, as a job prints what it likes."""
+    data = trainer_event(text)
+    if data is None or data["event"] not in ("stage", "stage_end", "stage_failed"):
+        return None
+    kept = {"event": data["event"]}
+    for key in ("dataset", "message"):
+        if _storable(data.get(key)):
+            kept[key] = data[key][:300]
+    for key in STAGE_COUNTS:
+        value = int_or_none(data.get(key))
+        if value is not None and 0 <= value < 2**63:
+            kept[key] = value
+    if data.get("in_place") is True:
+        kept["in_place"] = True
+    return kept

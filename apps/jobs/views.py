@@ -19,7 +19,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from apps.accounts.selectors import roles_of, team_ids_by_slug, teams_visible_to
-from apps.jobs import selectors, services, specs
+from apps.jobs import datasets, selectors, services, specs
 from apps.jobs.api.serializers import JobSubmitSerializer
 from apps.jobs.api.views import estimate_request, submit_request
 from apps.jobs.filtersets import JobFilterSet
@@ -256,6 +256,19 @@ def estimates_csv(request):
         ESTIMATES_COLUMNS,
         _estimates_csv_rows(_estimated_jobs(request).iterator(chunk_size=ESTIMATES_CSV_BATCH)),
     )
+
+
+@login_required
+def dataset_list(request):
+    """The datasets of your teams (ops: all): where each lives, its tokenizer and sizes."""
+    rows = datasets.datasets_visible_to(user=request.user).order_by("team__slug", "name")
+    return render(request, "jobs/datasets.html", {"datasets": rows})
+
+
+@login_required
+def dataset_list_csv(request):
+    rows = datasets.datasets_visible_to(user=request.user).order_by("team__slug", "name")
+    return csv_response("datasets.csv", datasets.CSV_COLUMNS, datasets.csv_rows(rows))
 
 
 COMPARED_MAX = len(charts.DISTINCT)  # jobs on one compare page, each its own colour

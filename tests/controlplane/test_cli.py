@@ -446,3 +446,25 @@ def test_estimate_prints_each_layouts_fit_time_and_cost_and_the_suggested_one(
     assert "does not fit" not in row and "$" in row and row.rstrip().endswith("suggested")
     assert "per GPU-hour in cli-pool" in many.stdout
     assert Job.objects.count() == 0
+
+
+def test_dataset_register_and_list(live_server, researcher, team, tmp_path):
+    index = {
+        "tokenizer": {"name": "bytes", "vocab_size": 256},
+        "shards": [{"file": "a.bin", "sha256": "0" * 64, "tokens": 10}],
+    }
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    token = token_of(researcher, scopes=("submit",))
+    made = cpctl(
+        live_server, token, "dataset", "register", "wiki-en", "--team", team.slug,
+        "--uri", "s3://data-bucket/wiki/", "--index", str(tmp_path / "index.json"),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert "wiki-en: 1 shards, 10 tokens, vocabulary 256" in made.stdout
+    listed = cpctl(live_server, token, "-o", "json", "datasets")
+    assert [(d["name"], d["team"]) for d in json.loads(listed.stdout)] == [("wiki-en", team.slug)]
+    again = cpctl(
+        live_server, token, "dataset", "register", "wiki-en", "--team", team.slug,
+        "--uri", "/shared/x", "--index", str(tmp_path / "index.json"),
+    )  # fmt: skip
+    assert again.returncode == 1 and "already has a dataset named wiki-en" in again.stderr

@@ -33,6 +33,7 @@ from apps.costs.models import (
 from apps.fleet import services as fleet
 from apps.fleet.agents import node_agent_token_issue
 from apps.fleet.models import NodeEvent, OrphanInstance
+from apps.jobs import datasets
 from apps.jobs import services as jobs
 from apps.jobs.models import Webhook
 from apps.jobs.tuning_runs import tuning_run_start
@@ -70,6 +71,7 @@ TEAMED = frozenset(
         "checkpoint",
         "checkpoint-copy",
         "webhook",
+        "dataset",
         "budget",
         "budget-alert",
         "usage",
@@ -233,6 +235,16 @@ def _jobs(world: World) -> None:
         hook = Webhook.objects.create(
             team=team, url="https://hooks.example.com/done", signing_key=encrypt("key")
         )
+        dataset = datasets.dataset_register(
+            team=team,
+            name="sec-data",
+            uri=f"/shared/data/{key}",
+            index={
+                "tokenizer": {"name": "bytes", "vocab_size": 256},
+                "shards": [{"file": "a.bin", "sha256": "0" * 64, "tokens": 1}],
+            },
+            by=None,
+        )
         budget, _ = costs.budget_set(team=team, monthly_limit=Decimal("1000.00"), by=None)
         alert = BudgetAlert.objects.create(
             team=team,
@@ -266,6 +278,7 @@ def _jobs(world: World) -> None:
                 ("checkpoint", key): checkpoint.pk,
                 ("checkpoint-copy", key): copies[0].pk,
                 ("webhook", key): hook.pk,
+                ("dataset", key): dataset.pk,
                 ("budget", key): budget.pk,
                 ("budget-alert", key): alert.pk,
                 ("usage", key): usage.pk,

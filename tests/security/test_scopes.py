@@ -172,6 +172,20 @@ POLICY: dict[tuple[str, str], Rule] = {
         see_other=frozenset(OPS_),
         methods=("POST", "DELETE"),
     ),
+    # Datasets: the team's members read them, ops every team's; its admins and researchers
+    # register and remove them with a submit token (CI that prepares data registers it).
+    ("dataset-list", "GET"): read(),
+    ("dataset-list", "POST"): write(SUBMIT, *SUBMITTERS),
+    ("dataset-detail", "GET"): read(TEAM_ROLES | {OPS, SUPER}, frozenset(OPS_)),
+    ("dataset-detail", "DELETE"): write(
+        SUBMIT,
+        RESEARCHER,
+        TEAM_ADMIN,
+        SERVICE,
+        SUPER,
+        see=TEAM_ROLES | {OPS, SUPER},
+        see_other=frozenset(OPS_),
+    ),
     # --- NCCL settings ----------------------------------------------------------------
     **crud("nccl-profile", *OPS_),
     ("nccl-profile-versions", "GET"): read(),
@@ -406,6 +420,15 @@ def _bodies(world) -> dict:
             world.alpha, preset="tiny", nodes=1, gpus_per_node=8, seq_len=256
         ),
         "webhook-list": {"team": alpha, "url": "https://hooks.example.com/new"},
+        "dataset-list": {
+            "team": alpha,
+            "name": "sec-new",
+            "uri": "/shared/data/new",
+            "index": {
+                "tokenizer": {"name": "bytes", "vocab_size": 256},
+                "shards": [{"file": "a.bin", "sha256": "0" * 64, "tokens": 1}],
+            },
+        },
         "nccl-profile-list": {"name": "sec-new", "title": "New", "fabric": "infiniband"},
         "nccl-lint": {"env": {"NCCL_DEBUG": "WARN"}, "fabric": "infiniband"},
         "tuning-run-list": {"pool": "sec-h100", "team": "sec-alpha", "sizes": [2**20]},
@@ -556,6 +579,7 @@ NAMING_A_TEAM = [
     "team-secret-list",
     "job-list",
     "webhook-list",
+    "dataset-list",
     "budget-list",
     "checkpoint-s3-destination-list",
 ]

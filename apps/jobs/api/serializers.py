@@ -14,7 +14,15 @@ from apps.accounts.selectors import teams_visible_to
 from apps.fleet.models import Node
 from apps.jobs import specs
 from apps.jobs.extensions import job_detail_part
-from apps.jobs.models import Job, JobEvent, Placement, PriorityClass, Reservation, Webhook
+from apps.jobs.models import (
+    Dataset,
+    Job,
+    JobEvent,
+    Placement,
+    PriorityClass,
+    Reservation,
+    Webhook,
+)
 from apps.jobs.models.jobs import ACTIVE_STATES, ANY_GPU
 from apps.jobs.selectors import (
     LOG_SEARCH_MAX,
@@ -111,6 +119,24 @@ class PipelineSerializer(SpecSerializer):
     stages_per_rank = _count(64, required=False)
 
 
+class MixtureEntrySerializer(SpecSerializer):
+    """One dataset of the team's (by name) and how much of the training data it gives."""
+
+    dataset = serializers.SlugField(max_length=100)
+    weight = serializers.FloatField(min_value=0, max_value=1e6)
+
+    def validate_weight(self, value):
+        if value <= 0:
+            raise serializers.ValidationError("A weight above 0.")
+        return value
+
+
+class TrainerDataSerializer(SpecSerializer):
+    """Registered datasets to train on (/api/v1/datasets/), mixed by weight."""
+
+    mixture = serializers.ListField(child=MixtureEntrySerializer(), min_length=1, max_length=64)
+
+
 class TrainerSerializer(SpecSerializer):
     """A run of the bundled trainer: a model (a preset or explicit sizes), its data, how long
     it trains, and how often it checkpoints (by default only at the end)."""
@@ -118,8 +144,11 @@ class TrainerSerializer(SpecSerializer):
     preset = serializers.ChoiceField(choices=sorted(PRESETS), required=False)
     model = ModelSizesSerializer(required=False)
     dataset = Text(
-        max_length=1024, help_text="A token file path on shared storage, or 'synthetic'."
+        max_length=1024,
+        required=False,
+        help_text="A token file path on shared storage, or 'synthetic' (without data.mixture).",
     )
+    data = TrainerDataSerializer(required=False)
     steps = _count(10_000_000)
     global_batch = _count(1_000_000, help_text="Sequences per optimiser step.")
     seq_len = _count(1_048_576)
@@ -154,6 +183,13 @@ class TrainerSerializer(SpecSerializer):
     log_every = _count(100_000, required=False)
     attention_backend = serializers.ChoiceField(choices=ATTENTION_BACKENDS, required=False)
     pipeline = PipelineSerializer(required=False)
+
+    def validate(self, attrs):
+        if attrs.get("data") and attrs.get("dataset"):
+            raise serializers.ValidationError({"data": "Give dataset or data.mixture, not both."})
+        if not attrs.get("data") and not attrs.get("dataset"):
+            raise serializers.ValidationError({"dataset": "This field is required."})
+        return attrs
 
 
 class GitSourceSerializer(SpecSerializer):
@@ -528,6 +564,40 @@ class WebhookCreatedSerializer(WebhookSerializer):
 
     class Meta(WebhookSerializer.Meta):
         fields = [*WebhookSerializer.Meta.fields, "signing_key"]
+
+
+class DatasetSerializer(StrictModelSerializer):
+    """A registered dataset: where it lives, its tokenizer and sizes, and its index."""
+
+    team = ScopedPrimaryKeyField(selector=teams_visible_to)
+    team_slug = serializers.CharField(source="team.slug", read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = Dataset
+        fields = [
+            "id",
+            "team",
+            "team_slug",
+            "name",
+            "uri",
+            "tokenizer_name",
+            "tokenizer_sha256",
+            "vocab_size",
+            "shards",
+            "tokens",
+            "documents",
+            "bytes",
+            "index",
+            "index_sha256",
+            "created_by",
+            "created_at",
+        ]
+        read_only_fields = [f for f in fields if f not in ("team", "name", "uri", "index")]
+        # The service checks the name (unique in the team), the URI and the index, with a
+        # 400 naming the field.
+        validators = []
+        extra_kwargs = {"name": {"validators": []}}
 
 
 class LogQuerySerializer(StrictSerializer):

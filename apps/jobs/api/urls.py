@@ -7,6 +7,7 @@ router = SimpleRouter()
 router.register("jobs", views.JobViewSet, basename="job")
 router.register("reservations", views.ReservationViewSet, basename="reservation")
 router.register("webhooks", views.WebhookViewSet, basename="webhook")
+router.register("datasets", views.DatasetViewSet, basename="dataset")
 router.register("tuning-runs", views.TuningRunViewSet, basename="tuning-run")
 
 urlpatterns = [path("queue/", views.QueueView.as_view(), name="queue"), *router.urls]

@@ -10,7 +10,7 @@ from rest_framework.response import Response
 
 from apps.accounts.models import TokenScope
 from apps.accounts.selectors import team_for_submission
-from apps.jobs import selectors, services
+from apps.jobs import datasets, selectors, services
 from apps.jobs.api import serializers as s
 from apps.jobs.filtersets import JobFilterSet, ReservationFilterSet
 from apps.jobs.models import Job
@@ -276,6 +276,52 @@ class WebhookViewSet(
 
     def perform_destroy(self, instance):
         services.webhook_delete(webhook=instance, by=self.request.user)
+
+
+class DatasetViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.DestroyModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Datasets of your teams (ops: every team's). POST registers one from its index.json
+    (the team's admins and researchers); DELETE forgets it, refused (409) while a job that
+    has not finished names it. `format=csv` on the list: one row per dataset."""
+
+    serializer_class = s.DatasetSerializer
+    lookup_value_regex = ServiceViewSet.lookup_value_regex
+    # CI that prepares data registers it, as it submits the jobs that read it.
+    required_scope = TokenScope.SUBMIT
+
+    def get_renderers(self):
+        if self.action == "list":
+            return [JSONRenderer(), CsvRenderer()]
+        return super().get_renderers()
+
+    def get_queryset(self):
+        return datasets.datasets_visible_to(user=self.request.user).order_by("team__slug", "name")
+
+    @extend_schema(
+        responses={
+            (200, "application/json"): s.DatasetSerializer(many=True),
+            (200, "text/csv"): OpenApiTypes.STR,
+        }
+    )
+    def list(self, request, *args, **kwargs):
+        if not isinstance(request.accepted_renderer, CsvRenderer):
+            return super().list(request, *args, **kwargs)
+        rows = datasets.csv_rows(self.get_queryset())
+        return csv_response("datasets.csv", datasets.CSV_COLUMNS, rows)
+
+    def create(self, request, *args, **kwargs):
+        body = s.DatasetSerializer(data=request.data, context=self.get_serializer_context())
+        body.is_valid(raise_exception=True)
+        dataset = datasets.dataset_register(by=request.user, **body.validated_data)
+        answer = s.DatasetSerializer(dataset, context=self.get_serializer_context()).data
+        return Response(answer, status=status.HTTP_201_CREATED)
+
+    def perform_destroy(self, instance):
+        datasets.dataset_delete(dataset=instance, by=self.request.user)
 
 
 class TuningRunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

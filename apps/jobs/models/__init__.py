@@ -1,5 +1,6 @@
 """Jobs, their history, allocations and runs, reservations, and the teams' decayed usage."""
 
+from apps.jobs.models.datasets import Dataset
 from apps.jobs.models.jobs import (
     Allocation,
     Job,

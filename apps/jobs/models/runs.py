@@ -73,6 +73,9 @@ class Run(models.Model):
         help_text="How its processes died, as the node's kernel told the agent: the earliest "
         "killed by a signal the agent did not send (kind oom or signal, signal, pid, rank...).",
     )
+    # The newest of the stage module's progress lines (workers/trainer/stage.py), checked
+    # field by field: what the Job page says while the run copies its datasets.
+    staging = models.JSONField(null=True, blank=True)
     stop_requested_at = models.DateTimeField(null=True, blank=True)
     stop_reason = models.CharField(max_length=300, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -114,6 +117,43 @@ class Run(models.Model):
     def command_line(self) -> str:
         """The argument list as a person would type it (shown, never run by a shell)."""
         return shlex.join(self.plan.get("argv") or [])
+
+    @property
+    def staging_note(self) -> str:
+        """The newest stage line as a person reads it: "staging wiki-en: 3.2 of 12.0 GB,
+        1.1 GB reused" (empty when the run staged nothing)."""
+        event = self.staging or {}
+        name = event.get("dataset", "")
+        if event.get("event") == "stage_failed":
+            return f"staging {name} failed: {event.get('message', '')}"
+        if event.get("event") == "stage_end":
+            return f"datasets staged: {_size(event.get('bytes', 0))}" + _reused(event)
+        if event.get("in_place"):
+            return f"{name}: read in place from shared storage"
+        if event.get("event") == "stage":
+            done, total = event.get("bytes_done", 0), event.get("bytes", 0)
+            unit = _unit(total)
+            of = f"{_size(done, unit)} of {_size(total, unit)} {unit[0]}"
+            return f"staging {name}: {of}" + _reused(event)
+        return ""
+
+
+def _unit(nbytes: int) -> tuple[str, int]:
+    for name, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6)):
+        if nbytes >= size:
+            return name, size
+    return "kB", 10**3
+
+
+def _size(nbytes: int, unit: tuple[str, int] | None = None) -> str:
+    name, size = unit or _unit(nbytes)
+    number = f"{nbytes / size:.1f}"
+    return number if unit else f"{number} {name}"
+
+
+def _reused(event: dict) -> str:
+    reused = event.get("reused_bytes", 0)
+    return f", {_size(reused)} reused" if reused else ""
 
 
 class LogLine(models.Model):

@@ -1,0 +1,186 @@
+"""Staging a dataset from S3 (a moto server on 127.0.0.1, through boto3) onto the node:
+everything fetched the first time, nothing the second, a corrupt object refused."""
+
+import hashlib
+import json
+import sys
+
+import pytest
+
+from workers.trainer import stage
+
+boto3 = pytest.importorskip("boto3")
+
+
+def _index(shards: dict[str, bytes]) -> dict:
+    """An index shaped like prepare's: shards and a validation split, each naming a file."""
+    names = sorted(shards)
+    entry = lambda n: {  # noqa: E731
+        "file": n,
+        "tokens": len(shards[n]) // 2,
+        "documents": 1,
+        "sha256": hashlib.sha256(shards[n]).hexdigest(),
+    }
+    return {
+        "format": 1,
+        "tokenizer": {"name": "bytes", "sha256": "0" * 64, "vocab_size": 256},
+        "shards": [entry(n) for n in names[:-1]],
+        "validation": entry(names[-1]),
+    }
+
+
+@pytest.fixture
+def dataset(aws_endpoint, request, monkeypatch):
+    """A bucket holding a three-file dataset under `wiki/`; the client every stage uses
+    counts the shard objects it GETs."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", aws_endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    client = boto3.client("s3", endpoint_url=aws_endpoint, region_name="us-east-1")
+    bucket = f"data-{abs(hash(request.node.name)) % 10**8}"
+    client.create_bucket(Bucket=bucket)
+    shards = {f"shard-{i:05d}.bin": bytes([i]) * (3000 + i) for i in range(2)}
+    shards["validation.bin"] = b"v" * 500
+    for name, body in shards.items():
+        client.put_object(Bucket=bucket, Key=f"wiki/{name}", Body=body)
+    client.put_object(Bucket=bucket, Key="wiki/index.json", Body=json.dumps(_index(shards)))
+    gets = []
+    real = stage.s3_client
+
+    def counting_client():
+        made = real()
+        original = made.get_object
+
+        def get_object(**kwargs):
+            gets.append(kwargs["Key"])
+            return original(**kwargs)
+
+        made.get_object = get_object
+        return made
+
+    return {
+        "client": client,
+        "bucket": bucket,
+        "shards": shards,
+        "gets": gets,
+        "factory": counting_client,
+    }
+
+
+def _plan(dataset, dest):
+    return {
+        "datasets": [{"name": "wiki", "uri": f"s3://{dataset['bucket']}/wiki/", "dest": str(dest)}]
+    }
+
+
+def _events(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_the_first_stage_fetches_everything_and_the_second_reuses_it(
+    dataset, tmp_path, capsys, monkeypatch
+):
+    dest = tmp_path / "cache" / "wiki"
+    total = sum(len(b) for b in dataset["shards"].values())
+
+    assert stage.stage_all(_plan(dataset, dest), dataset["factory"]) == 0
+    first = _events(capsys.readouterr().out)
+    for name, body in dataset["shards"].items():
+        assert (dest / name).read_bytes() == body
+    assert json.loads((dest / "index.json").read_text())["format"] == 1
+    assert not [p for p in dest.iterdir() if p.name.startswith(".tmp-")]
+    last = [e for e in first if e["event"] == "stage"][-1]
+    assert last == {
+        "event": "stage",
+        "dataset": "wiki",
+        "files_done": 3,
+        "files": 3,
+        "bytes_done": total,
+        "bytes": total,
+        "reused_bytes": 0,
+    }
+    assert first[-1]["event"] == "stage_end" and first[-1]["bytes"] == total
+    assert sorted(k for k in dataset["gets"] if k != "wiki/index.json") == sorted(
+        f"wiki/{n}" for n in dataset["shards"]
+    )
+
+    # The second time: no shard is fetched, and none is read again (the .verified cache).
+    dataset["gets"].clear()
+    monkeypatch.setattr(stage, "sha256_of", lambda path: pytest.fail(f"{path} was hashed again"))
+    assert stage.stage_all(_plan(dataset, dest), dataset["factory"]) == 0
+    second = _events(capsys.readouterr().out)
+    assert dataset["gets"] == ["wiki/index.json"]
+    last = [e for e in second if e["event"] == "stage"][-1]
+    assert last["reused_bytes"] == last["bytes"] == last["bytes_done"] == total
+    assert second[-1] == {**second[-1], "event": "stage_end", "reused_bytes": total}
+
+
+def test_a_changed_local_file_is_fetched_again(dataset, tmp_path, capsys):
+    dest = tmp_path / "wiki"
+    assert stage.stage_all(_plan(dataset, dest), dataset["factory"]) == 0
+    (dest / "shard-00000.bin").write_bytes(b"tampered")
+    dataset["gets"].clear()
+    assert stage.stage_all(_plan(dataset, dest), dataset["factory"]) == 0
+    assert dataset["gets"] == ["wiki/index.json", "wiki/shard-00000.bin"]
+    assert (dest / "shard-00000.bin").read_bytes() == dataset["shards"]["shard-00000.bin"]
+
+
+def test_a_corrupt_object_fails_the_stage_naming_the_file(dataset, tmp_path, capsys):
+    dataset["client"].put_object(Bucket=dataset["bucket"], Key="wiki/shard-00001.bin", Body=b"rot")
+    dest = tmp_path / "wiki"
+    assert stage.stage_all(_plan(dataset, dest), dataset["factory"]) == 1
+    captured = capsys.readouterr()
+    failed = _events(captured.out)[-1]
+    assert failed["event"] == "stage_failed" and "shard-00001.bin" in failed["message"]
+    assert "shard-00001.bin" in captured.err
+    assert not (dest / "shard-00001.bin").exists()
+    assert not [p for p in dest.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_an_s3_error_exits_1_with_the_reason(dataset, tmp_path, capsys):
+    plan = {
+        "datasets": [
+            {"name": "gone", "uri": f"s3://{dataset['bucket']}/nothing/", "dest": str(tmp_path)}
+        ]
+    }
+    assert stage.stage_all(plan, dataset["factory"]) == 1
+    assert "NoSuchKey" in capsys.readouterr().err
+
+
+def test_an_index_cannot_write_outside_its_directory():
+    with pytest.raises(stage.StageError, match="plain relative path"):
+        stage.index_files({"shards": [{"file": "../../etc/passwd", "sha256": "x"}]})
+    assert [f.name for f in stage.index_files({"a": {"path": "x/y.bin", "sha256": "s"}})] == [
+        "x/y.bin"
+    ]
+
+
+def test_a_shared_path_is_used_in_place(tmp_path, capsys):
+    (tmp_path / "index.json").write_text("{}")
+    plan = {"datasets": [{"name": "books", "uri": str(tmp_path), "dest": ""}]}
+    assert stage.stage_all(plan) == 0
+    events = _events(capsys.readouterr().out)
+    assert events[0] == {
+        "event": "stage",
+        "dataset": "books",
+        "in_place": True,
+        "path": str(tmp_path),
+    }
+    assert (
+        stage.stage_all({"datasets": [{"name": "x", "uri": str(tmp_path / "no"), "dest": ""}]}) == 1
+    )
+
+
+def test_then_runs_the_command_only_after_staging(tmp_path, monkeypatch):
+    (tmp_path / "index.json").write_text("{}")
+    plan = tmp_path / "stage.json"
+    plan.write_text(json.dumps({"datasets": [{"name": "b", "uri": str(tmp_path), "dest": ""}]}))
+    ran = []
+    monkeypatch.setattr(stage.os, "execvp", lambda file, args: ran.append(args))
+    stage.main(["--plan", str(plan), "--then", "--", sys.executable, "-c", "pass"])
+    assert ran == [[sys.executable, "-c", "pass"]]
+    plan.write_text(
+        json.dumps({"datasets": [{"name": "b", "uri": str(tmp_path / "no"), "dest": ""}]})
+    )
+    ran.clear()
+    assert stage.main(["--plan", str(plan), "--then", "--", "torchrun"]) == 1
+    assert ran == []

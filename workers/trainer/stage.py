@@ -1,0 +1,311 @@
+"""Stage a job's datasets onto the node before the trainer starts, reusing what is there.
+
+    python -m workers.trainer.stage --plan stage.json [--then -- torchrun ...]
+
+The plan, written by the control plane for each run, lists the datasets:
+`{"datasets": [{"name", "uri", "dest"}]}`. An `s3://bucket/prefix/` dataset is copied
+into `dest` (a directory of the node's dataset cache, kept across jobs): its
+`index.json` first, then every file the index names (any JSON object in it with a
+`file` or `path` and a `sha256`). A file already in `dest` whose SHA-256 matches is
+kept, not fetched again; a `.verified` file remembers (size, mtime, sha256) of each file
+checked, so a shard that has not changed since is not read again. A download goes to a
+temporary name, is checked, then renamed, so a cut-short stage leaves nothing that
+passes for a shard. A shared path is used in place: it must hold `index.json`.
+
+Progress is printed as JSON lines the agent relays (at most one a second per dataset
+and one at its end): `{"event": "stage", "dataset", "files_done", "files",
+"bytes_done", "bytes", "reused_bytes"}`, then `{"event": "stage_end", ...}` once all are
+staged. Any failure (an S3 error, a checksum that does not match) prints
+`{"event": "stage_failed", "dataset", "message"}` and exits 1; with `--then`, the
+command after `--` replaces this process only when every dataset is staged.
+
+Standard library only, and boto3 (imported when an S3 dataset is staged); no Django,
+no torch. The endpoint and credentials come from the usual AWS variables
+(`AWS_ENDPOINT_URL` for a non-AWS endpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+INDEX = "index.json"
+VERIFIED = ".verified"
+LOCK = ".stage.lock"
+CHUNK = 8 << 20
+PROGRESS_EVERY_S = 1.0
+
+
+class StageError(Exception):
+    """A dataset could not be staged; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class DatasetFile:
+    name: str  # relative to the dataset's directory
+    sha256: str
+
+
+def emit(event: dict) -> None:
+    print(json.dumps(event, separators=(",", ":")), flush=True)
+
+
+def index_files(index: dict) -> list[DatasetFile]:
+    """Every file the index names, wherever in it: an object with a `file` (or `path`)
+    and a `sha256`. Names are plain relative paths, never `..` or absolute, so an index
+    cannot make the stage write outside its directory."""
+    found: dict[str, DatasetFile] = {}
+
+    def walk(value) -> None:
+        if isinstance(value, dict):
+            name = value.get("file", value.get("path"))
+            if isinstance(name, str) and isinstance(value.get("sha256"), str):
+                found.setdefault(safe_name(name), DatasetFile(safe_name(name), value["sha256"]))
+            for child in value.values():
+                walk(child)
+        elif isinstance(value, list):
+            for child in value:
+                walk(child)
+
+    walk(index)
+    return list(found.values())
+
+
+def safe_name(name: str) -> str:
+    parts = PurePosixPath(name).parts
+    if not parts or name.startswith("/") or any(p in (".", "..") for p in parts):
+        raise StageError(f"index names {name!r}, which is not a plain relative path")
+    if parts[-1] in (INDEX, VERIFIED, LOCK):
+        raise StageError(f"index names {name!r}, a name the stage keeps for itself")
+    return "/".join(parts)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class VerifiedCache:
+    """(size, mtime, sha256) of the files checked before, in `dest/.verified`."""
+
+    def __init__(self, dest: Path):
+        self.path = dest / VERIFIED
+        try:
+            self.entries = json.loads(self.path.read_text())
+            if not isinstance(self.entries, dict):
+                self.entries = {}
+        except (OSError, ValueError):
+            self.entries = {}
+
+    def sha256(self, name: str, path: Path) -> str | None:
+        """The file's SHA-256: from the cache when its size and mtime are unchanged, else
+        read (and remembered); None when it is missing."""
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            return None
+        entry = self.entries.get(name)
+        if (
+            isinstance(entry, dict)
+            and entry.get("size") == info.st_size
+            and entry.get("mtime_ns") == info.st_mtime_ns
+        ):
+            return entry.get("sha256")
+        digest = sha256_of(path)
+        self.remember(name, path, digest)
+        return digest
+
+    def remember(self, name: str, path: Path, digest: str) -> None:
+        info = path.stat()
+        self.entries[name] = {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": digest}
+
+    def save(self) -> None:
+        temporary = self.path.with_name(f"{VERIFIED}.tmp-{os.getpid()}")
+        temporary.write_text(json.dumps(self.entries, sort_keys=True))
+        temporary.replace(self.path)
+
+
+class Progress:
+    """The `stage` events of one dataset: at most one a second, and one at the end."""
+
+    def __init__(self, dataset: str, files: int, total: int, clock=time.monotonic):
+        self.clock = clock
+        self.state = {
+            "event": "stage",
+            "dataset": dataset,
+            "files_done": 0,
+            "files": files,
+            "bytes_done": 0,
+            "bytes": total,
+            "reused_bytes": 0,
+        }
+        self.last = None
+
+    def advance(self, nbytes: int = 0, *, files: int = 0, reused: int = 0) -> None:
+        self.state["bytes_done"] += nbytes + reused
+        self.state["reused_bytes"] += reused
+        self.state["files_done"] += files
+        now = self.clock()
+        if self.last is None or now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            emit(dict(self.state))
+
+    def finish(self) -> dict:
+        emit(dict(self.state))
+        return self.state
+
+
+def s3_client():
+    import boto3
+
+    return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    prefix = prefix.strip("/")
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+def stage_s3(name: str, uri: str, dest: Path, client) -> dict:
+    """Copy one dataset from S3 into `dest`, reusing every file that already matches."""
+    bucket, prefix = split_uri(uri)
+    dest.mkdir(parents=True, exist_ok=True)
+    with open(dest / LOCK, "a") as lock:
+        # Two runs of a node staging the same dataset: the second waits, then reuses.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        body = client.get_object(Bucket=bucket, Key=prefix + INDEX)["Body"].read()
+        try:
+            index = json.loads(body)
+        except ValueError as e:
+            raise StageError(f"{uri}{INDEX} is not JSON: {e}") from e
+        files = index_files(index)
+        if not files:
+            raise StageError(f"{uri}{INDEX} names no file with a sha256")
+        sizes = listed_sizes(client, bucket, prefix)
+        missing = [f.name for f in files if f.name not in sizes]
+        if missing:
+            raise StageError(f"{uri}{missing[0]} is named in {INDEX} but not in the bucket")
+        cache = VerifiedCache(dest)
+        progress = Progress(name, len(files), sum(sizes[f.name] for f in files))
+        try:
+            for item in files:
+                target = dest / item.name
+                if cache.sha256(item.name, target) == item.sha256:
+                    progress.advance(files=1, reused=sizes[item.name])
+                    continue
+                download(client, bucket, prefix + item.name, target, item, cache, progress)
+                progress.advance(files=1)
+        finally:
+            cache.save()
+        atomic_write(dest / INDEX, body)
+        return progress.finish()
+
+
+def listed_sizes(client, bucket: str, prefix: str) -> dict[str, int]:
+    sizes = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for item in page.get("Contents", []):
+            sizes[item["Key"][len(prefix) :]] = item["Size"]
+    return sizes
+
+
+def download(client, bucket, key, target: Path, item: DatasetFile, cache, progress) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".tmp-{target.name}-{os.getpid()}")
+    digest = hashlib.sha256()
+    try:
+        stream = client.get_object(Bucket=bucket, Key=key)["Body"]
+        with open(temporary, "wb") as f:
+            while block := stream.read(CHUNK):
+                f.write(block)
+                digest.update(block)
+                progress.advance(len(block))
+            f.flush()
+            os.fsync(f.fileno())
+        if digest.hexdigest() != item.sha256:
+            raise StageError(
+                f"{item.name}: sha256 {digest.hexdigest()} after download, "
+                f"the index says {item.sha256}"
+            )
+        temporary.replace(target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+    cache.remember(item.name, target, item.sha256)
+
+
+def atomic_write(path: Path, content: bytes) -> None:
+    temporary = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    temporary.write_bytes(content)
+    temporary.replace(path)
+
+
+def stage_shared(name: str, uri: str) -> dict:
+    if not (Path(uri) / INDEX).is_file():
+        raise StageError(f"{uri} has no {INDEX}")
+    event = {"event": "stage", "dataset": name, "in_place": True, "path": uri}
+    emit(event)
+    return event
+
+
+def stage_all(plan: dict, client_factory=s3_client) -> int:
+    """Stage every dataset of the plan; 0 when all are ready, 1 (with the reason) if not."""
+    started = time.monotonic()
+    client = None
+    totals = {"bytes": 0, "reused_bytes": 0}
+    datasets = plan.get("datasets") or []
+    for dataset in datasets:
+        name, uri = dataset["name"], dataset["uri"]
+        try:
+            if uri.startswith("s3://"):
+                client = client or client_factory()
+                done = stage_s3(name, uri, Path(dataset["dest"]), client)
+                totals["bytes"] += done["bytes"]
+                totals["reused_bytes"] += done["reused_bytes"]
+            else:
+                stage_shared(name, uri)
+        except Exception as e:  # S3's errors, the disk's and ours: all end the stage
+            message = f"{type(e).__name__}: {e}" if not isinstance(e, StageError) else str(e)
+            emit({"event": "stage_failed", "dataset": name, "message": message})
+            print(f"stage: {name}: {message}", file=sys.stderr, flush=True)
+            return 1
+    seconds = round(time.monotonic() - started, 3)
+    emit({"event": "stage_end", "datasets": len(datasets), **totals, "seconds": seconds})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    then = []
+    if "--then" in argv:
+        at = argv.index("--then")
+        argv, then = argv[:at], argv[at + 1 :]
+        if then[:1] == ["--"]:
+            then = then[1:]
+        if not then:
+            print("stage: --then needs a command after --", file=sys.stderr)
+            return 2
+    parser = argparse.ArgumentParser(prog="python -m workers.trainer.stage")
+    parser.add_argument("--plan", required=True, help="the stage plan (JSON)")
+    args = parser.parse_args(argv)
+    plan = json.loads(Path(args.plan).read_text())
+    code = stage_all(plan)
+    if code or not then:
+        return code
+    os.execvp(then[0], then)  # noqa: S606 (an argument list from the run plan, not a shell)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
