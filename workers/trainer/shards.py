@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from workers.trainer.checkpoint import sha256_of
 from workers.trainer.data import HEADER_BYTES, TokenFile, read_header, write_header
 
 INDEX = "index.json"
@@ -57,14 +58,6 @@ FORMAT = "controlplane-dataset"
 VERSION = 1
 SPLITS = ("train", "validation")
 TOKENIZER_COPY = "tokenizer.json"
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def held_out(document: int, *, fraction: float, seed: int) -> bool:

@@ -28,23 +28,7 @@ from workers.trainer.data import (  # noqa: E402
 )
 
 ROOT = Path(__file__).resolve().parents[3]
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "tired",
-    "owls",
-    "count",
-    "stars",
-]
+WORDS = ["pack", "my", "box", "with", "five", "dozen", "liquor", "jugs", "sphinx", "of", "quartz"]
 
 
 def texts(count: int, offset: int = 0) -> list[str]:
@@ -159,8 +143,8 @@ def test_a_tokenizer_without_an_end_of_text_token_must_name_one(tmp_path):
 
     with pytest.raises(ValueError, match="--eos"):
         prepare_sharded([inputs], tmp_path / "out", tokenizer_file=tokenizer_file)
-    index = prepare_sharded([inputs], tmp_path / "out", tokenizer_file=tokenizer_file, eos="the")
-    assert index["tokenizer"]["eos_token"] == "the"
+    index = prepare_sharded([inputs], tmp_path / "out", tokenizer_file=tokenizer_file, eos="box")
+    assert index["tokenizer"]["eos_token"] == "box"
 
 
 def test_the_trainer_reads_a_split_as_windows_shard_after_shard(prepared):

@@ -107,12 +107,18 @@ def test_a_mixture_trains_evaluates_and_resumes_on_fewer_ranks(mixture, tmp_path
         assert abs(again[step]["loss"] - evals[step]["loss"]) <= LOSS_TOLERANCE
 
 
-def test_pipeline_stages_evaluate_on_the_last_stage(mixture, tmp_path):
-    """Under pipeline parallelism the forward-only schedule runs between training steps."""
-    reference = train(mixture_config(mixture, steps=3), tmp_path / "one")
-    run = train(mixture_config(mixture, layout={"pp": 2}, steps=3), tmp_path / "pp", nproc=2)
+@pytest.fixture(scope="module")
+def one_process(mixture, tmp_path_factory):
+    return train(mixture_config(mixture, steps=3), tmp_path_factory.mktemp("one"))
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2}], ids=["pp", "tp"])
+def test_evaluation_under_pipeline_and_tensor_parallelism(mixture, one_process, layout, tmp_path):
+    """Pipeline stages evaluate through the forward-only schedule, between training steps;
+    tensor-parallel ranks count the loss once."""
+    run = train(mixture_config(mixture, layout=layout, steps=3), tmp_path, nproc=2)
     # Training carries on alike after an evaluation (step 3 follows step 2's).
-    assert_same_losses(run, reference, [1, 2, 3])
+    assert_same_losses(run, one_process, [1, 2, 3])
     assert [e["step"] for e in run.of("eval")] == [2, 3]
-    for event, expected in zip(run.of("eval"), reference.of("eval"), strict=True):
+    for event, expected in zip(run.of("eval"), one_process.of("eval"), strict=True):
         assert abs(event["loss"] - expected["loss"]) <= LOSS_TOLERANCE
