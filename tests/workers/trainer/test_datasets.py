@@ -345,3 +345,38 @@ def test_impossible_mixtures_and_evaluations_are_refused(data, evaluation, messa
         run_config.parse(
             {"model": {"preset": "tiny"}, "data": {**data, "seq_len": 32}, "eval": evaluation}
         )
+
+
+def test_the_command_line_prepares_and_verifies(prepared, tmp_path, capsys):
+    from workers.trainer.prepare import main
+
+    _, index, _, tokenizer_file = prepared
+    out = tmp_path / "cli"
+    arguments = [str(tmp_path / "in"), "--out", str(out), "--tokenizer-file", str(tokenizer_file)]
+    assert main([*arguments, "--validation", "0.1", "--shard-tokens", "900"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == index["totals"]["tokens"]
+    assert main(["--verify", str(out)]) == 0
+    (out / "validation-00000.docs.npy").write_bytes(b"")
+    assert main(["--verify", str(out)]) == 1
+    assert "validation-00000.docs.npy" in capsys.readouterr().out
+
+
+def test_what_is_evaluated(prepared, tmp_path):
+    from workers.trainer.evaluation import eval_sets
+    from workers.trainer.prepare import prepare
+
+    directory, _, _, _ = prepared
+    (tmp_path / "held.txt").write_text("held out text " * 40)
+    prepare([tmp_path / "held.txt"], tmp_path / "held.bin")
+
+    def sets(data, every=10):
+        config = {"model": {"preset": "tiny"}, "data": {"seq_len": 16, **data}}
+        return eval_sets(run_config.parse({**config, "eval": {"every": every}}))
+
+    mixed = sets({"mixture": [{"path": str(directory), "weight": 2}, {"path": "/t.bin"}]})
+    assert [(s.name, s.weight, s.source.split) for s in mixed] == [("web", 2, "validation")]
+    (named,) = sets({"dataset": str(directory), "eval": str(tmp_path / "held.bin")})
+    assert (named.name, named.source.windows) == ("held.bin", (40 * 14 - 1) // 16)
+    assert sets({"dataset": "/t.bin"}, every=0) == []
+    with pytest.raises(run_config.ConfigError, match="nothing to evaluate"):
+        sets({"dataset": str(tmp_path / "held.bin")})
