@@ -3,7 +3,9 @@
 A checkpoint is the directory `<dir>/step-00001200/`: the shards every rank
 wrote with torch.distributed.checkpoint (DCP), its `.metadata`, and
 `manifest.json`: the step, the layout and world size that wrote it, each
-file's size and SHA-256, the data position, the RNG state and the loss.
+file's size and SHA-256, the data position (in all and per dataset of the
+mixture), the RNG state, the loss and the latest evaluation ("eval": its step,
+loss, perplexity, tokens and per-dataset figures; null before the first).
 
 Writing: every rank saves its shards into `<dir>/.tmp-step-00001200/`; the
 ranks hash the files between them; rank 0 writes the manifest last, fsyncs it
@@ -174,6 +176,8 @@ class Checkpointer:
         self.resumed_from: str | None = None
         self._last_saved_at = time.monotonic()
         self._copies: list[threading.Thread] = []
+        # The latest evaluation's figures (evaluation.py), kept with each checkpoint.
+        self.evaluation: dict | None = None
 
     @property
     def enabled(self) -> bool:
@@ -345,6 +349,7 @@ class Checkpointer:
                 **self.batches.position(step),
             },
             "rng": _rng_state(self.config.seed),
+            "eval": self.evaluation,
             "files": files,
             "resumed_from": self.resumed_from,
             "job": self.config.job,
@@ -372,6 +377,7 @@ class Checkpointer:
             "world_size": self.world.size,
             "layout": self.config.layout.as_dict(),
             "loss": loss,
+            "eval": self.evaluation,
             "time": manifest["time"],
             "files": len(files) + 1,
         }
@@ -492,7 +498,9 @@ class Checkpointer:
             )
         _restore_rng(manifest.get("rng") or {})
         step = int(manifest["step"])
-        self.batches.rebase(step, int(manifest["data"]["samples_seen"]))
+        data = manifest["data"]
+        self.batches.rebase(step, int(data["samples_seen"]), data.get("datasets"))
+        self.evaluation = manifest.get("eval")
         self.resumed_from = str(path.resolve())
         if self.world.is_logger:
             metrics.emit(

@@ -8,7 +8,12 @@ at once instead of being ignored for a day of training.
     {
       "job": {"id": 7, "uuid": "…", "attempt": 1, "name": "…"},          # for the record
       "model": {"preset": "tiny"} or {"sizes": {"layers": …, "dim": …, …}},
-      "data": {"dataset": "/data/tokens.bin" or "synthetic", "seq_len": 2048},
+      "data": {"dataset": "/data/tokens.bin", a prepared dataset's directory, or "synthetic",
+               "seq_len": 2048,
+               # or, in place of dataset, several with weights (data.py says how they mix):
+               "mixture": [{"path": "/data/web-en", "weight": 3, "name": "web-en"}, …],
+               "eval": null},              # what to evaluate on (below); null: the mixture's
+      "eval": {"every": 500, "batches": 20},      # 0: never (see Evaluation)
       "schedule": {"steps": 1000, "global_batch": 64, "micro_batch": null,
                    "lr": 3e-4, "min_lr_ratio": 0.1, "warmup_steps": 100,
                    "weight_decay": 0.1, "grad_clip": 1.0},
@@ -29,7 +34,7 @@ at once instead of being ignored for a day of training.
 """
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from workers.trainer.presets import PRESETS, ModelShape
@@ -121,9 +126,40 @@ class Kernels:
 
 
 @dataclass(frozen=True)
+class MixturePart:
+    path: str
+    weight: float = 1.0
+    name: str | None = None  # what checkpoints call it; default: the path's last part
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path.rstrip("/")).name
+
+
+@dataclass(frozen=True)
 class Data:
     dataset: str = "synthetic"
     seq_len: int = 2048
+    mixture: tuple[MixturePart, ...] | None = None  # in place of dataset
+    # A token file or prepared dataset (its validation split, if it has one) to evaluate on;
+    # None: the validation split of each prepared dataset being trained on.
+    eval: str | None = None
+
+    def parts(self) -> tuple[MixturePart, ...]:
+        """What is trained on: the mixture, or the one dataset at weight 1."""
+        if self.mixture:
+            return self.mixture
+        name = self.dataset if self.dataset == "synthetic" else None
+        return (MixturePart(self.dataset, 1.0, name),)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Loss and perplexity on held-out data, every `every` steps and at the end (0: never),
+    over `batches` global batches of each evaluated dataset (the same sequences each time)."""
+
+    every: int = 0
+    batches: int = 1
 
 
 @dataclass(frozen=True)
@@ -145,6 +181,7 @@ class RunConfig:
     layout: Layout = field(default_factory=Layout)
     pipeline: Pipeline = field(default_factory=Pipeline)
     checkpoint: Checkpointing = field(default_factory=Checkpointing)
+    eval: Evaluation = field(default_factory=Evaluation)
     precision: str = "bf16"
     activation_checkpointing: str = "none"
     compile: bool = False
@@ -201,6 +238,7 @@ TOP_LEVEL = {
     "layout",
     "pipeline",
     "checkpoint",
+    "eval",
     "precision",
     "activation_checkpointing",
     "compile",
@@ -223,11 +261,12 @@ def parse(data: dict) -> RunConfig:
     config = RunConfig(
         model=shape,
         model_name=name,
-        data=_section(Data, data.get("data"), "data"),
+        data=_data(data.get("data")),
         schedule=_section(Schedule, data.get("schedule"), "schedule"),
         layout=_section(Layout, data.get("layout"), "layout"),
         pipeline=_section(Pipeline, data.get("pipeline"), "pipeline"),
         checkpoint=_section(Checkpointing, checkpoint, "checkpoint"),
+        eval=_section(Evaluation, data.get("eval"), "eval"),
         precision=data.get("precision") or "bf16",
         activation_checkpointing=data.get("activation_checkpointing") or "none",
         compile=bool(data.get("compile", False)),
@@ -245,9 +284,21 @@ def parse(data: dict) -> RunConfig:
     return config
 
 
-def _replace_checkpoint(config: RunConfig, **changes) -> RunConfig:
-    from dataclasses import replace
+def _data(data) -> Data:
+    data = dict(data or {})
+    mixture = data.pop("mixture", None)
+    section = _section(Data, data, "data")
+    if mixture is None:
+        return section
+    if not isinstance(mixture, list) or not mixture:
+        raise ConfigError("data.mixture must be a list of {path, weight}")
+    parts = tuple(_section(MixturePart, p, f"data.mixture[{i}]") for i, p in enumerate(mixture))
+    if "dataset" in data:
+        raise ConfigError("data: give dataset or mixture, not both")
+    return replace(section, mixture=parts)
 
+
+def _replace_checkpoint(config: RunConfig, **changes) -> RunConfig:
     return replace(config, checkpoint=replace(config.checkpoint, **changes))
 
 
@@ -288,6 +339,13 @@ def check(config: RunConfig) -> None:
         raise ConfigError(f"data.seq_len is longer than the model's {shape.max_seq_len}")
     if schedule.steps < 1 or config.log_every < 1:
         raise ConfigError("schedule.steps and log_every must be at least 1")
+    parts = config.data.parts()
+    if any(not isinstance(p.weight, int | float) or not p.weight > 0 for p in parts):
+        raise ConfigError("data.mixture: every weight must be a number above 0")
+    if len({p.label for p in parts}) != len(parts):
+        raise ConfigError("data.mixture: the datasets need distinct names (give name)")
+    if config.eval.every < 0 or config.eval.batches < 1:
+        raise ConfigError("eval.every must be 0 or more and eval.batches at least 1")
 
 
 def stage_count(config: RunConfig) -> int:

@@ -6,7 +6,8 @@ the lines that parse as JSON objects with an "event" key:
     {"event": "step", "step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu",
      "peak_mem_gib", "time", "step_time_s", "tokens"}
     {"event": "checkpoint", "step", "path", "manifest_sha256", "size_bytes",
-     "world_size", "layout", "loss", "time", "files"}
+     "world_size", "layout", "loss", "eval", "time", "files"}
+    {"event": "eval", "step", "loss", "perplexity", "tokens", "time", "datasets"}
 
 and, less often, "start", "resume", "checkpoint_rejected", "checkpoint_copy",
 "checkpoint_copy_failed", "end" and, once after the first update, "state_bytes"

@@ -85,6 +85,12 @@ class World:
         return self.coordinate("pp")
 
     @property
+    def holds_loss(self) -> bool:
+        """Whether this rank reports its data-parallel group's loss: the last pipeline stage
+        computes it, and of a tensor-parallel group only the first rank counts it."""
+        return self.coordinate("tp") == 0 and self.pp_rank == self.config.layout.pp - 1
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """bf16 on GPUs when asked for; CPUs (local nodes, tests) train in fp32."""
         return torch.bfloat16 if self.on_gpu and self.config.precision == "bf16" else torch.float32

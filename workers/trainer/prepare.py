@@ -1,11 +1,23 @@
-"""Text files → a token file for the trainer, with a tokenizer that needs no download.
+"""Text files → tokens for the trainer: a sharded dataset, or one token file.
 
+    python -m workers.trainer.prepare --tokenizer-file llama/tokenizer.json \
+        --out data/web-en --validation 0.01 corpus/ more.jsonl
     python -m workers.trainer.prepare --out data/tokens.bin notes/ book.txt
     python -m workers.trainer.prepare --out tokens.bin --tokenizer bpe --vocab-size 4096 corpus/
 
-Each input file (directories are walked, files taken in sorted order) is one
-document, read as UTF-8; documents are separated in the token stream by the
-ASCII record separator byte (0x1E). Tokenizers:
+Inputs: directories are walked, files taken in sorted order; a `.jsonl` file
+holds one document a line (its "text" field, or --text-field), any other file
+is one document, read as UTF-8.
+
+With --tokenizer-file (a published model's tokenizer.json, read by the
+`tokenizers` library, which only this mode needs) --out is a dataset
+directory: shards of whole documents, each document followed by the
+tokenizer's end-of-text token (--eos names it when it is not one of the usual
+ones), a held-out validation split, and an index; shards.py describes the
+format. `--verify DIR` checks such a directory against its index.
+
+Otherwise --out is one token file, and documents are separated in the token
+stream by the ASCII record separator byte (0x1E). Tokenizers:
 
 - bytes: the 256 byte values, vocabulary 256;
 - bpe: byte-pair merges learned from the input itself up to --vocab-size
@@ -21,6 +33,7 @@ import argparse
 import itertools
 import json
 import re
+import shutil
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
@@ -28,19 +41,29 @@ from pathlib import Path
 
 import numpy as np
 
+from workers.trainer import shards
 from workers.trainer.data import TokenFile, read_header, token_dtype, write_header
 
 SEPARATOR = 0x1E
 WORD = re.compile(r" ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+")
 
 
-def documents(inputs: Iterable[str | Path], *, skip: Iterable[Path] = ()) -> Iterator[str]:
+def documents(
+    inputs: Iterable[str | Path], *, skip: Iterable[Path] = (), text_field: str = "text"
+) -> Iterator[str]:
     skip = {p.resolve() for p in skip}
     for item in inputs:
         path = Path(item)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for file in files:
-            if file.resolve() not in skip:  # our own output, when written among the inputs
+            if any(p in skip for p in (file.resolve(), *file.resolve().parents)):
+                continue  # our own output, when written among the inputs
+            if file.suffix == ".jsonl":
+                with open(file, encoding="utf-8", errors="replace") as lines:
+                    for line in lines:
+                        if line.strip():
+                            yield json.loads(line)[text_field]
+            else:
                 yield file.read_text(encoding="utf-8", errors="replace")
 
 
@@ -193,6 +216,84 @@ def prepare(
     return {"vocab_size": header.vocab_size, "tokens": header.tokens, "tokenizer": description}
 
 
+# End-of-text tokens of the usual published tokenizers, tried in order when --eos is not given.
+EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
+SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 tokens
+ENCODE_BATCH = 512  # documents per call into the tokenizer's (parallel) batch encoder
+
+
+def prepare_sharded(
+    inputs: list[str | Path],
+    out: str | Path,
+    *,
+    tokenizer_file: str | Path,
+    tokenizer_name: str | None = None,
+    eos: str | None = None,
+    validation: float = 0.0,
+    split_seed: int = 0,
+    shard_tokens: int = SHARD_TOKENS,
+    text_field: str = "text",
+    add_special_tokens: bool = True,
+) -> dict:
+    """Write the dataset directory `out` (shards.py's format); return its index.
+
+    The directory is written under a temporary name and renamed when its index
+    is complete, so a preparation cut short leaves nothing that looks finished.
+    """
+    from tokenizers import Tokenizer  # only this mode needs it; nodes may lack it
+
+    out, tokenizer_file = Path(out), Path(tokenizer_file)
+    if out.exists():
+        raise ValueError(f"{out} exists: prepare a dataset into a new directory")
+    if not 0 <= validation < 1:
+        raise ValueError("--validation is a fraction of the documents, from 0 up to 1")
+    coder = Tokenizer.from_file(str(tokenizer_file))
+    eos_token = eos or next((t for t in EOS_CANDIDATES if coder.token_to_id(t) is not None), None)
+    eos_id = coder.token_to_id(eos_token) if eos_token else None
+    if eos_id is None:
+        raise ValueError(f"{tokenizer_file} has no end-of-text token {eos or ''}: give --eos")
+    vocab_size = coder.get_vocab_size(with_added_tokens=True)
+    dtype = token_dtype(vocab_size)
+    temporary = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    shutil.copyfile(tokenizer_file, temporary / shards.TOKENIZER_COPY)
+    writers = {
+        split: shards.SplitWriter(
+            temporary, split, dtype=dtype, vocab_size=vocab_size, shard_tokens=shard_tokens
+        )
+        for split in shards.SPLITS
+    }
+    texts = documents(inputs, skip=(out, temporary), text_field=text_field)
+    number = 0
+    while batch := list(itertools.islice(texts, ENCODE_BATCH)):
+        encoded = coder.encode_batch(batch, add_special_tokens=add_special_tokens)
+        for encoding in encoded:
+            held = shards.held_out(number, fraction=validation, seed=split_seed)
+            writers["validation" if held else "train"].add([*encoding.ids, eos_id])
+            number += 1
+    splits = {split: writer.finish() for split, writer in writers.items()}
+    index = shards.write_index(
+        temporary,
+        name=out.name,
+        dtype=dtype,
+        shard_tokens=shard_tokens,
+        tokenizer={
+            "name": tokenizer_name or tokenizer_file.resolve().parent.name,
+            "file": shards.TOKENIZER_COPY,
+            "sha256": shards.sha256_of(tokenizer_file),
+            "vocab_size": vocab_size,
+            "eos_id": eos_id,
+            "eos_token": eos_token,
+            "add_special_tokens": add_special_tokens,
+        },
+        validation={"fraction": validation, "seed": split_seed, "rule": "blake2b"},
+        splits=splits,
+    )
+    temporary.rename(out)
+    return index
+
+
 def load_tokenizer(path: Path):
     description = read_header(path).tokenizer
     if description["kind"] == "bpe":
@@ -220,16 +321,43 @@ def decode_file(path: str | Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.trainer.prepare", description=__doc__)
     parser.add_argument("inputs", nargs="*", help="text files or directories of them")
-    parser.add_argument("--out", help="the token file to write")
+    parser.add_argument("--out", help="the token file (or, with --tokenizer-file, directory)")
     parser.add_argument("--tokenizer", choices=("bytes", "bpe"), default="bytes")
     parser.add_argument("--vocab-size", type=int, default=4096, help="bpe only (default 4096)")
     parser.add_argument("--decode", metavar="FILE", help="print a token file's text and exit")
+    parser.add_argument("--text-field", default="text", help="a .jsonl line's text (default text)")
+    sharded = parser.add_argument_group("a sharded dataset, with a published model's tokenizer")
+    sharded.add_argument("--tokenizer-file", help="the model's tokenizer.json")
+    sharded.add_argument("--tokenizer-name", help="what to call it (default: its folder's name)")
+    sharded.add_argument("--eos", help="the end-of-text token (default: the usual ones, tried)")
+    sharded.add_argument("--validation", type=float, default=0.0, help="held-out fraction")
+    sharded.add_argument("--split-seed", type=int, default=0, help="seeds the held-out choice")
+    sharded.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS)
+    sharded.add_argument("--verify", metavar="DIR", help="check a dataset against its index")
     args = parser.parse_args(argv)
     if args.decode:
         sys.stdout.write(chr(SEPARATOR).join(decode_file(args.decode)))
         return 0
+    if args.verify:
+        problems = shards.verify(args.verify)
+        print(json.dumps({"dataset": args.verify, "problems": problems}))
+        return 1 if problems else 0
     if not args.inputs or not args.out:
         parser.error("give input files and --out")
+    if args.tokenizer_file:
+        index = prepare_sharded(
+            args.inputs,
+            args.out,
+            tokenizer_file=args.tokenizer_file,
+            tokenizer_name=args.tokenizer_name,
+            eos=args.eos,
+            validation=args.validation,
+            split_seed=args.split_seed,
+            shard_tokens=args.shard_tokens,
+            text_field=args.text_field,
+        )
+        print(json.dumps({"out": str(args.out), **index["totals"]}))
+        return 0
     header = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
     print(json.dumps({"out": str(args.out), **header}))
     return 0

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from workers.trainer import hf, metrics, parallelize
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.config import RunConfig, stage_count
-from workers.trainer.data import Batches, open_source
+from workers.trainer.data import Batches, Component, Mixture, open_source
+from workers.trainer.evaluation import Evaluator, eval_sets
 from workers.trainer.model import Transformer, use_attention_backend
 from workers.trainer.optim import Optimizers
 from workers.trainer.presets import flops_per_token
@@ -92,15 +93,28 @@ class Model:
                 return self._pipelined(inputs, targets)
             return self._accumulated(inputs, targets)
 
-    def _pipelined(self, inputs, targets) -> torch.Tensor:
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This batch's mean loss, forward only (0 where no loss is computed)."""
+        device = self.world.device
+        inputs, targets = inputs.to(device), targets.to(device)
+        with self.world.autocast:
+            if self.schedule is not None:
+                return self._pipelined(inputs, targets, run=self.schedule.eval)
+            micro = self.world.config.schedule.micro_batch or inputs.shape[0]
+            chunks = zip(inputs.split(micro), targets.split(micro), strict=True)
+            return torch.stack([self.forward_loss(i, t).float() for i, t in chunks]).mean()
+
+    def _pipelined(self, inputs, targets, run=None) -> torch.Tensor:
+        run = run or self.schedule.step
         # Inputs and targets are views of one window each (strides of seq_len + 1); the
         # stages' metadata was taken from contiguous tensors, which torch 2.11 checks.
         inputs, targets = inputs.contiguous(), targets.contiguous()
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         if self.has_first:
-            self.schedule.step(inputs, target=targets, losses=losses)
+            run(inputs, target=targets, losses=losses)
         else:
-            self.schedule.step(target=targets, losses=losses)
+            run(target=targets, losses=losses)
         if not self.has_last:
             return torch.zeros((), device=self.world.device)
         return torch.stack([loss.detach().float() for loss in losses]).mean()
@@ -157,7 +171,7 @@ class Vote:
     ):
         self.step, self.lr = step, lr
         device = world.device
-        holds_loss = world.coordinate("tp") == 0 and world.pp_rank == world.config.layout.pp - 1
+        holds_loss = world.holds_loss
         zero = torch.zeros((), device=device)
         values = torch.stack(
             [
@@ -198,6 +212,7 @@ class Training:
     model: Model
     optimizers: Optimizers
     batches: Batches
+    evaluator: Evaluator
 
     def step(self, step: int, *, stop: bool = False, save: bool = False) -> Vote:
         """Queue one step (forward, backward, clip, update) and its vote; nothing is read."""
@@ -261,17 +276,24 @@ def build(config: RunConfig) -> Training:
     model = Model(world)
     pp_group = world.mesh["pp"].get_group() if config.layout.pp > 1 else None
     optimizers = Optimizers(model.parts, config.schedule, pp_group=pp_group)
-    source = open_source(
-        config.data.dataset, seq_len=config.data.seq_len, vocab_size=config.model.vocab_size
-    )
+    components = [
+        Component(
+            part.label,
+            open_source(part.path, seq_len=config.data.seq_len, vocab_size=config.model.vocab_size),
+            part.weight,
+            part.path,
+        )
+        for part in config.data.parts()
+    ]
     batches = Batches(
-        source,
+        Mixture(components, seed=config.seed),
         seed=config.seed,
         global_batch=config.schedule.global_batch,
         dp_rank=world.dp_rank,
         dp_size=config.layout.dp,
     )
-    return Training(world, model, optimizers, batches)
+    evaluator = Evaluator(world, model, eval_sets(config))
+    return Training(world, model, optimizers, batches, evaluator)
 
 
 def run(config: RunConfig, progress: Progress) -> Outcome:
@@ -311,11 +333,15 @@ def run(config: RunConfig, progress: Progress) -> Outcome:
             last = step == config.schedule.steps
             stopping = decided.stop
             saving = decided.save or checkpoints.due_by_steps(step)
-            if not (last or stopping or saving):
+            evaluating = training.evaluator.due(step, last=last)
+            if not (last or stopping or saving or evaluating):
                 continue
             now = _report(world, meter, vote, last=last)  # wait for this step: it ends here
             before = None
             stopping = stopping or now.stop
+            if evaluating:  # before the save, so the checkpoint keeps this step's figures
+                checkpoints.evaluation = _evaluation_record(training.evaluator.run(step))
+                meter.restart_clock()
             if checkpoints.enabled and (saving or stopping or now.save or last):
                 watchdog.pause()
                 record = checkpoints.save(step, now.loss)
@@ -333,6 +359,10 @@ def run(config: RunConfig, progress: Progress) -> Outcome:
     dist.barrier()
     dist.destroy_process_group()
     return Outcome(reason, step)
+
+
+def _evaluation_record(event: dict) -> dict:
+    return {k: v for k, v in event.items() if k not in ("event", "time")}
 
 
 def _report(world: parallelize.World, meter: metrics.StepMeter, vote: Vote, *, last=False):
