@@ -496,7 +496,9 @@ CELERY_BEAT_SCHEDULE["costs-spot-prices"] = {
 # a failed deletion is retried after CHECKPOINT_RETRY_S, doubling; a request no agent
 # answered in CHECKPOINT_REQUEST_TIMEOUT_S is asked again (of another node that reaches the
 # copy, for shared storage). Dispatch waits up to CHECKPOINT_RESUME_WAIT_S for the new nodes
-# to list the job's directory and check newer checkpoints before choosing one.
+# to list the job's directory and check newer checkpoints before choosing one. An export to
+# Hugging Face may run CHECKPOINT_EXPORT_TIMEOUT_S on its node; one unanswered after twice
+# that (or whose node stopped answering) fails, and can be asked again.
 CHECKPOINT_ROOT_SHARED = env_bool("CHECKPOINT_ROOT_SHARED", True)
 CHECKPOINT_S3_BUCKET = env_str("CHECKPOINT_S3_BUCKET")
 CHECKPOINT_S3_PREFIX = env_str("CHECKPOINT_S3_PREFIX", "checkpoints")
@@ -508,6 +510,7 @@ CHECKPOINT_GC_EVERY_S = env_int("CHECKPOINT_GC_EVERY_S", 60)
 CHECKPOINT_RETRY_S = env_int("CHECKPOINT_RETRY_S", 30)
 CHECKPOINT_REQUEST_TIMEOUT_S = env_int("CHECKPOINT_REQUEST_TIMEOUT_S", 900)
 CHECKPOINT_RESUME_WAIT_S = env_int("CHECKPOINT_RESUME_WAIT_S", 120)
+CHECKPOINT_EXPORT_TIMEOUT_S = env_int("CHECKPOINT_EXPORT_TIMEOUT_S", 4 * 3600)
 CHECKPOINT_SWEEP_FINISHED_DAYS = env_int("CHECKPOINT_SWEEP_FINISHED_DAYS", 7)
 CELERY_BEAT_SCHEDULE["checkpoints-collect"] = {
     "task": "checkpoints.collect",

@@ -17,9 +17,11 @@ from apps.checkpoints.models import (
     ON_STORAGE_COPY_STATES,
     Checkpoint,
     CheckpointCopy,
+    CheckpointExport,
     CheckpointState,
     CopyKind,
     CopyRequest,
+    ExportState,
     S3Destination,
     StorageSweep,
 )
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 C = CheckpointState
 # "Nothing for this node": polls answered from the cache until a request is made for it.
 agent_idle = ExactCache("checkpoints:agent-idle", max_timeout_s=30)
-EMPTY_WORK = {"verify": [], "delete": [], "list": []}
+EMPTY_WORK = {"verify": [], "delete": [], "list": [], "export": []}
 
 
 def checkpoints_visible_to(*, user) -> QuerySet[Checkpoint]:
@@ -85,7 +87,7 @@ def s3_destinations_visible_to(*, user) -> QuerySet[S3Destination]:
 
 
 def agent_checkpoint_work(*, node_id: int, now: dt.datetime | None = None) -> dict:
-    """The checks, deletions and listings this node's agent should do now."""
+    """The checks, deletions, listings and exports this node's agent should do now."""
     if agent_idle.recall(str(node_id)) == "idle":
         return EMPTY_WORK
     now = now or timezone.now()
@@ -99,7 +101,12 @@ def agent_checkpoint_work(*, node_id: int, now: dt.datetime | None = None) -> di
     sweeps = list(
         StorageSweep.objects.filter(node_id=node_id, reported_at__isnull=True).order_by("id")[:10]
     )
-    if not copies and not sweeps:
+    exports = list(
+        CheckpointExport.objects.filter(node_id=node_id, state=ExportState.REQUESTED)
+        .select_related("checkpoint")
+        .order_by("id")[:10]
+    )
+    if not copies and not sweeps and not exports:
         agent_idle.remember(str(node_id), "idle")
         return EMPTY_WORK
 
@@ -115,6 +122,18 @@ def agent_checkpoint_work(*, node_id: int, now: dt.datetime | None = None) -> di
         "verify": [item(c) for c in copies if c.request == CopyRequest.VERIFY],
         "delete": [item(c) for c in copies if c.request == CopyRequest.DELETE],
         "list": [{"sweep": s.pk, "path": s.directory, "tidy": s.tidy} for s in sweeps],
+        "export": [
+            {
+                "export": e.pk,
+                "job": e.checkpoint.job_id,
+                "path": e.source,
+                "out": e.path,
+                "manifest_sha256": e.checkpoint.manifest_sha256,
+                "dtype": e.dtype,
+                "timeout_s": settings.CHECKPOINT_EXPORT_TIMEOUT_S,
+            }
+            for e in exports
+        ],
     }
 
 
@@ -304,11 +323,13 @@ def job_checkpoint_summary(job: Job) -> dict | None:
 
 
 def job_checkpoints(*, job: Job) -> list[Checkpoint]:
-    """Every checkpoint of the job, newest first, deleted ones too (the Job page's list)."""
+    """Every checkpoint of the job, newest first, deleted ones too (the Job page's list), with
+    its exports, newest first."""
     return list(
         Checkpoint.objects.filter(job=job)
         .prefetch_related(
-            Prefetch("copies", queryset=CheckpointCopy.objects.select_related("node"))
+            Prefetch("copies", queryset=CheckpointCopy.objects.select_related("node")),
+            "exports",
         )
         .order_by("-step", "-committed_at")
     )

@@ -1,19 +1,23 @@
 """Pages: the Checkpoints page (every trainer job the user may see, storage per team, CSV) and
 the checkpoint panel of each Job page, which the Job page loads with htmx (jobs sit below
-checkpoints, so the Job page's view cannot import the registry)."""
+checkpoints, so the Job page's view cannot import the registry), with its "Export to Hugging
+Face" buttons."""
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
-from django.shortcuts import get_object_or_404, render
+from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
+from django.views.decorators.http import require_POST
 
 from apps.accounts.selectors import teams_visible_to
-from apps.checkpoints import selectors
+from apps.checkpoints import selectors, services
 from apps.checkpoints.filtersets import JobCheckpointsFilterSet, overdue_only
 from apps.checkpoints.models import CheckpointState
 from apps.jobs.models import JobState
 from apps.jobs.models.jobs import FINISHED_STATES
 from apps.jobs.selectors import jobs_visible_to
+from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
 from controlplane.selects import options_html
 
@@ -142,15 +146,38 @@ def job_panel(request, job_id: int):
     """A Job page's checkpoint list; while the job is active the panel asks again (htmx)."""
     job = get_object_or_404(jobs_visible_to(user=request.user), pk=job_id)
     (row,) = selectors.job_rows([job])
+    checkpoints = selectors.job_checkpoints(job=job)
+    exporting = any(e.state == "requested" for c in checkpoints for e in c.exports.all())
     return render(
         request,
         "checkpoints/_job_panel.html",
         {
             "job": job,
             "row": row,
-            "checkpoints": selectors.job_checkpoints(job=job),
+            "checkpoints": checkpoints,
             "retention": selectors.retention_policy(job),
-            "finished": job.state in FINISHED_STATES,
+            # A finished job's panel asks again while an export is under way.
+            "finished": job.state in FINISHED_STATES and not exporting,
+            "may_export": services.checkpoint_export_allowed(
+                user=request.user, team_id=job.team_id
+            ),
             "now": timezone.now(),
         },
     )
+
+
+@login_required
+@require_POST
+def export(request, checkpoint_id: int):
+    """The panel's "Export to Hugging Face" button; back to the Job page with what happened."""
+    checkpoint = get_object_or_404(
+        selectors.checkpoints_visible_to(user=request.user), pk=checkpoint_id
+    )
+    try:
+        done = services.checkpoint_export_request(
+            checkpoint=checkpoint, by=request.user, dtype=request.POST.get("dtype") or "bfloat16"
+        )
+        messages.success(request, f"Step {checkpoint.step}: export to {done.path} asked.")
+    except ApplicationError as exc:
+        messages.error(request, exc.message)
+    return redirect("jobs:detail", job_id=checkpoint.job_id)

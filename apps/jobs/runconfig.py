@@ -106,4 +106,8 @@ def trainer_run_config(
         "resume_newest": False,
         "s3": s3,
     }
+    # Starting weights (workers/trainer/hf.py reads them); a checkpoint resumed from wins.
+    init_hf = (trainer.get("init") or {}).get("hf")
+    if init_hf:
+        config["init"] = {"hf": init_hf}
     return json.dumps(config, indent=2, sort_keys=True)

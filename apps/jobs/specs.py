@@ -6,6 +6,7 @@ its path in the spec (`resources.layout.tp`), so a 400 says exactly what to fix.
 """
 
 import math
+import posixpath
 from dataclasses import dataclass
 
 from apps.fleet.selectors import PoolCapacity
@@ -279,6 +280,20 @@ def check_trainer(trainer: dict, resources: Resources, errors: SpecErrors) -> No
     seq_len = trainer.get("seq_len")
     if seq_len is not None and seq_len > shape.max_seq_len:
         errors.add("trainer.seq_len", f"The model takes at most {shape.max_seq_len} tokens.")
+    _check_init(trainer.get("init") or {}, errors)
+
+
+def _check_init(init: dict, errors: SpecErrors) -> None:
+    """init.hf: a directory every node reads (the trainer reads it at start, on each rank, and
+    checks its shapes against the model's sizes then, which it reads from the preset or sizes
+    this spec must give)."""
+    path = init.get("hf")
+    if path is None:
+        return
+    if path.startswith("s3://"):
+        errors.add("trainer.init.hf", "S3 is not read yet; stage it on a path.")
+    elif not posixpath.isabs(path) or ".." in path.split("/"):
+        errors.add("trainer.init.hf", "An absolute path (without ..) on storage every node mounts.")
 
 
 def _check_batch_on_fewer_nodes(trainer: dict, resources: Resources, errors: SpecErrors) -> None:

@@ -223,6 +223,9 @@ POLICY: dict[tuple[str, str], Rule] = {
     # and cancels jobs). Asking for a check again is a write like any other.
     ("checkpoint-detail", "DELETE"): write(ADMIN, *JOB_MANAGERS),
     ("checkpoint-verify", "POST"): write(ADMIN, *JOB_MANAGERS),
+    # An export writes a new directory beside the checkpoint (nothing is lost): the team's
+    # researchers and admins, as a submission, and ops.
+    ("checkpoint-export", "POST"): write(SUBMIT, *SUBMITTERS, OPS),
     **read_only("checkpoint-copy"),
     ("checkpoint-copy-detail", "DELETE"): write(ADMIN, *JOB_MANAGERS),
     **read_only("checkpoint-job"),
@@ -240,6 +243,7 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("agent-checkpoint-verification", "POST"): Rule(NODE),
     ("agent-checkpoint-deletion", "POST"): Rule(NODE),
     ("agent-checkpoint-sweep", "POST"): Rule(NODE),
+    ("agent-checkpoint-export", "POST"): Rule(NODE),
     # --- public -------------------------------------------------------------------------
     ("api-schema", "GET"): Rule(PUBLIC),
     ("api-docs", "GET"): Rule(PUBLIC),

@@ -21,7 +21,7 @@ The protocol (paths under /api/v1/agent/, JSON, `Authorization: Bearer <node tok
     POST events              {kind: "spot_interruption", notice, runs}
 
 and checkpoints/... (workers/agent/checkpoints.py): the trainer's checkpoint lines as
-reports, and the checks, listings and deletions the control plane asks for.
+reports, and the checks, listings, deletions and exports the control plane asks for.
 """
 
 import functools
@@ -56,7 +56,6 @@ class Agent:
         )
         self.outbox = Outbox(self.control)
         self.logs = LogBuffer(config.max_buffered_lines)
-        self.checkpoints = CheckpointKeeper(self.control, self.outbox, every_s=config.plans_every_s)
         self.runs: dict[int, Run] = {}
         self.ledger = Ledger(config.work_dir / LEDGER_FILE)
         self.seen: set[int] = set()  # every run id ever started here: plans are re-sent until acked
@@ -76,6 +75,13 @@ class Agent:
             uid_count=config.job_uid_count,
         )
         self.import_dir = isolation.import_dir(config.work_dir)
+        self.checkpoints = CheckpointKeeper(
+            self.control,
+            self.outbox,
+            every_s=config.plans_every_s,
+            isolation=self.isolation,
+            code_dir=self.import_dir,
+        )
         self.exits = exits.watch()
         if self.isolation.on:
             isolation.open_code(config.work_dir)

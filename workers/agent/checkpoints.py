@@ -13,10 +13,14 @@ must not wait for it:
                                                                requested_at}],
                                                     "delete": [{copy, path, manifest_sha256,
                                                                requested_at}],
-                                                    "list":   [{sweep, path, tidy}]}
+                                                    "list":   [{sweep, path, tidy}],
+                                                    "export": [{export, job, path, out,
+                                                               manifest_sha256, dtype,
+                                                               timeout_s}]}
     POST checkpoints/copies/{id}/verification   {ok, missing, problem}
     POST checkpoints/copies/{id}/deletion       {outcome, message}
     POST checkpoints/sweeps/{id}                {missing, entries, removed}
+    POST checkpoints/exports/{id}               {ok, path, files: [{name, size}], problem}
 
 Deletion outcomes: "deleted", "gone" (nothing there: done already), "elsewhere" (another
 committed checkpoint now sits at that path: ours is not there to delete) or "failed".
@@ -25,6 +29,12 @@ tidies only the trainer's temporaries, so no request can remove anything else. N
 checked, deleted or listed through a link: a job may plant one in its own directory to point
 at another job's, and the trainer reports real paths (resolved), so a path that is not its
 own real path is not one the registry recorded from the trainer.
+
+An export (to Hugging Face) runs the trainer's exporter (`python3 -m workers.trainer.hf
+export`, an argument list) as the job's own user, as its runs are: it reads what the job
+wrote and writes into the job's directory, so nothing the job planted there can make the
+agent's privileges read or write elsewhere. It writes only `<checkpoint>-hf` beside the
+checkpoint, and only after the checkpoint's manifest is the one the registry recorded.
 """
 
 import hashlib
@@ -34,13 +44,15 @@ import os
 import re
 import shutil
 import stat
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from workers.agent.client import ControlPlane, Message, Outbox, Refused, Unreachable
-from workers.agent.isolation import open_plain
+from workers.agent.isolation import Isolation, open_plain
 
 log = logging.getLogger("agent")
 API = "/api/v1/agent/checkpoints"
@@ -61,6 +73,8 @@ RELAYED = frozenset(
 CHECKPOINT_NAME = re.compile(r"(step-\d+|\.replaced-step-\d+-\d+|\.fetched-step-\d+-\d+)\Z")
 TEMPORARY_NAME = re.compile(r"(\.tmp-[\w.-]+|\.probe-[\w.-]+)\Z")
 _STEP = re.compile(r"step-(\d+)")
+EXPORT_SUFFIX = "-hf"  # beside step-00000060: step-00000060-hf (apps/checkpoints exports)
+EXPORT_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 
 
 def event_of(text: str) -> dict | None:
@@ -225,14 +239,90 @@ def listing(directory: Path, *, tidy: bool) -> dict:
     return {"missing": False, "entries": entries, "removed": removed}
 
 
+def _failed(problem: str) -> dict:
+    return {"ok": False, "problem": problem[:500]}
+
+
+def export(
+    path: Path,
+    out: Path,
+    manifest_sha256: str,
+    dtype: str,
+    *,
+    run_as: dict,
+    env: dict[str, str],
+    timeout_s: float,
+) -> dict:
+    """Write the checkpoint at `path` as a Hugging Face directory at `out` (beside it), by the
+    trainer's exporter run with `run_as` (the job's user); what is there once it is done."""
+    if not CHECKPOINT_NAME.match(path.name) or out != path.with_name(path.name + EXPORT_SUFFIX):
+        return _failed(f"{out} is not {path}'s export directory: not written")
+    if dtype not in EXPORT_DTYPES:
+        return _failed(f"{dtype!r} is not a dtype the exporter writes")
+    if _linked(path) or _linked(out.parent):
+        return _failed(f"{path} is not its real path (a link): not exported")
+    if not path.is_dir():
+        return _failed(f"{path} does not exist")
+    if not _regular(path / MANIFEST) or sha256_of(path / MANIFEST) != manifest_sha256:
+        return _failed(f"the checkpoint at {path} is not the one the registry recorded")
+    try:  # an earlier export's files would linger beside a new one's: it is written afresh
+        if out.is_symlink() or out.is_file():
+            out.unlink()
+        elif out.exists():
+            shutil.rmtree(out)
+    except OSError as exc:
+        return _failed(f"an earlier export at {out} could not be removed: {exc}")
+    argv = ["python3", "-m", "workers.trainer.hf", "export"]
+    argv += ["--checkpoint", str(path), "--out", str(out), "--dtype", dtype]
+    try:
+        done = subprocess.run(
+            argv,
+            cwd=path.parent,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            start_new_session=True,
+            **run_as,
+        )
+    except subprocess.TimeoutExpired:
+        return _failed(f"the export took longer than {timeout_s:.0f} s")
+    except (OSError, subprocess.SubprocessError) as exc:
+        return _failed(f"the exporter could not start: {exc}")
+    if done.returncode != 0:
+        said = [line for line in done.stderr.splitlines() if line.strip()]
+        return _failed(said[-1] if said else f"the exporter exited {done.returncode}")
+    if _linked(out) or not out.is_dir():
+        return _failed(f"the exporter wrote no directory at {out}")
+    files = [
+        {"name": child.name, "size": child.lstat().st_size}
+        for child in sorted(out.iterdir())
+        if _regular(child)
+    ]
+    return {"ok": True, "path": str(out), "files": files}
+
+
 class CheckpointKeeper:
     """Relays the trainer's checkpoint lines, and does what the control plane asks of this
-    node's checkpoint directories (one thing at a time, in a thread of its own)."""
+    node's checkpoint directories (one thing at a time, in a thread of its own): checks,
+    deletions, listings and exports."""
 
-    def __init__(self, control: ControlPlane, outbox: Outbox, *, every_s: float = 2.0):
+    def __init__(
+        self,
+        control: ControlPlane,
+        outbox: Outbox,
+        *,
+        every_s: float = 2.0,
+        isolation: Isolation | None = None,
+        code_dir: Path | None = None,
+    ):
         self.control = control
         self.outbox = outbox
         self.every_s = every_s
+        # Exports run as the job's user (isolation), importing the bundled trainer (code_dir).
+        self.isolation = isolation
+        self.code_dir = code_dir
         # Requests done whose answer is still in the outbox: not done twice meanwhile.
         self._answered: dict[tuple, float] = {}
         self._lock = threading.Lock()
@@ -268,6 +358,8 @@ class CheckpointKeeper:
             done += self._once(("delete", item.get("copy"), item.get("requested_at")), item)
         for item in work.get("list", []):
             done += self._once(("list", item.get("sweep"), None), item)
+        for item in work.get("export", []):
+            done += self._once(("export", item.get("export"), None), item)
         return done
 
     def _once(self, key: tuple, item: dict) -> int:
@@ -297,9 +389,44 @@ class CheckpointKeeper:
             body = {"outcome": outcome, "message": message}
             what = f"checkpoint copy {copy_id} {outcome}"
             return Message("POST", f"{API}/copies/{copy_id}/deletion", body, what)
+        if kind == "export":
+            export_id, job_id = int(item["export"]), int(item["job"])
+            body = export(
+                Path(str(item["path"])),
+                Path(str(item["out"])),
+                str(item["manifest_sha256"]),
+                str(item["dtype"]),
+                run_as=self._as_job(job_id),
+                env=self._export_env(job_id, Path(str(item["path"])).parent),
+                timeout_s=float(item.get("timeout_s") or 4 * 3600),
+            )
+            what = f"checkpoint export {export_id} {'done' if body['ok'] else 'failed'}"
+            return Message("POST", f"{API}/exports/{export_id}", body, what)
         sweep_id = int(item["sweep"])
         body = listing(Path(str(item["path"])), tidy=bool(item.get("tidy")))
         return Message("POST", f"{API}/sweeps/{sweep_id}", body, f"checkpoint sweep {sweep_id}")
+
+    def _as_job(self, job_id: int) -> dict:
+        """subprocess' arguments that start the exporter as the job's own user (as runs.Run)."""
+        if self.isolation is None or not self.isolation.on:
+            return {}
+        uid = self.isolation.uid_for(job_id)
+        return {"user": uid, "group": uid, "extra_groups": [], "umask": 0o077}
+
+    def _export_env(self, job_id: int, home: Path) -> dict[str, str]:
+        """The exporter's environment: the agent's Python first on PATH (as runs get it) and
+        the bundled packages, then the agent's own, on its import path; nothing else."""
+        env = {k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL")}
+        env["PATH"] = os.pathsep.join(
+            [os.path.dirname(sys.executable), os.environ.get("PATH", os.defpath)]
+        )
+        paths = [str(self.code_dir)] if self.code_dir is not None else []
+        paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if paths:
+            env["PYTHONPATH"] = os.pathsep.join(paths)
+        name = f"job{job_id}"
+        env.update(HOME=str(home), USER=name, LOGNAME=name)
+        return env
 
     def _forget_old(self, keep_s: float = 600.0) -> None:
         cutoff = time.monotonic() - keep_s

@@ -1,7 +1,7 @@
 """The node agents' checkpoint endpoints (node tokens, apps/fleet/api/agent.py): the trainer's
-checkpoint lines as reports, the work asked of the node, and its answers. A node reports
-only on its own runs and answers only what it was asked. The protocol is described in
-workers/agent/checkpoints.py."""
+checkpoint lines as reports, the work asked of the node (checks, deletions, listings,
+exports), and its answers. A node reports only on its own runs and answers only what it was
+asked. The protocol is described in workers/agent/checkpoints.py."""
 
 from apps.checkpoints import selectors, services
 from apps.checkpoints.api.reports import checkpoint_report_parse
@@ -59,3 +59,9 @@ def deletion(request, identity, body, copy_id: int):
 def sweep(request, identity, body, sweep_id: int):
     done = services.sweep_record(node_id=identity.node_id, sweep_id=sweep_id, report=body)
     return {"id": done.pk, "result": done.result}
+
+
+@agent_endpoint("POST")
+def export(request, identity, body, export_id: int):
+    done = services.export_record(node_id=identity.node_id, export_id=export_id, report=body)
+    return {"id": done.pk, "state": done.state}

@@ -5,7 +5,14 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from apps.accounts.selectors import teams_visible_to
-from apps.checkpoints.models import Checkpoint, CheckpointCopy, CheckpointEvent, S3Destination
+from apps.checkpoints.models import (
+    Checkpoint,
+    CheckpointCopy,
+    CheckpointEvent,
+    CheckpointExport,
+    ExportDtype,
+    S3Destination,
+)
 from apps.fleet.selectors import pools_visible_to
 from controlplane.api import ScopedPrimaryKeyField, StrictModelSerializer, StrictSerializer, Text
 
@@ -89,11 +96,44 @@ class CheckpointSerializer(StrictModelSerializer):
         read_only_fields = fields
 
 
+class CheckpointExportSerializer(StrictModelSerializer):
+    node = serializers.CharField(source="node.name", read_only=True, default=None, allow_null=True)
+    requested_by = serializers.CharField(
+        source="requested_by.username", read_only=True, default=None, allow_null=True
+    )
+
+    class Meta:
+        model = CheckpointExport
+        fields = [
+            "id",
+            "checkpoint",
+            "state",
+            "dtype",
+            "source",
+            "path",
+            "node",
+            "error",
+            "files",
+            "size_bytes",
+            "requested_by",
+            "requested_at",
+            "finished_at",
+        ]
+        read_only_fields = fields
+
+
+class ExportRequestSerializer(StrictSerializer):
+    dtype = serializers.ChoiceField(choices=ExportDtype.choices, default=ExportDtype.BFLOAT16)
+
+
 class CheckpointDetailSerializer(CheckpointSerializer):
     events = CheckpointEventSerializer(many=True, read_only=True)
+    exports = CheckpointExportSerializer(
+        many=True, read_only=True, help_text="Exports to Hugging Face, newest first."
+    )
 
     class Meta(CheckpointSerializer.Meta):
-        fields = [*CheckpointSerializer.Meta.fields, "events"]
+        fields = [*CheckpointSerializer.Meta.fields, "events", "exports"]
         read_only_fields = fields
 
 

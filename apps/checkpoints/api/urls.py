@@ -31,4 +31,9 @@ urlpatterns += [
         name="agent-checkpoint-deletion",
     ),
     path("agent/checkpoints/sweeps/<int:sweep_id>", agent.sweep, name="agent-checkpoint-sweep"),
+    path(
+        "agent/checkpoints/exports/<int:export_id>",
+        agent.export,
+        name="agent-checkpoint-export",
+    ),
 ]

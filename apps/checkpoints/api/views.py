@@ -1,6 +1,7 @@
 """API views for checkpoints: the registry (your teams' jobs only), each job's summary with its
 watch, storage used per team, and where copies go (ops)."""
 
+from django.db.models import Prefetch
 from django.http import Http404
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
@@ -8,6 +9,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from apps.accounts.models import TokenScope
 from apps.checkpoints import selectors, services
 from apps.checkpoints.api import serializers as s
 from apps.checkpoints.filtersets import (
@@ -17,6 +19,7 @@ from apps.checkpoints.filtersets import (
     S3DestinationFilterSet,
     overdue_only,
 )
+from apps.checkpoints.models import CheckpointExport
 from controlplane.api import ServiceViewSet
 
 
@@ -32,11 +35,18 @@ class CheckpointViewSet(
     filterset_class = CheckpointFilterSet
     ordering_fields = ["committed_at", "step", "size_bytes"]
     lookup_value_regex = ServiceViewSet.lookup_value_regex
+    required_scope = TokenScope.ADMIN  # deletion and checks; export takes submit (below)
 
     def get_queryset(self):
         rows = selectors.checkpoints_visible_to(user=self.request.user)
         if self.action == "retrieve":
-            rows = rows.prefetch_related("events")
+            rows = rows.prefetch_related(
+                "events",
+                Prefetch(
+                    "exports",
+                    queryset=CheckpointExport.objects.select_related("node", "requested_by"),
+                ),
+            )
         return rows.order_by("-committed_at", "-id")
 
     def get_serializer_class(self):
@@ -61,6 +71,20 @@ class CheckpointViewSet(
             checkpoint=self.get_object(), by=request.user
         )
         return Response(s.CheckpointSerializer(checkpoint).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=s.ExportRequestSerializer, responses={202: s.CheckpointExportSerializer})
+    # A new directory beside the checkpoint, nothing lost: a submission's scope, not admin's.
+    @action(detail=True, methods=["post"], required_scope=TokenScope.SUBMIT)
+    def export(self, request, pk=None):
+        """Write a committed checkpoint as a Hugging Face Llama directory beside it (by the
+        agent of a node that reaches it, as the job's user); its state in the detail's
+        `exports`."""
+        body = s.ExportRequestSerializer(data=request.data or {})
+        body.is_valid(raise_exception=True)
+        export = services.checkpoint_export_request(
+            checkpoint=self.get_object(), by=request.user, **body.validated_data
+        )
+        return Response(s.CheckpointExportSerializer(export).data, status=status.HTTP_202_ACCEPTED)
 
 
 class CheckpointCopyViewSet(

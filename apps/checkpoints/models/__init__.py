@@ -1,4 +1,5 @@
-"""Checkpoints: the registry of checkpoints and their copies, sweeps, and S3 destinations."""
+"""Checkpoints: the registry of checkpoints and their copies, sweeps, exports, and S3
+destinations."""
 
 from apps.checkpoints.models.checkpoints import (
     LIVE_STATES,
@@ -14,3 +15,4 @@ from apps.checkpoints.models.checkpoints import (
     StorageSweep,
 )
 from apps.checkpoints.models.destinations import S3Destination
+from apps.checkpoints.models.exports import CheckpointExport, ExportDtype, ExportState

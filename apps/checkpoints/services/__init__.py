@@ -1,6 +1,12 @@
 """Every write to the checkpoint registry, by concern."""
 
 from apps.checkpoints.services.agent_input import invalid_input
+from apps.checkpoints.services.exports import (
+    checkpoint_export_allowed,
+    checkpoint_export_request,
+    export_record,
+    exports_expire,
+)
 from apps.checkpoints.services.gc import (
     checkpoint_delete,
     checkpoints_collect,

@@ -30,6 +30,7 @@ from apps.checkpoints.services.agent_input import (
     invalid_input,
     layout_of,
 )
+from apps.checkpoints.services.exports import exports_expire
 from apps.checkpoints.services.ownership import _own, _refusal_record
 from apps.checkpoints.services.states import (
     READER_STATES,
@@ -467,5 +468,11 @@ def finished_jobs_sweep(*, now: dt.datetime | None = None, limit: int = 100) -> 
 
 def checkpoints_collect(*, now: dt.datetime | None = None) -> dict[str, int]:
     """GC's pass (task checkpoints.collect): retention, then requests re-offered, then the
-    directories of jobs that ended listed. S3 deletions are the task's, with boto3."""
-    return {**retention_apply(now=now), **requests_reoffer(now=now), **finished_jobs_sweep(now=now)}
+    directories of jobs that ended listed, then exports nobody answers failed. S3 deletions
+    are the task's, with boto3."""
+    return {
+        **retention_apply(now=now),
+        **requests_reoffer(now=now),
+        **finished_jobs_sweep(now=now),
+        **exports_expire(now=now),
+    }

@@ -16,6 +16,7 @@ from apps.accounts.selectors import roles_of
 from apps.accounts.services import audit_record, audited_create, audited_delete, audited_update
 from apps.checkpoints.models import (
     CheckpointCopy,
+    CheckpointExport,
     CopyKind,
     CopyRequest,
     S3Destination,
@@ -217,16 +218,31 @@ def _copy_refuse(copy_id: int, why: str) -> None:
 
 
 def agent_work_vet(*, work: dict) -> dict:
-    """An agent's work (selectors.agent_checkpoint_work) with every copy checked again."""
+    """An agent's work (selectors.agent_checkpoint_work) with every copy checked again, and
+    every export's directories (read and written) checked to lie in its job's own."""
     asked = [item["copy"] for kind in ("verify", "delete") for item in work[kind]]
-    if not asked:
-        return work
-    vetted = copies_vet(copy_ids=asked)
-    return {
-        **work,
-        "verify": [item for item in work["verify"] if item["copy"] in vetted],
-        "delete": [item for item in work["delete"] if item["copy"] in vetted],
-    }
+    if asked:
+        vetted = copies_vet(copy_ids=asked)
+        work = {
+            **work,
+            "verify": [item for item in work["verify"] if item["copy"] in vetted],
+            "delete": [item for item in work["delete"] if item["copy"] in vetted],
+        }
+    if work.get("export"):
+        exports = CheckpointExport.objects.filter(
+            pk__in=[item["export"] for item in work["export"]]
+        ).select_related("checkpoint__job__team")
+        own = _own({e.checkpoint.job for e in exports}, s3=False)
+        vetted = {
+            e.pk
+            for e in exports
+            if not (
+                own[e.checkpoint.job_id].refuses(e.source)
+                or own[e.checkpoint.job_id].refuses(e.path)
+            )
+        }
+        work = {**work, "export": [item for item in work["export"] if item["export"] in vetted]}
+    return work
 
 
 def _manages_fleet(by) -> None:

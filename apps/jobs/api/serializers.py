@@ -137,6 +137,16 @@ class TrainerDataSerializer(SpecSerializer):
     mixture = serializers.ListField(child=MixtureEntrySerializer(), min_length=1, max_length=64)
 
 
+class InitSerializer(SpecSerializer):
+    """Where the model's starting weights come from (default: the seeded random start)."""
+
+    hf = Text(
+        max_length=1024,
+        help_text="A Hugging Face Llama directory (config.json and safetensors) on a path every "
+        "node mounts; its sizes must be the model's (preset or sizes), checked at start.",
+    )
+
+
 class TrainerSerializer(SpecSerializer):
     """A run of the bundled trainer: a model (a preset or explicit sizes), its data, how long
     it trains, and how often it checkpoints (by default only at the end)."""
@@ -183,6 +193,7 @@ class TrainerSerializer(SpecSerializer):
     log_every = _count(100_000, required=False)
     attention_backend = serializers.ChoiceField(choices=ATTENTION_BACKENDS, required=False)
     pipeline = PipelineSerializer(required=False)
+    init = InitSerializer(required=False)
 
     def validate(self, attrs):
         if attrs.get("data") and attrs.get("dataset"):
