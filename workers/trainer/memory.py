@@ -56,9 +56,8 @@ TIGHT = 0.9  # a total above this share of the GPU's memory is "tight"
 # Measured against estimated activations, per (mode, compiled): `python -m bench.advisor
 # --fit rows.json` on the H200 rows of 2026-12-05 (bench/RESULTS.md, "Memory model") gives
 # each mode the factor, in hundredths, with the least sum of squared relative errors
-# over its rows. Eager without checkpointing saves less than the count (0.85: autocast
-# reuses some casts); compiled saves more (1.36: the compiler keeps some of what it
-# could recompute); selective compiled keeps less than the matrix products' outputs.
+# over its rows (every row within 7.1%). Where the count and the measure part (eager
+# saves 0.85 of the count without checkpointing, compiled 1.36) is not traced to a tensor.
 CALIBRATION = {
     ("none", False): 0.85,
     ("none", True): 1.36,
