@@ -15,7 +15,8 @@ activation-checkpointing mode, compile on and off, a micro batch, a shorter
 sequence and the one-GPU FSDP policy. Most train --parallel at a time, as
 many as --gib of predicted memory allows (each process's peak is its own),
 and report no speed; the last few (ALONE) train one
-at a time and report tokens/s and MFU too (apps/jobs/mfu.json takes those).
+at a time, for 8 + 20 steps at least, and report tokens/s and MFU too
+(apps/jobs/mfu.json takes those).
 Without a GPU there is nothing to measure: it prints the model's predictions
 for the same rows and says so. `--out FILE` keeps the rows as JSON.
 """
@@ -26,6 +27,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,9 +126,20 @@ def predict(row: Row) -> dict | None:
     return memory.for_run(row.run_json(steps=1)).as_dict()
 
 
+# A row timed for speed (ALONE) trains at least as long as bench/trainer.py times: the
+# step meter dates a step's end when the host reads it, after queueing the next, so a
+# step queued while the host still compiles or allocates is timed from when the host got
+# through and looks shorter than it ran (with 1 + 2 steps, 2026-12-05, the H200 showed
+# the `1b` eager row at MFU 0.98 and the `small` one at 9.7).
+SPEED_WARMUP, SPEED_STEPS = 8, 20
+
+
 def measure(row: Row, args) -> dict:
     from bench.trainer import run_trainer
 
+    if row in ALONE:
+        args = argparse.Namespace(**vars(args))
+        args.warmup, args.steps = max(args.warmup, SPEED_WARMUP), max(args.steps, SPEED_STEPS)
     got = run_trainer(args, "auto", gpu=True, config=row.run_json(steps=args.warmup + args.steps))
     keep = ("tokens_per_s", "mfu", "error")
     return {"measured_gib": got.get("peak_mem_gib"), **{k: got[k] for k in keep if k in got}}
@@ -149,6 +162,39 @@ def print_table(measured: list[dict]) -> int:
     return 0
 
 
+def fit(measured: list[dict]) -> dict:
+    """The CALIBRATION factor of each (mode, compiled) the measured rows cover.
+
+    The factor scales one line, the activations, of its mode's rows, so each row's
+    relative error moves with it in one direction: we try every factor from 0.50 to
+    2.00 in steps of 0.01 and keep the one with the least sum of squared relative
+    errors over the mode's rows (the whole model each time, so a row whose peak
+    moves to the end of the backward pass, where no activations are held, counts as
+    it would be predicted). Rows skipped or failed are left out.
+    """
+    from workers.trainer import memory
+
+    rows: dict[tuple[str, bool], list[tuple[Row, float]]] = {}
+    for result in measured:
+        if result.get("measured_gib"):
+            row = Row.parse(result["row"])
+            rows.setdefault((row.ac, row.compile), []).append((row, result["measured_gib"]))
+
+    def squared_error(key: tuple[str, bool], factor: float) -> float:
+        memory.CALIBRATION[key] = factor
+        return sum((predict(row)["allocated_gib"] / got - 1) ** 2 for row, got in rows[key])
+
+    saved = dict(memory.CALIBRATION)
+    factors = {}
+    try:
+        for key in sorted(rows):
+            factors[key] = min((f / 100 for f in range(50, 201)), key=partial(squared_error, key))
+    finally:
+        memory.CALIBRATION.clear()
+        memory.CALIBRATION.update(saved)
+    return factors
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="measured steps per row")
@@ -167,7 +213,16 @@ def main(argv=None) -> int:
         metavar="ROWS_JSON",
         help="no training: the markdown table of measured rows (from --out) beside the model now",
     )
+    parser.add_argument(
+        "--fit",
+        metavar="ROWS_JSON",
+        help="no training: the CALIBRATION factors that fit the measured rows (from --out)",
+    )
     args = parser.parse_args(argv)
+    if args.fit:
+        for (mode, compiled), factor in fit(json.loads(Path(args.fit).read_text())).items():
+            print(f"    ({mode!r}, {compiled}): {factor},")
+        return 0
     if args.table:
         return print_table(json.loads(Path(args.table).read_text()))
 

@@ -53,14 +53,18 @@ LINES = (
 GPU_MEMORY_GIB = {"H100": 79.6, "H200": 139.8, "A100": 79.2}
 TIGHT = 0.9  # a total above this share of the GPU's memory is "tight"
 
-# Measured against estimated activations, per mode (bench/advisor.py on the H200).
+# Measured against estimated activations, per (mode, compiled): `python -m bench.advisor
+# --fit rows.json` on the H200 rows of 2026-12-05 (bench/RESULTS.md, "Memory model") gives
+# each mode the factor, in hundredths, with the least sum of squared relative errors
+# over its rows (every row within 7.1%). Where the count and the measure part (eager
+# saves 0.85 of the count without checkpointing, compiled 1.36) is not traced to a tensor.
 CALIBRATION = {
-    ("none", False): 1.0,
-    ("none", True): 1.21,
-    ("selective", False): 1.0,
-    ("selective", True): 1.0,
-    ("full", False): 1.0,
-    ("full", True): 1.0,
+    ("none", False): 0.85,
+    ("none", True): 1.36,
+    ("selective", False): 0.96,
+    ("selective", True): 0.88,
+    ("full", False): 0.92,
+    ("full", True): 0.79,
 }
 CUDA_CONTEXT = 0.6 * GIB  # the context and its kernels' modules, per process
 NCCL_BUFFERS = 0.5 * GIB  # per process in a world of several
@@ -212,8 +216,12 @@ def _rank_estimate(config: RunConfig, rank: _Rank, *, gpu: bool) -> Estimate:
     # and the loss's copies held, only the head's gradients made) and its end (every
     # gradient made, the last block's still unreduced, the activations freed).
     end = all_grads + 2 * compute * block
-    if acts + output + head_grads >= end:
-        grads, moment = head_grads, "at the start of the backward pass"
+    # Accumulating over microbatches (one rank, no pipeline): the first microbatch's backward
+    # pass made every gradient, so each later one starts its backward pass holding them all.
+    accumulating = layout.pp == 1 and config.local_batch > _micro_batch(config)
+    start_grads = all_grads if accumulating else head_grads
+    if acts + output + start_grads >= end:
+        grads, moment = start_grads, "at the start of the backward pass"
     else:  # the activations are small beside the state: they are freed by then
         grads, acts, output = end, 0.0, 0.0
         moment = "at the end of the backward pass"
@@ -286,14 +294,19 @@ def _activation_bytes(
 def _output_bytes(config: RunConfig, shape: ModelShape, compute: int) -> float:
     """Per token of one microbatch: the logits and the loss's copies at the loss's backward.
 
-    Eager: the logits (c·V) are upcast (4V), log-softmax keeps its fp32 result
-    (4V) and the backward pass makes an fp32 gradient and its cast (4V + c·V).
-    Compiled, the loss is one kernel each way: the logits and their gradient.
+    Eager: the logits (c·V) are upcast (4V) and log-softmax keeps its fp32 result
+    (4V), the upcast freed; the peak is log-softmax's backward, which holds that
+    result, the gradient nll_loss gave it and the gradient it makes (3 × 4V); the
+    bf16 logits and the cast of their gradient (c·V) come and go outside it.
+    Compiled, the loss is one kernel each way: the logits and their gradient (2c·V).
+    The H200 rows of the `small` preset, where the logits outweigh the blocks,
+    measured these (bench/RESULTS.md, "Memory model": the model counted 4V more
+    each way until 2026-12-05).
     """
     vocab = shape.vocab_size
     if config.compile:
-        return 2 * compute * vocab + 4 * vocab
-    return 12 * vocab + compute * vocab
+        return 2 * compute * vocab
+    return 12 * vocab
 
 
 def gpu_memory_gib(gpu_type: str) -> float | None:
