@@ -83,13 +83,16 @@ def index_summary(index) -> dict:
 
     def walk(value, path: str) -> None:
         if isinstance(value, dict):
-            name = value.get("file", value.get("path"))
-            if isinstance(name, str) and "sha256" in value:
-                if not isinstance(value["sha256"], str) or not _SHA256.fullmatch(value["sha256"]):
-                    raise _invalid(f"{path}.sha256", "A SHA-256: 64 lower-case hex digits.")
+            for key, digest in (("file", "sha256"), ("path", "sha256"), ("docs", "docs_sha256")):
+                name = value.get(key)
+                if not isinstance(name, str) or digest not in value:
+                    continue
+                if not isinstance(value[digest], str) or not _SHA256.fullmatch(value[digest]):
+                    raise _invalid(f"{path}.{digest}", "A SHA-256: 64 lower-case hex digits.")
                 if name.startswith("/") or ".." in name.split("/") or not name.strip("/"):
-                    raise _invalid(f"{path}.file", "A file name relative to the dataset.")
-                files.append(value)
+                    raise _invalid(f"{path}.{key}", "A file name relative to the dataset.")
+                if key != "docs":
+                    files.append(value)
             for key, child in value.items():
                 if key in COUNTS:
                     _count(child, f"{path}.{key}")
@@ -110,13 +113,26 @@ def index_summary(index) -> dict:
     digest = tokenizer.get("sha256", "")
     if digest and (not isinstance(digest, str) or not _SHA256.fullmatch(digest)):
         raise _invalid("index.tokenizer.sha256", "A SHA-256: 64 lower-case hex digits.")
-    shards = index.get("shards")
-    shards = [s for s in shards if isinstance(s, dict)] if isinstance(shards, list) else files
+    # workers/trainer/shards.py's format: {"splits": {"train": {"shards": [...]}, ...},
+    # "totals": {...}}; a flatter index may list "shards" and its totals at the top.
+    splits = index.get("splits")
+    if isinstance(splits, dict):
+        shards = [
+            s
+            for split in splits.values()
+            if isinstance(split, dict) and isinstance(split.get("shards"), list)
+            for s in split["shards"]
+            if isinstance(s, dict)
+        ]
+    else:
+        shards = index.get("shards")
+        shards = [s for s in shards if isinstance(s, dict)] if isinstance(shards, list) else files
+    totals = index.get("totals") if isinstance(index.get("totals"), dict) else index
 
     def total(*keys) -> int:
         for key in keys:
-            if key in index:
-                return index[key]
+            if key in totals:
+                return totals[key]
         return sum(next((s[k] for k in keys if k in s), 0) for s in shards)
 
     name = tokenizer.get("name", tokenizer.get("kind", ""))
@@ -276,7 +292,10 @@ def missing_datasets(job: Job) -> list[str]:
 
 def run_mixture(datasets: list[tuple[Dataset, float]]) -> list[dict]:
     """run.json's `data.mixture`: where each dataset is on the node, and its weight."""
-    return [{"path": node_dir(d) if d.on_s3 else d.uri, "weight": weight} for d, weight in datasets]
+    return [
+        {"path": node_dir(d) if d.on_s3 else d.uri, "weight": weight, "name": d.name}
+        for d, weight in datasets
+    ]
 
 
 def stage_plan(datasets: list[tuple[Dataset, float]]) -> str:

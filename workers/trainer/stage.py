@@ -58,17 +58,23 @@ def emit(event: dict) -> None:
     print(json.dumps(event, separators=(",", ":")), flush=True)
 
 
+# (name, digest) keys that name a file of the dataset: workers/trainer/shards.py writes a
+# shard as {"file", "sha256", "docs", "docs_sha256"} (its tokens and its document offsets).
+FILE_KEYS = (("file", "sha256"), ("path", "sha256"), ("docs", "docs_sha256"))
+
+
 def index_files(index: dict) -> list[DatasetFile]:
     """Every file the index names, wherever in it: an object with a `file` (or `path`)
-    and a `sha256`. Names are plain relative paths, never `..` or absolute, so an index
-    cannot make the stage write outside its directory."""
+    and a `sha256`, or a `docs` and a `docs_sha256`. Names are plain relative paths,
+    never `..` or absolute, so an index cannot make the stage write outside its directory."""
     found: dict[str, DatasetFile] = {}
 
     def walk(value) -> None:
         if isinstance(value, dict):
-            name = value.get("file", value.get("path"))
-            if isinstance(name, str) and isinstance(value.get("sha256"), str):
-                found.setdefault(safe_name(name), DatasetFile(safe_name(name), value["sha256"]))
+            for key, digest in FILE_KEYS:
+                name = value.get(key)
+                if isinstance(name, str) and isinstance(value.get(digest), str):
+                    found.setdefault(safe_name(name), DatasetFile(safe_name(name), value[digest]))
             for child in value.values():
                 walk(child)
         elif isinstance(value, list):

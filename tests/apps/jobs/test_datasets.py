@@ -228,7 +228,10 @@ def test_dispatch_stages_s3_datasets_before_torchrun(settings, fleet_pool, quota
     files = {f["path"]: f["content"] for f in run.plan["files"]}
     dest = f"/var/cache/datasets/{team.slug}/{wiki.pk}-{wiki.index_sha256[:16]}"
     assert json.loads(files["run.json"])["data"] == {
-        "mixture": [{"path": dest, "weight": 0.7}, {"path": "/shared/data/books", "weight": 0.3}],
+        "mixture": [
+            {"path": dest, "weight": 0.7, "name": "wiki-en"},
+            {"path": "/shared/data/books", "weight": 0.3, "name": "books"},
+        ],
         "seq_len": 256,
     }
     assert json.loads(files["stage.json"]) == {

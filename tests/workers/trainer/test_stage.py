@@ -184,3 +184,42 @@ def test_then_runs_the_command_only_after_staging(tmp_path, monkeypatch):
     ran.clear()
     assert stage.main(["--plan", str(plan), "--then", "--", "torchrun"]) == 1
     assert ran == []
+
+
+def test_a_prepared_dataset_stages_whole_and_the_registry_reads_its_index(
+    aws_endpoint, tmp_path, monkeypatch, capsys
+):
+    """The real format end to end: prepared with a tokenizer.json (tokenizers), uploaded,
+    summarised as the registry does, staged from S3, and whole again on the node."""
+    from apps.jobs.datasets import index_summary
+    from tests.workers.trainer.test_datasets import make_tokenizer, texts, write_jsonl
+    from workers.trainer import shards
+    from workers.trainer.prepare import prepare_sharded
+
+    corpus = texts(300)
+    index = prepare_sharded(
+        [write_jsonl(tmp_path / "in.jsonl", corpus)],
+        tmp_path / "web",
+        tokenizer_file=make_tokenizer(tmp_path / "model", corpus),
+        validation=0.1,
+        shard_tokens=700,
+    )
+    summary = index_summary(index)
+    assert (summary["tokens"], summary["documents"]) == (
+        index["totals"]["tokens"],
+        index["totals"]["documents"],
+    )
+    assert summary["shards"] == sum(len(s["shards"]) for s in index["splits"].values()) > 2
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", aws_endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    client = boto3.client("s3", endpoint_url=aws_endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket="prepared")
+    for path in (tmp_path / "web").rglob("*"):
+        if path.is_file():
+            key = f"web/{path.relative_to(tmp_path / 'web')}"
+            client.put_object(Bucket="prepared", Key=key, Body=path.read_bytes())
+    dest = tmp_path / "node" / "web"
+    plan = {"datasets": [{"name": "web", "uri": "s3://prepared/web/", "dest": str(dest)}]}
+    assert stage.stage_all(plan, stage.s3_client) == 0, capsys.readouterr()
+    assert shards.verify(dest) == []  # every shard, its document offsets and the tokenizer
