@@ -16,8 +16,8 @@ FAILED or CANCELLED; a job requeued (a node lost) sends it back to QUEUED, its f
 dropped, since an interrupted run's rounds are no longer interleaved alike.
 
 What a job prints is data: a figure is kept only for a candidate, round, operation and
-size of the run's own plan, from its first node's run, and a progress count never past
-the plan's total.
+size of the run's own plan (once: the first report of it counts), and a progress count
+only from its first node's driver and never past the plan's total.
 """
 
 import datetime as dt
@@ -338,9 +338,12 @@ def _positive(value) -> float | None:
 
 
 def tuning_events_record(*, job_id: int, events: list[dict], head: bool) -> int:
-    """Keep what a tuning job's first node printed: figures and progress. Returns how many
-    figures were kept. Events from other nodes (`head` false) say nothing here."""
-    if not head or not events:
+    """Keep what a tuning job's nodes printed: figures, and progress from the first node's
+    driver (`head`). Returns how many figures were kept. The benchmark's figures come from
+    its global rank 0, which c10d's rendezvous may place on any node of the job, so they are
+    taken from any node of it (each figure once: its candidate, round, operation and size
+    are its key); the launch count only from the driver of node rank 0."""
+    if not events:
         return 0
     with transaction.atomic():
         run = TuningRun.objects.select_for_update().filter(job_id=job_id).first()
@@ -356,7 +359,8 @@ def tuning_events_record(*, job_id: int, events: list[dict], head: bool) -> int:
             candidate = _whole(event.get("candidate"), 0, count - 1)
             round_ = _whole(event.get("round"), 0, rounds - 1)
             if kind == "tuning_launch":
-                done = max(done, _whole(event.get("done"), 0, run.launches_total) or 0)
+                if head:
+                    done = max(done, _whole(event.get("done"), 0, run.launches_total) or 0)
                 continue
             if kind != "collective" or candidate is None or round_ is None:
                 continue

@@ -74,11 +74,25 @@ def measure(pool, team, **plan) -> tuple[TuningRun, Job]:
     return tuning_run_judge(run.pk), job
 
 
-def test_a_tuning_run_on_a_local_node_keeps_what_the_benchmark_printed(local_nodes, e2e_team):
-    pool = factories.make_owned_pool(slug="e2e-tuning")
-    (node,) = local_nodes(pool, count=1, gpus=2)
+def test_a_tuning_run_is_pushed_to_the_ssh_node_and_measures_there(ssh_nodes, e2e_team):
+    pool = factories.make_owned_pool(slug="e2e-tuning-ssh")
+    (node,) = ssh_nodes(pool, count=1)
     run, job = measure(pool, e2e_team)
-    assert job.node_ids == [node.pk] and run.node_names == [node.name]
+    assert job.runs.get().node_id == node.pk
+    assert TuningMeasurement.objects.filter(run=run).count() == 2 * 5 * len(SIZES)
+    (end,) = [e for e in printed(job) if e["event"] == "tuning_end"]
+    assert (end["launches"], end["failed"]) == (10, 0)
+    assert run.state in (S.NOTHING_ADOPTED, S.AWAITING_APPROVAL), run.state_reason
+
+
+def test_a_tuning_run_on_two_local_nodes_keeps_what_the_benchmark_printed(local_nodes, e2e_team):
+    """Two nodes, one rank each: every launch is a rendezvous of both nodes' torchrun on the
+    first node's port, reused launch after launch; the benchmark's rank 0 may land on either
+    node, and its figures count from both."""
+    pool = factories.make_owned_pool(slug="e2e-tuning")
+    nodes = local_nodes(pool, count=2, gpus=1)
+    run, job = measure(pool, e2e_team)
+    assert sorted(job.node_ids) == sorted(n.pk for n in nodes) and job.runs.count() == 2
     events = printed(job)
 
     # The driver ran every candidate in every round, in the plan's order, one launch each.
@@ -94,7 +108,7 @@ def test_a_tuning_run_on_a_local_node_keeps_what_the_benchmark_printed(local_nod
     # Every figure stored is one the benchmark printed for that candidate and round, and its
     # bandwidths are what nccl-tests' definitions give from its time (2 ranks: busbw = algbw).
     lines = [e for e in events if e["event"] == "collective"]
-    assert len(lines) == 2 * 5 * len(SIZES)
+    assert len(lines) == 2 * 5 * len(SIZES) and {e["world_size"] for e in lines} == {2}
     stored = {
         (m.candidate, m.round, m.op, m.bytes): m for m in TuningMeasurement.objects.filter(run=run)
     }
@@ -120,15 +134,4 @@ def test_a_tuning_run_on_a_local_node_keeps_what_the_benchmark_printed(local_nod
         by_hand = 100 * math.expm1(statistics.median(ratios))
         assert math.isclose(change["change_pct"], by_hand, abs_tol=1e-3)
         assert change["low_pct"] <= change["change_pct"] <= change["high_pct"]
-    assert run.state in (S.NOTHING_ADOPTED, S.AWAITING_APPROVAL), run.state_reason
-
-
-def test_a_tuning_run_is_pushed_to_the_ssh_node_and_measures_there(ssh_nodes, e2e_team):
-    pool = factories.make_owned_pool(slug="e2e-tuning-ssh")
-    (node,) = ssh_nodes(pool, count=1)
-    run, job = measure(pool, e2e_team)
-    assert job.runs.get().node_id == node.pk
-    assert TuningMeasurement.objects.filter(run=run).count() == 2 * 5 * len(SIZES)
-    (end,) = [e for e in printed(job) if e["event"] == "tuning_end"]
-    assert (end["launches"], end["failed"]) == (10, 0)
     assert run.state in (S.NOTHING_ADOPTED, S.AWAITING_APPROVAL), run.state_reason
