@@ -91,6 +91,8 @@ SPEC_FIELDS = {
     "trainer.activation_checkpointing": "activation_checkpointing",
     "trainer.compile": "compile",
     "trainer.check_memory": "check_memory",
+    "trainer.init": "init_hf",
+    "trainer.init.hf": "init_hf",
     **{f"trainer.{key}": key for key in TRAINER_OPTIONAL},
     **{f"trainer.pipeline.{key}": field for field, key in PIPELINE.items()},
     # A command without its code's source is told so on the code path, beside git's fields.
@@ -116,6 +118,7 @@ SECTIONS = {
         "compile",
         *TRAINER_OPTIONAL[4:],
         *PIPELINE,
+        "init_hf",
     ],
     "nccl": ["nccl_profile", "nccl_overrides", "nccl_reasons"],
 }
@@ -246,6 +249,13 @@ class SubmitForm(forms.Form):
     attention_backend = forms.ChoiceField(
         choices=[("", "trainer's default"), *((b, b) for b in ATTENTION_BACKENDS)],
         required=False,
+    )
+    init_hf = forms.CharField(
+        required=False,
+        max_length=1024,
+        label="Start from Hugging Face weights",
+        help_text="A Llama directory (config.json, safetensors) on a path every node mounts; "
+        "its sizes must be the model's.",
     )
     pipeline_schedule = forms.ChoiceField(
         choices=[("", "1f1b (default)"), *((s, s) for s in PIPELINE_SCHEDULES)],
@@ -417,6 +427,8 @@ class SubmitForm(forms.Form):
         pipeline = _given({key: data.get(field) for field, key in PIPELINE.items()})
         if pipeline:
             trainer["pipeline"] = pipeline
+        if data.get("init_hf"):
+            trainer["init"] = {"hf": data["init_hf"].strip()}
         return trainer
 
     def _command(self) -> dict:

@@ -122,7 +122,7 @@ class CheckpointExportSerializer(StrictModelSerializer):
         read_only_fields = fields
 
 
-class ExportRequestSerializer(StrictSerializer):
+class ExportOptionsSerializer(StrictSerializer):
     dtype = serializers.ChoiceField(choices=ExportDtype.choices, default=ExportDtype.BFLOAT16)
 
 

@@ -72,14 +72,14 @@ class CheckpointViewSet(
         )
         return Response(s.CheckpointSerializer(checkpoint).data, status=status.HTTP_202_ACCEPTED)
 
-    @extend_schema(request=s.ExportRequestSerializer, responses={202: s.CheckpointExportSerializer})
+    @extend_schema(request=s.ExportOptionsSerializer, responses={202: s.CheckpointExportSerializer})
     # A new directory beside the checkpoint, nothing lost: a submission's scope, not admin's.
     @action(detail=True, methods=["post"], required_scope=TokenScope.SUBMIT)
     def export(self, request, pk=None):
         """Write a committed checkpoint as a Hugging Face Llama directory beside it (by the
         agent of a node that reaches it, as the job's user); its state in the detail's
         `exports`."""
-        body = s.ExportRequestSerializer(data=request.data or {})
+        body = s.ExportOptionsSerializer(data=request.data or {})
         body.is_valid(raise_exception=True)
         export = services.checkpoint_export_request(
             checkpoint=self.get_object(), by=request.user, **body.validated_data
