@@ -59,11 +59,14 @@ def line_chart(
     colours: Sequence[str] | None = None,
     legend: bool = True,
     bold: Collection[str] = (),
+    marked: Mapping[str, Sequence[str]] | None = None,
 ) -> SafeString:
     """One SVG with a line per series; the series' names make the legend (unless `legend` is
     off: the page has one of its own). `colours`: one per series, in order (series_colours);
     by default the newest series, last, is the boldest and the older ones grey. The series
-    named in `bold` are drawn thicker (a reference the others are read against)."""
+    named in `bold` are drawn thicker (a reference the others are read against). The series
+    named in `marked` get a dot at each point, whose tooltip is the text given for that
+    point (one per point, in order): sparse points (evaluations) show even alone."""
     points = [p for values in series.values() for p in values if math.isfinite(p[1])]
     if not points:
         return format_html('<p class="empty chart-empty">{}: no data yet.</p>', title)
@@ -118,6 +121,14 @@ def line_chart(
             f'stroke-width="{3.2 if thick else 1.6}" '
             f'points="{path}"><title>{escape(name)}</title></polyline>'
         )
+        titles = (marked or {}).get(name)
+        if titles is not None:
+            for (x, y), text in zip(series[name], titles, strict=True):
+                if math.isfinite(y):
+                    parts.append(
+                        f'<circle class="point" cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" '
+                        f'fill="{colour}"><title>{escape(text)}</title></circle>'
+                    )
         if legend and len(names) > 1:  # the legend, right-aligned along the top
             x = left + plot_w - 80 * (len(names) - 1 - i)
             parts.append(

@@ -211,6 +211,25 @@ def watch_of(job: Job, *, newest_verified_at, step_time_s: float | None, now: dt
 
 # --- a job's checkpoints ------------------------------------------------------------------------
 
+# Which checkpoints may be a job's best: those kept and usable (a corrupt one cannot be used).
+BEST_STATES = (C.COMMITTED, C.VERIFIED)
+BEST_ORDER = ("eval_loss", "step", "id")  # the lowest held-out loss; on a tie, the earlier
+
+
+def best_of(checkpoints) -> Checkpoint | None:
+    """The job's best checkpoint among these (all of one job): the lowest held-out loss of
+    its committed or verified ones; None when none was evaluated."""
+    candidates = [c for c in checkpoints if c.state in BEST_STATES and c.eval_loss is not None]
+    return min(candidates, key=lambda c: (c.eval_loss, c.step, c.pk), default=None)
+
+
+def with_best(rows: QuerySet[Checkpoint]) -> QuerySet[Checkpoint]:
+    """Each row with `best_id`, its job's best checkpoint (best_of's rule, in SQL)."""
+    best = Checkpoint.objects.filter(
+        job_id=OuterRef("job_id"), state__in=BEST_STATES, eval_loss__isnull=False
+    ).order_by(*BEST_ORDER)
+    return rows.annotate(best_id=Subquery(best.values("id")[:1]))
+
 
 @dataclass
 class JobCheckpoints:
@@ -222,6 +241,7 @@ class JobCheckpoints:
     live_count: int
     size_bytes: int
     watch: Watch
+    best: Checkpoint | None = None  # the lowest held-out loss (best_of)
 
 
 def job_rows(
@@ -261,6 +281,7 @@ def job_rows(
                 newest_verified=verified,
                 live_count=len(held),
                 size_bytes=used.get(job.pk) or 0,
+                best=best_of(held),
                 watch=watch_of(
                     job,
                     newest_verified_at=verified.committed_at if verified else None,
@@ -282,6 +303,9 @@ def _brief(checkpoint: Checkpoint | None) -> dict | None:
         "attempt": checkpoint.attempt,
         "committed_at": checkpoint.committed_at.isoformat(),
         "size_bytes": checkpoint.size_bytes,
+        "eval_loss": checkpoint.eval_loss,
+        "eval_perplexity": checkpoint.eval_perplexity,
+        "eval_step": checkpoint.eval_step,
         "copies": [
             {"kind": c.kind, "state": c.state, "location": c.location}
             for c in checkpoint.copies.all()
@@ -300,6 +324,7 @@ def job_summary(row: JobCheckpoints) -> dict:
     return {
         "newest": _brief(row.newest),
         "newest_verified": _brief(row.newest_verified),
+        "best": _brief(row.best),
         "checkpoints": row.live_count,
         "size_bytes": row.size_bytes,
         "watch": row.watch.as_dict(),

@@ -228,13 +228,37 @@ def dataset_delete(*, dataset: Dataset, by) -> None:
 # --- job specs and runs ---------------------------------------------------------------------
 
 
+def validation_windows(index: dict, seq_len: int) -> int:
+    """How many sequences the trainer can evaluate on in a dataset's validation split: its
+    shards' windows of seq_len + 1 tokens (workers/trainer/shards.py ShardedSource, which
+    skips a shard shorter than one). 0 for an index without that split."""
+    splits = index.get("splits") if isinstance(index, dict) else None
+    split = splits.get("validation") if isinstance(splits, dict) else None
+    shards = split.get("shards") if isinstance(split, dict) else None
+    if not isinstance(shards, list) or seq_len < 1:
+        return 0
+    counts = (s.get("tokens") for s in shards if isinstance(s, dict))
+    return sum((n - 1) // seq_len for n in counts if isinstance(n, int) and n > seq_len)
+
+
 def check_mixture(*, team, trainer: dict, vocab_size: int | None, errors) -> None:
     """Each `trainer.data.mixture` entry names a dataset of the job's team whose tokenizer's
-    ids the model's vocabulary holds (the trainer refuses a token id past it)."""
+    ids the model's vocabulary holds (the trainer refuses a token id past it); with
+    evaluation on, one of them at least has a validation split to evaluate on (the trainer
+    evaluates those that have one and refuses to start when none has)."""
     names = mixture_names(trainer)
     if not names:
         return
     found = {d.name: d for d in Dataset.objects.filter(team=team, name__in=set(names))}
+    if (trainer.get("eval") or {}).get("every") and found:
+        seq_len = trainer.get("seq_len") or 0
+        if not any(validation_windows(d.index, seq_len) for d in found.values()):
+            errors.add(
+                "trainer.eval.every",
+                f"No dataset of the mixture has a validation split of a sequence "
+                f"({seq_len + 1} tokens) or more to evaluate on: prepare one with "
+                "--validation, or set eval.every to 0.",
+            )
     for number, name in enumerate(names):
         field = f"trainer.data.mixture.{number}.dataset"
         dataset = found.get(name)

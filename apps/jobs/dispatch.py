@@ -32,6 +32,7 @@ from apps.jobs import datasets
 from apps.jobs.models import (
     OPEN_RUN_STATES,
     Allocation,
+    EvalMetric,
     Job,
     JobKind,
     JobState,
@@ -44,6 +45,7 @@ from apps.jobs.models import (
 )
 from apps.jobs.models.jobs import FINISHED_STATES, STARTED_STATES, STOPPING_STATES
 from apps.jobs.trainer_lines import (
+    eval_metric,
     int_or_none,
     rank_environment,
     stage_progress,
@@ -741,6 +743,9 @@ def run_logs_append(*, node_id: int, run_id: int, lines: list, dropped: int = 0)
     metrics = [m for m in (step_metric(run, r) for r in printed) if m]
     if metrics:
         StepMetric.objects.bulk_create(metrics, ignore_conflicts=True)
+    evaluations = [m for m in (eval_metric(run, r) for r in printed) if m]
+    if evaluations:
+        EvalMetric.objects.bulk_create(evaluations, ignore_conflicts=True)
     if run.job.kind == JobKind.TUNING:
         # Figures and progress, checked against the run's plan; each launch's ranks have
         # their candidate's environment, so no rank's is kept as the job's.

@@ -64,6 +64,12 @@ def trainer_settings(trainer: dict, layout: dict[str, int]) -> dict:
         "seed": trainer.get("seed", 0),
         "collective_timeout_s": trainer.get("collective_timeout_s", 600),
         "log_every": trainer.get("log_every", 1),
+        # Held-out evaluation (workers/trainer/evaluation.py): of the mixture's validation
+        # splits, which the submit rules made sure there are (apps/jobs/datasets.py).
+        "eval": {
+            "every": (trainer.get("eval") or {}).get("every", 0),
+            "batches": (trainer.get("eval") or {}).get("batches", 1),
+        },
     }
 
 

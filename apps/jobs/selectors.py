@@ -38,6 +38,7 @@ from apps.jobs.estimates import Estimate, Queued, estimate_starts
 from apps.jobs.models import (
     OPEN_RUN_STATES,
     Allocation,
+    EvalMetric,
     Job,
     JobKind,
     JobState,
@@ -864,6 +865,21 @@ def job_training_series(*, job: Job) -> dict:
                 series[key].setdefault(name, []).append((step, value))
     latest = StepMetric.objects.filter(job=job).order_by("-attempt", "-step").first()
     return {"latest": latest, **series}
+
+
+def job_evaluations(*, job: Job) -> list[EvalMetric]:
+    """The job's held-out evaluations, each attempt's in step order (the API and its CSV)."""
+    return list(EvalMetric.objects.filter(job=job).order_by("attempt", "step"))
+
+
+def job_eval_series(*, job: Job) -> list[EvalMetric]:
+    """The evaluations the Job page draws beside the training loss: by step, the newest
+    attempt's where a resume evaluated a step again, thinned to CHART_POINTS."""
+    by_step = {e.step: e for e in job_evaluations(job=job)}
+    drawn = [by_step[step] for step in sorted(by_step)]
+    every = max(1, -(-len(drawn) // CHART_POINTS))
+    # Thinned from the newest back, so the newest evaluation is always drawn.
+    return drawn[::-1][::every][::-1]
 
 
 def step_times(*, job_ids) -> dict[int, float]:

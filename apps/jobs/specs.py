@@ -281,6 +281,12 @@ def check_trainer(trainer: dict, resources: Resources, errors: SpecErrors) -> No
     if seq_len is not None and seq_len > shape.max_seq_len:
         errors.add("trainer.seq_len", f"The model takes at most {shape.max_seq_len} tokens.")
     _check_init(trainer.get("init") or {}, errors)
+    if (trainer.get("eval") or {}).get("every") and trainer.get("dataset") == "synthetic":
+        errors.add(
+            "trainer.eval.every",
+            "Synthetic tokens have no held-out split to evaluate on: train on a data.mixture "
+            "of datasets prepared with a validation split, or set eval.every to 0.",
+        )
 
 
 def _check_init(init: dict, errors: SpecErrors) -> None:

@@ -6,7 +6,7 @@ import json
 import math
 import re
 
-from apps.jobs.models import LogLine, RankEnvironment, Run, StepMetric
+from apps.jobs.models import EvalMetric, LogLine, RankEnvironment, Run, StepMetric
 from apps.jobs.specs import NCCL_ENV_PREFIXES
 
 
@@ -38,17 +38,50 @@ def step_metric(run: Run, line: LogLine) -> StepMetric | None:
     if not isinstance(step, int) or not 0 <= step < 2**31:
         return None
 
-    def number(name):
-        value = data.get(name)
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return float(value) if ok and math.isfinite(value) else None
-
     return StepMetric(
         job_id=run.job_id,
         attempt=run.attempt,
         step=step,
         at=line.at,
-        **{name: number(name) for name in STEP_FIELDS},
+        **{name: finite_or_none(data.get(name)) for name in STEP_FIELDS},
+    )
+
+
+def finite_or_none(value) -> float | None:
+    """A finite JSON number as a float, or None (json.loads reads NaN and Infinity)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok and math.isfinite(value) else None
+
+
+# A held-out loss past this is no cross-entropy of a real vocabulary (ln 2**31 is about 21.5;
+# a diverged model's can be larger, but not a thousand); exp(EVAL_LOSS_MAX) still fits a float.
+EVAL_LOSS_MAX = 700.0
+
+
+def eval_metric(run: Run, line: LogLine) -> EvalMetric | None:
+    """The trainer's evaluation line, `{"event":"eval","step":100,"loss":2.9,"perplexity":18.2,
+    "tokens":65536,...}` (workers/trainer/evaluation.py). Dropped unless its step is a step
+    and its loss a finite loss from 0 to EVAL_LOSS_MAX; a perplexity that is not exp(loss)
+    within rounding, or a token count that is not a whole number, is left out of the row."""
+    data = trainer_event(line.text)
+    if data is None or data["event"] != "eval":
+        return None
+    step = int_or_none(data.get("step"))
+    loss = finite_or_none(data.get("loss"))
+    if step is None or not 0 <= step < 2**31 or loss is None or not 0 <= loss <= EVAL_LOSS_MAX:
+        return None
+    perplexity = finite_or_none(data.get("perplexity"))
+    if perplexity is not None and not math.isclose(perplexity, math.exp(loss), rel_tol=1e-3):
+        perplexity = None
+    tokens = int_or_none(data.get("tokens"))
+    return EvalMetric(
+        job_id=run.job_id,
+        attempt=run.attempt,
+        step=step,
+        at=line.at,
+        loss=loss,
+        perplexity=perplexity,
+        tokens=tokens if tokens is not None and 0 <= tokens < 2**63 else None,
     )
 
 

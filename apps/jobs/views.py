@@ -661,10 +661,20 @@ def _training_context(job) -> dict:
     def percent(value: float) -> str:
         return f"{value * 100:.0f}%"
 
+    evaluations = selectors.job_eval_series(job=job)
     if not series["latest"]:
-        return {"latest": None, "charts": [], "mfu_reported": False}
+        return {"latest": None, "charts": [], "mfu_reported": False, "evaluations": []}
+    loss = dict(series["loss"])
+    if evaluations:
+        # Drawn last, so on top and in the strongest colour, with a dot per evaluation.
+        loss[EVAL_SERIES] = [(e.step, e.loss) for e in evaluations]
     drawn = [
-        charts.line_chart(series["loss"], title="Loss"),
+        charts.line_chart(
+            loss,
+            title="Loss (training, and held-out: eval)",
+            bold=(EVAL_SERIES,),
+            marked={EVAL_SERIES: [_eval_title(e) for e in evaluations]},
+        ),
         charts.line_chart(series["tokens_per_s"], title="Tokens per second"),
     ]
     # Steps without MFU are steps on CPU (no peak FLOPs to divide by): say so, rather than
@@ -673,7 +683,26 @@ def _training_context(job) -> dict:
         drawn.append(
             charts.line_chart(series["mfu"], title="Model FLOPs utilisation", y_format=percent)
         )
-    return {"latest": series["latest"], "charts": drawn, "mfu_reported": bool(series["mfu"])}
+    return {
+        "latest": series["latest"],
+        "charts": drawn,
+        "mfu_reported": bool(series["mfu"]),
+        # The table under the charts: the newest evaluations first.
+        "evaluations": evaluations[::-1][:EVAL_ROWS],
+        "eval_rows": EVAL_ROWS,
+    }
+
+
+EVAL_SERIES = "eval"
+EVAL_ROWS = 10
+
+
+def _eval_title(evaluation) -> str:
+    perplexity = "—" if evaluation.perplexity is None else f"{evaluation.perplexity:.4g}"
+    return (
+        f"eval at step {evaluation.step} (attempt {evaluation.attempt}): "
+        f"loss {evaluation.loss:.4f}, perplexity {perplexity}"
+    )
 
 
 @login_required

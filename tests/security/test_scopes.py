@@ -159,6 +159,7 @@ POLICY: dict[tuple[str, str], Rule] = {
     ("job-estimate", "POST"): write(SUBMIT, *EVERYONE),
     ("job-detail", "GET"): read(),
     ("job-logs", "GET"): read(),
+    ("job-evaluations", "GET"): read(),
     ("job-cancel", "POST"): write(SUBMIT, *JOB_MANAGERS),
     ("job-hold", "POST"): write(SUBMIT, *JOB_MANAGERS),
     ("job-release", "POST"): write(SUBMIT, *JOB_MANAGERS),

@@ -92,6 +92,19 @@ def _step_or_none(value):
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def evaluation_of(value) -> dict | None:
+    """The latest evaluation a checkpoint keeps (the trainer's "eval": step, loss, perplexity,
+    ...), as {"step", "loss", "perplexity"}: a step that is a whole number and a finite loss
+    from 0 up, or None; a perplexity that is not finite is left out (None)."""
+    if not isinstance(value, dict):
+        return None
+    step, loss = _step_or_none(value.get("step")), finite_or_none(value.get("loss"))
+    if step is None or not 0 <= step <= LARGEST_31 or loss is None or loss < 0:
+        return None
+    perplexity = finite_or_none(value.get("perplexity"))
+    return {"step": step, "loss": loss, "perplexity": perplexity}
+
+
 class CommittedReport(serializers.Serializer):
     step = WholeNumber(maximum=LARGEST_31)
     manifest_sha256 = Digest()
@@ -103,6 +116,13 @@ class CommittedReport(serializers.Serializer):
     files = WholeNumber(maximum=LARGEST_31, default=0)
     loss = Kept(finite_or_none)
     time = Kept(lambda value: instant_or(value, None))
+    eval = Kept(evaluation_of)
+
+    def validate(self, attrs):
+        # An evaluation after the step saved is not this checkpoint's: dropped, not refused.
+        if attrs["eval"] and attrs["eval"]["step"] > attrs["step"]:
+            attrs["eval"] = None
+        return attrs
 
 
 class CopiedReport(serializers.Serializer):

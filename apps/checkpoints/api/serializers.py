@@ -65,6 +65,10 @@ class CheckpointSerializer(StrictModelSerializer):
     team_slug = serializers.CharField(source="team.slug", read_only=True)
     node = serializers.CharField(source="node.name", read_only=True, default=None, allow_null=True)
     copies = CopyBriefSerializer(many=True, read_only=True)
+    best = serializers.SerializerMethodField(
+        help_text="Its job's best checkpoint: the lowest eval_loss of its committed or verified "
+        "ones (trainer.eval)."
+    )
 
     class Meta:
         model = Checkpoint
@@ -83,6 +87,10 @@ class CheckpointSerializer(StrictModelSerializer):
             "size_bytes",
             "files",
             "loss",
+            "eval_loss",
+            "eval_perplexity",
+            "eval_step",
+            "best",
             "manifest_sha256",
             "node",
             "s3_expected",
@@ -94,6 +102,10 @@ class CheckpointSerializer(StrictModelSerializer):
             "copies",
         ]
         read_only_fields = fields
+
+    def get_best(self, checkpoint) -> bool:
+        # best_id: annotated by the views (selectors.with_best); False where it was not.
+        return getattr(checkpoint, "best_id", None) == checkpoint.pk
 
 
 class CheckpointExportSerializer(StrictModelSerializer):
@@ -148,6 +160,9 @@ class CheckpointBriefSerializer(StrictSerializer):
     attempt = serializers.IntegerField()
     committed_at = serializers.DateTimeField()
     size_bytes = serializers.IntegerField()
+    eval_loss = serializers.FloatField(allow_null=True, help_text="Held-out loss when saved.")
+    eval_perplexity = serializers.FloatField(allow_null=True)
+    eval_step = serializers.IntegerField(allow_null=True, help_text="The step evaluated at.")
     copies = serializers.ListField(child=serializers.DictField())
 
 
@@ -181,6 +196,10 @@ class JobCheckpointsSerializer(StrictSerializer):
     state = serializers.CharField(source="job.state")
     newest = serializers.SerializerMethodField()
     newest_verified = serializers.SerializerMethodField()
+    best = serializers.SerializerMethodField(
+        help_text="The lowest eval_loss of its committed or verified checkpoints; null when "
+        "none was evaluated (trainer.eval)."
+    )
     checkpoints = serializers.IntegerField(source="live_count", help_text="Kept (not deleted).")
     size_bytes = serializers.IntegerField(help_text="On storage, every copy counted.")
     watch = WatchSerializer()
@@ -193,6 +212,10 @@ class JobCheckpointsSerializer(StrictSerializer):
     @extend_schema_field(CheckpointBriefSerializer(allow_null=True))
     def get_newest_verified(self, row) -> dict | None:
         return self.context["summaries"][row.job.pk]["newest_verified"]
+
+    @extend_schema_field(CheckpointBriefSerializer(allow_null=True))
+    def get_best(self, row) -> dict | None:
+        return self.context["summaries"][row.job.pk]["best"]
 
     @extend_schema_field(RetentionSerializer)
     def get_retention(self, row) -> dict:

@@ -47,7 +47,7 @@ class CheckpointViewSet(
                     queryset=CheckpointExport.objects.select_related("node", "requested_by"),
                 ),
             )
-        return rows.order_by("-committed_at", "-id")
+        return selectors.with_best(rows).order_by("-committed_at", "-id")
 
     def get_serializer_class(self):
         if self.action == "retrieve":

@@ -70,6 +70,13 @@ class Checkpoint(models.Model):
     )
     files = models.PositiveIntegerField(default=0)
     loss = models.FloatField(null=True, blank=True)
+    # The trainer's latest evaluation when it saved (its manifest's "eval"): what says which
+    # checkpoint of a job is best. Null when the run did not evaluate.
+    eval_loss = models.FloatField(null=True, blank=True, help_text="Held-out loss.")
+    eval_perplexity = models.FloatField(null=True, blank=True)
+    eval_step = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The step evaluated at (at most the checkpoint's)."
+    )
     node = models.ForeignKey(
         "fleet.Node",
         null=True,

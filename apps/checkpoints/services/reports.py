@@ -97,6 +97,7 @@ def _committed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
             "size_bytes": event["size_bytes"],
             "files": event["files"],
             "loss": event["loss"],
+            **_evaluation_fields(event["eval"]),
             "node_id": run.node_id,
             "s3_expected": _s3_wanted_by(run),
             "committed_at": event["time"] or now,
@@ -146,6 +147,16 @@ def _committed(run: Run, event: dict, *, own: Own, actor: str, now) -> dict:
         _delete_copy(copy, "its checkpoint is being deleted", actor=actor, now=now)
     _settle(checkpoint, "committed", actor=actor, now=now)
     return {"checkpoint": checkpoint.pk, "copy": copy.pk}
+
+
+def _evaluation_fields(evaluation: dict | None) -> dict:
+    if evaluation is None:
+        return {}
+    return {
+        "eval_loss": evaluation["loss"],
+        "eval_perplexity": evaluation["perplexity"],
+        "eval_step": evaluation["step"],
+    }
 
 
 def _of_step(run: Run, step: int) -> Checkpoint | None:

@@ -16,6 +16,7 @@ from apps.jobs import specs
 from apps.jobs.extensions import job_detail_part
 from apps.jobs.models import (
     Dataset,
+    EvalMetric,
     Job,
     JobEvent,
     Placement,
@@ -137,6 +138,20 @@ class TrainerDataSerializer(SpecSerializer):
     mixture = serializers.ListField(child=MixtureEntrySerializer(), min_length=1, max_length=64)
 
 
+class EvalSerializer(SpecSerializer):
+    """Loss and perplexity on held-out data: the validation split of the mixture's datasets
+    (prepared with a validation split), every `every` steps and at the end."""
+
+    every = serializers.IntegerField(
+        min_value=0, max_value=10_000_000, help_text="Steps between evaluations; 0: never."
+    )
+    batches = _count(
+        100_000,
+        default=1,
+        help_text="Global batches of each dataset's held-out sequences (the same each time).",
+    )
+
+
 class InitSerializer(SpecSerializer):
     """Where the model's starting weights come from (default: the seeded random start)."""
 
@@ -194,6 +209,7 @@ class TrainerSerializer(SpecSerializer):
     attention_backend = serializers.ChoiceField(choices=ATTENTION_BACKENDS, required=False)
     pipeline = PipelineSerializer(required=False)
     init = InitSerializer(required=False)
+    eval = EvalSerializer(required=False)
 
     def validate(self, attrs):
         if attrs.get("data") and attrs.get("dataset"):
@@ -500,6 +516,15 @@ class JobDetailSerializer(JobSerializer):
     @extend_schema_field({"type": "object", "nullable": True, "additionalProperties": True})
     def get_checkpoints(self, job) -> dict | None:
         return job_detail_part("checkpoints", job)
+
+
+class EvalMetricSerializer(StrictModelSerializer):
+    """One held-out evaluation, as the trainer reported it (apps/jobs/trainer_lines.py)."""
+
+    class Meta:
+        model = EvalMetric
+        fields = ["attempt", "step", "loss", "perplexity", "tokens", "at"]
+        read_only_fields = fields
 
 
 class ReasonSerializer(StrictSerializer):

@@ -49,6 +49,11 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def get_serializer_class(self):
         return s.JobDetailSerializer if self.action == "retrieve" else s.JobSerializer
 
+    def get_renderers(self):
+        if self.action == "evaluations":
+            return [JSONRenderer(), CsvRenderer()]
+        return super().get_renderers()
+
     def paginate_queryset(self, queryset):
         page = super().paginate_queryset(queryset)
         if page is not None:
@@ -157,6 +162,36 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             "state": job.state,
         }
         return Response(s.JobLogSerializer(answer).data)
+
+    @extend_schema(
+        responses={
+            (200, "application/json"): s.EvalMetricSerializer(many=True),
+            (200, "text/csv"): OpenApiTypes.STR,
+        }
+    )
+    @action(detail=True, methods=["get"], filter_backends=[], pagination_class=None)
+    def evaluations(self, request, pk=None):
+        """The job's held-out evaluations (trainer.eval): loss, perplexity and tokens evaluated
+        at each step, each attempt's in step order. `format=csv`: the same rows."""
+        job = self.get_object()
+        rows = selectors.job_evaluations(job=job)
+        if isinstance(request.accepted_renderer, CsvRenderer):
+            return csv_response(
+                f"job-{job.pk}-evaluations.csv",
+                EVAL_COLUMNS,
+                (
+                    [e.attempt, e.step, e.loss, e.perplexity, e.tokens, e.at.isoformat()]
+                    for e in rows
+                ),
+            )
+        return Response(s.EvalMetricSerializer(rows, many=True).data)
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        csv_errors_as_json(request, response)
+        return super().finalize_response(request, response, *args, **kwargs)
+
+
+EVAL_COLUMNS = ["attempt", "step", "loss", "perplexity", "tokens", "at"]
 
 
 def submit_request(*, user, spec: dict, idempotency_key: str):

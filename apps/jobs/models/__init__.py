@@ -14,6 +14,7 @@ from apps.jobs.models.jobs import (
 from apps.jobs.models.reservations import Reservation
 from apps.jobs.models.runs import (
     OPEN_RUN_STATES,
+    EvalMetric,
     LogLine,
     NodeFault,
     RankEnvironment,

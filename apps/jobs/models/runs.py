@@ -213,6 +213,34 @@ class StepMetric(models.Model):
         return f"job {self.job_id} attempt {self.attempt} step {self.step}"
 
 
+class EvalMetric(models.Model):
+    """One evaluation on held-out data, as the bundled trainer prints it (rank 0: `{"event":
+    "eval","step","loss","perplexity","tokens",...}`, workers/trainer/evaluation.py).
+
+    Kept per attempt, as step metrics are: a resumed attempt evaluates the same steps again.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="eval_metrics")
+    attempt = models.PositiveSmallIntegerField()
+    step = models.PositiveIntegerField()
+    at = models.DateTimeField()
+    loss = models.FloatField(help_text="Mean loss over the held-out sequences (mixture-weighted).")
+    perplexity = models.FloatField(null=True, blank=True, help_text="exp(loss).")
+    tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Tokens evaluated.")
+
+    class Meta:
+        ordering = ["job", "attempt", "step"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["job", "attempt", "step"], name="one_eval_per_job_attempt_step"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} attempt {self.attempt} eval at step {self.step}"
+
+
 class RankEnvironment(models.Model):
     """The NCCL, PyTorch-NCCL and EFA variables one rank of an attempt says it started with
     (the trainer's "env" event), kept to compare with what the run's plan rendered.

@@ -34,6 +34,7 @@ def test_a_sound_line_gets_its_defaults_and_keeps_only_sound_descriptions():
         "files": 0,
         "loss": None,
         "time": None,
+        "eval": None,
     }
 
 
