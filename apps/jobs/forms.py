@@ -93,6 +93,9 @@ SPEC_FIELDS = {
     "trainer.check_memory": "check_memory",
     "trainer.init": "init_hf",
     "trainer.init.hf": "init_hf",
+    "trainer.eval": "eval_every",
+    "trainer.eval.every": "eval_every",
+    "trainer.eval.batches": "eval_batches",
     **{f"trainer.{key}": key for key in TRAINER_OPTIONAL},
     **{f"trainer.pipeline.{key}": field for field, key in PIPELINE.items()},
     # A command without its code's source is told so on the code path, beside git's fields.
@@ -119,6 +122,8 @@ SECTIONS = {
         *TRAINER_OPTIONAL[4:],
         *PIPELINE,
         "init_hf",
+        "eval_every",
+        "eval_batches",
     ],
     "nccl": ["nccl_profile", "nccl_overrides", "nccl_reasons"],
 }
@@ -250,6 +255,11 @@ class SubmitForm(forms.Form):
         choices=[("", "trainer's default"), *((b, b) for b in ATTENTION_BACKENDS)],
         required=False,
     )
+    eval_every = _optional_int(
+        label="Evaluate every (steps)",
+        help_text="Loss and perplexity on the datasets' held-out split; blank: never.",
+    )
+    eval_batches = _optional_int(label="Evaluation batches", help_text="Global batches (1).")
     init_hf = forms.CharField(
         required=False,
         max_length=1024,
@@ -429,6 +439,10 @@ class SubmitForm(forms.Form):
             trainer["pipeline"] = pipeline
         if data.get("init_hf"):
             trainer["init"] = {"hf": data["init_hf"].strip()}
+        if data.get("eval_every"):
+            trainer["eval"] = _given(
+                {"every": data["eval_every"], "batches": data.get("eval_batches")}
+            )
         return trainer
 
     def _command(self) -> dict:

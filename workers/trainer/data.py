@@ -289,22 +289,3 @@ class Batches:
             "global_batch": self.global_batch,
             "datasets": datasets,
         }
-
-
-def open_source(dataset: str, *, seq_len: int, vocab_size: int, split: str = "train"):
-    """A token file, a prepared dataset's `split`, or the synthetic source, as windows."""
-    from workers.trainer import shards
-
-    if dataset == SYNTHETIC:
-        return SyntheticSource(vocab_size, seq_len)
-    if shards.is_dataset(dataset):
-        source = shards.ShardedSource(dataset, seq_len, split)
-    else:
-        source = TokenFile(dataset, seq_len)
-    if split == "train" and source.windows < 1:
-        raise ValueError(f"{dataset} holds fewer tokens than one sequence of {seq_len}")
-    if source.vocab_size > vocab_size:
-        raise ValueError(
-            f"{dataset} uses {source.vocab_size} token ids; the model's vocabulary has {vocab_size}"
-        )
-    return source

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from workers.trainer import metrics, shards
 from workers.trainer.config import ConfigError, RunConfig
-from workers.trainer.data import open_source
+from workers.trainer.shards import open_source
 
 
 @dataclass(frozen=True)

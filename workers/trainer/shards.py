@@ -51,7 +51,14 @@ import numpy as np
 import torch
 
 from workers.trainer.checkpoint import sha256_of
-from workers.trainer.data import HEADER_BYTES, TokenFile, read_header, write_header
+from workers.trainer.data import (
+    HEADER_BYTES,
+    SYNTHETIC,
+    SyntheticSource,
+    TokenFile,
+    read_header,
+    write_header,
+)
 
 INDEX = "index.json"
 FORMAT = "controlplane-dataset"
@@ -241,3 +248,20 @@ class ShardedSource:
         shard = bisect_right(self._ends, index)
         first = self._ends[shard - 1] if shard else 0
         return self.files[shard].window(index - first)
+
+
+def open_source(dataset: str, *, seq_len: int, vocab_size: int, split: str = "train"):
+    """A token file, a prepared dataset's `split`, or the synthetic source, as windows."""
+    if dataset == SYNTHETIC:
+        return SyntheticSource(vocab_size, seq_len)
+    if is_dataset(dataset):
+        source = ShardedSource(dataset, seq_len, split)
+    else:
+        source = TokenFile(dataset, seq_len)
+    if split == "train" and source.windows < 1:
+        raise ValueError(f"{dataset} holds fewer tokens than one sequence of {seq_len}")
+    if source.vocab_size > vocab_size:
+        raise ValueError(
+            f"{dataset} uses {source.vocab_size} token ids; the model's vocabulary has {vocab_size}"
+        )
+    return source

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from workers.trainer import hf, metrics, parallelize
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.config import RunConfig, stage_count
-from workers.trainer.data import Batches, Component, Mixture, open_source
+from workers.trainer.data import Batches, Component, Mixture
 from workers.trainer.evaluation import Evaluator, eval_sets
 from workers.trainer.model import Transformer, use_attention_backend
 from workers.trainer.optim import Optimizers
 from workers.trainer.presets import flops_per_token
+from workers.trainer.shards import open_source
 from workers.trainer.stopping import StepWatchdog, StopSignal
 
 

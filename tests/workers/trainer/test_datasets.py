@@ -24,8 +24,8 @@ from workers.trainer.data import (  # noqa: E402
     Component,
     Mixture,
     TokenFile,
-    open_source,
 )
+from workers.trainer.shards import open_source  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 WORDS = ["pack", "my", "box", "with", "five", "dozen", "liquor", "jugs", "sphinx", "of", "quartz"]

@@ -30,8 +30,9 @@ transformers = pytest.importorskip("transformers")
 
 from workers.trainer import hf  # noqa: E402
 from workers.trainer.config import ConfigError  # noqa: E402
-from workers.trainer.data import Batches, open_source  # noqa: E402
+from workers.trainer.data import Batches  # noqa: E402
 from workers.trainer.model import Transformer  # noqa: E402
+from workers.trainer.shards import open_source  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 SEQ_LEN = 32
