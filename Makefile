@@ -113,9 +113,10 @@ bench-advisor:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m bench.advisor $(BENCH_ARGS); \
 	else $(MAKE) --no-print-directory install && $(BIN)/python -m bench.advisor $(BENCH_ARGS); fi
 
-# The trainer against Hugging Face's LlamaForCausalLM on one GPU (bench/trainer.py). It needs
-# python3 with torch (and transformers for the baseline), not .venv: on a GPU machine the
-# system's python3; without a GPU it says so and runs a tiny CPU smoke configuration.
+# The trainer against Hugging Face's LlamaForCausalLM, compiled and with Liger's kernels, on one
+# GPU (bench/trainer.py). It needs python3 with torch (transformers and liger-kernel for the
+# peers), not .venv: on a GPU machine the system's python3; without a GPU it says so and runs
+# a tiny CPU smoke configuration.
 bench-trainer:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m bench.trainer $(BENCH_ARGS); \
 	else $(MAKE) --no-print-directory install && $(BIN)/python -m bench.trainer $(BENCH_ARGS); fi

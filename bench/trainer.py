@@ -1,6 +1,6 @@
-"""The bundled trainer against the baseline a user would pick, on one GPU.
+"""The bundled trainer against the fastest peer a user would pick, on one GPU.
 
-Both train the `1b` preset's shape (hidden 2048, 22 layers, 32 heads sharing 4
+All train the `1b` preset's shape (hidden 2048, 22 layers, 32 heads sharing 4
 KV heads, FFN 5632, vocabulary 32,000) on sequences of 2048 with the same batch,
 bf16 compute, fused AdamW, gradient clipping at 1.0 and no activation
 checkpointing, on the same synthetic token windows:
@@ -8,18 +8,30 @@ checkpointing, on the same synthetic token windows:
 - the trainer: `python -m workers.trainer --config run.json` as the control
   plane would start it (a world of one, no torchrun), with compile on; its
   tokens/s, MFU and peak memory are read from the step lines it prints;
-- the baseline: Hugging Face transformers' LlamaForCausalLM of exactly that
-  shape (untied embeddings, SDPA attention), fp32 weights under bf16 autocast,
-  `torch.compile(model)`, fused AdamW, loss from `labels=`.
+- the peers (--peers, PEERS): Hugging Face transformers' LlamaForCausalLM of
+  exactly that shape (untied embeddings, SDPA attention), fp32 weights under
+  bf16 autocast, fused AdamW, loss from `labels=`; `hf-compile` runs it under
+  `torch.compile(model)`, `hf-liger` eager with the Liger kernels (RMSNorm,
+  RoPE, SwiGLU and the fused linear cross-entropy that never makes the logits)
+  patched into transformers before the model is built. A peer whose package is
+  missing reports why and is left out.
 
-Each side runs in its own process (its own compile caches and allocator);
-the first --warmup steps are not counted; figures are medians of the per-step
+Each runs in its own process (its own compile caches and allocator); the
+first --warmup steps are not counted; figures are medians of the per-step
 rates that follow. Variants of the trainer (--variants, comma-separated names
 from VARIANTS, "a+b" for both) run one after another, and the last line
-reports the fastest:
+sets the fastest against the fastest peer:
 
-    trainer: tokens_per_s=<n> baseline_tokens_per_s=<n> ratio=<x> mfu=<x>
-             peak_mem_gib=<n> layout=<...>     (on one line)
+    trainer: tokens_per_s=<n> fastest_peer=<name> peer_tokens_per_s=<n>
+             ratio=<x> mfu=<x> peak_mem_gib=<n> layout=<...>     (on one line)
+
+`--long` trains the trainer alone on one long sequence (default 32,768, batch
+1, activation checkpointing "full", compile on; the preset's shape with its
+rotary tables stretched to the sequence) and sets its peak memory beside what
+workers/trainer/memory.py predicts for the same run.json; the last line:
+
+    long: tokens_per_s=<n> mfu=<x> peak_mem_gib=<n> predicted_gib=<n>
+          seq_len=<n> batch=<n> checkpointing=<mode>     (on one line)
 
 `--scaling` trains each of --presets (default `1b,8b`) on every GPU of
 the host under torchrun, once per layout: FSDP over all of them, HSDP (2
@@ -37,12 +49,13 @@ preset (the issue's goal). NVLink multicast stays off in every process
 Without a GPU it runs the same layouts on the CPU with gloo and 8 processes on
 the `small` preset (a check that every layout trains, not a speed figure).
 
-Needs only python3 and torch (transformers for the baseline): no Django, no
+Needs only python3 and torch (transformers and liger-kernel for the peers): no Django, no
 .venv, no network. Without a GPU it says so and runs a tiny smoke configuration
 on the CPU instead, so `make bench-trainer` stays harmless on a laptop.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -50,6 +63,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
+from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +113,7 @@ def variant_settings(name: str) -> dict:
 
 def trainer_config(args, variant: str, *, gpu: bool) -> dict:
     return {
-        "model": {"preset": args.preset},
+        "model": model_spec(args),
         "data": {"dataset": "synthetic", "seq_len": args.seq_len},
         "schedule": {
             "steps": args.warmup + args.steps,
@@ -108,12 +123,20 @@ def trainer_config(args, variant: str, *, gpu: bool) -> dict:
             "grad_clip": 1.0,
         },
         "precision": "bf16",
-        "activation_checkpointing": "none",
+        "activation_checkpointing": args.checkpointing,
         "compile": gpu,
         **variant_settings(variant),
         "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1},
         "checkpoint": {"dir": None},
     }
+
+
+def model_spec(args) -> dict:
+    """The preset, or its sizes with the rotary tables stretched to a longer --seq-len."""
+    shape = PRESETS[args.preset]
+    if args.seq_len <= shape.max_seq_len:
+        return {"preset": args.preset}
+    return {"sizes": {**asdict(shape), "max_seq_len": args.seq_len}}
 
 
 def run_trainer(args, variant: str, *, gpu: bool, config=None, nproc: int = 1) -> dict:
@@ -161,12 +184,32 @@ def run_trainer(args, variant: str, *, gpu: bool, config=None, nproc: int = 1) -
     }
 
 
-# --- the baseline (its own process: python -m bench.trainer --baseline ...) ----------------------
+# --- the peers (each its own process: python -m bench.trainer --peer NAME ...) -------------------
+
+PEERS = {  # name: the packages it needs beside torch
+    "hf-compile": ("transformers",),
+    "hf-liger": ("transformers", "liger_kernel"),
+}
 
 
-def baseline_step(args):
-    """One step of the baseline a user would write: HF's Llama, compiled, autocast to bf16."""
+def peer_step(args, peer: str):
+    """One step of the peer a user would write: HF's Llama, autocast to bf16, compiled or
+    with Liger's kernels."""
     import torch
+
+    if peer == "hf-liger":
+        # Liger replaces the classes and the forward modeling_llama builds from, so it must
+        # patch before the model exists; the fused linear cross-entropy runs inside the
+        # forward when it is given labels in training mode.
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(
+            rope=True,
+            rms_norm=True,
+            swiglu=True,
+            cross_entropy=False,
+            fused_linear_cross_entropy=True,
+        )
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from workers.trainer.data import Batches, SyntheticSource
@@ -191,7 +234,7 @@ def baseline_step(args):
     with device:
         model = LlamaForCausalLM(config)
     model.train()
-    step_fn = torch.compile(model) if gpu else model
+    step_fn = torch.compile(model) if gpu and peer == "hf-compile" else model
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=gpu or None
     )
@@ -217,13 +260,13 @@ def baseline_step(args):
     return step
 
 
-def baseline(args) -> dict:
+def peer(args) -> dict:
     import torch
 
     from workers.trainer.presets import flops_per_token
 
     gpu = torch.cuda.is_available()
-    step = baseline_step(args)
+    step = peer_step(args, args.peer)
     rates, losses = [], []
     for number in range(1, args.warmup + args.steps + 1):
         started = time.perf_counter()
@@ -239,15 +282,19 @@ def baseline(args) -> dict:
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "transformers": __import__("transformers").__version__,
+        **({"liger_kernel": metadata.version("liger-kernel")} if args.peer == "hf-liger" else {}),
     }
 
 
-def run_baseline(args) -> dict:
+def run_peer(args, name: str) -> dict:
+    missing = [package for package in PEERS[name] if not importlib.util.find_spec(package)]
+    if missing:
+        return {"error": f"{', '.join(missing)} not installed"}
     command = [
         sys.executable,
         "-m",
         "bench.trainer",
-        "--baseline",
+        *("--peer", name),
         *("--preset", args.preset, "--batch", str(args.batch), "--seq-len", str(args.seq_len)),
         *("--steps", str(args.steps), "--warmup", str(args.warmup)),
     ]
@@ -375,14 +422,14 @@ def kernel_kind(name: str) -> str:
 
 
 def profile(args) -> int:
-    """Train the variant (or "baseline") here and break a few steps' GPU time down by kernel."""
+    """Train the variant (or a peer) here and break a few steps' GPU time down by kernel."""
     import torch
 
     if not torch.cuda.is_available():
         print("bench.trainer --profile: needs a CUDA GPU")
         return 1
     variant = args.profile
-    step = baseline_step(args) if variant == "baseline" else trainer_step(args, variant)
+    step = peer_step(args, variant) if variant in PEERS else trainer_step(args, variant)
     for number in range(1, args.warmup + 1):
         step(number)
     torch.cuda.synchronize()
@@ -463,6 +510,31 @@ def report_idle(prof, measured: int) -> float:
     return idle_ms
 
 
+# --- one long sequence on one GPU (--long) ----------------------------------------------------
+
+
+def long_sequence(args, *, gpu: bool) -> int:
+    """The trainer alone on --seq-len tokens, its peak beside the memory model's prediction."""
+    from workers.trainer import memory
+
+    config = trainer_config(args, "auto", gpu=gpu)
+    predicted = memory.for_run(config, gpu=gpu)
+    print(f"long: the memory model predicts {json.dumps(predicted.as_dict())}", flush=True)
+    got = run_trainer(args, "auto", gpu=gpu, config=config)
+    print(f"long[trainer]: {json.dumps(got)}", flush=True)
+    if "tokens_per_s" not in got:
+        print(f"long: failed ({got['error'][:300]})")
+        return 1
+    mfu = f"{got['mfu']:.3f}" if got["mfu"] is not None else "n/a"
+    peak = f"{got['peak_mem_gib']:.1f}" if got["peak_mem_gib"] is not None else "n/a"
+    print(
+        f"long: tokens_per_s={got['tokens_per_s']:.0f} mfu={mfu} peak_mem_gib={peak} "
+        f"predicted_gib={predicted.allocated / memory.GIB:.1f} seq_len={args.seq_len} "
+        f"batch={args.batch} checkpointing={args.checkpointing}"
+    )
+    return 0
+
+
 # --- the report -----------------------------------------------------------------------------------
 
 
@@ -476,18 +548,32 @@ def describe_machine() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.trainer", description=__doc__)
     parser.add_argument("--preset", default="1b")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, help="sequences per step (default 8; --long 1)")
+    parser.add_argument(
+        "--seq-len", type=int, help="tokens per sequence (default 2048; --long 32768)"
+    )
+    parser.add_argument(
+        "--checkpointing",
+        choices=("none", "selective", "full"),
+        help="the trainer's activation checkpointing (default none; --long full)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="measured steps (default 20)")
     parser.add_argument("--warmup", type=int, default=8, help="steps not counted (default 8)")
     parser.add_argument(
         "--variants", default="auto", help=f"trainer variants, a+b combined: {', '.join(VARIANTS)}"
     )
-    parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--timeout", type=float, default=540, help="seconds per process")
-    parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
-        "--profile", metavar="VARIANT", help="GPU time of a few steps of VARIANT, by kernel"
+        "--peers",
+        default=",".join(PEERS),
+        help=f"peers to measure, comma-separated ({', '.join(PEERS)}), or none",
+    )
+    parser.add_argument("--long", action="store_true", help="the trainer on one long sequence")
+    parser.add_argument("--timeout", type=float, default=540, help="seconds per process")
+    parser.add_argument("--peer", choices=tuple(PEERS), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile",
+        metavar="VARIANT",
+        help="GPU time of a few steps of VARIANT (or a peer), by kernel",
     )
     parser.add_argument("--scaling", action="store_true", help="every GPU of the host, per layout")
     parser.add_argument("--presets", default="1b,8b", help="--scaling: presets, comma-separated")
@@ -495,9 +581,13 @@ def main(argv=None) -> int:
         "--cpu-processes", type=int, default=8, help="--scaling without a GPU: gloo processes"
     )
     args = parser.parse_args(argv)
+    defaults = (1, 32768, "full") if args.long else (8, 2048, "none")
+    for name, default in zip(("batch", "seq_len", "checkpointing"), defaults, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
-    if args.baseline:
-        print(json.dumps(baseline(args)), flush=True)
+    if args.peer:
+        print(json.dumps(peer(args)), flush=True)
         return 0
     if args.profile:
         return profile(args)
@@ -512,44 +602,62 @@ def main(argv=None) -> int:
         return scaling(args, gpu=gpu)
     if not gpu:
         print("bench.trainer: no CUDA GPU here; running the CPU smoke configuration (tiny preset)")
-        args.preset, args.batch, args.seq_len = "tiny", 4, 64
+        # --long: one sequence twice the tiny preset's own length, to try the stretched tables.
+        args.preset, args.batch, args.seq_len = ("tiny", 1, 1024) if args.long else ("tiny", 4, 64)
         args.steps, args.warmup, args.variants = 4, 2, "auto"
     print(
         f"bench.trainer: {describe_machine()}; preset {args.preset}, batch {args.batch}, "
-        f"sequence {args.seq_len}, {args.warmup} warm-up + {args.steps} measured steps",
+        f"sequence {args.seq_len}, checkpointing {args.checkpointing}, "
+        f"{args.warmup} warm-up + {args.steps} measured steps",
         flush=True,
     )
+    if args.long:
+        return long_sequence(args, gpu=gpu)
 
     results = {}
     for variant in args.variants.split(","):
         results[variant] = run_trainer(args, variant, gpu=gpu)
         print(f"trainer[{variant}]: {json.dumps(results[variant])}", flush=True)
-    base = {"error": "skipped"}
-    if not args.no_baseline:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            base = {"error": "transformers is not installed"}
-        else:
-            base = run_baseline(args)
-        print(f"baseline: {json.dumps(base)}", flush=True)
+    peers = {}
+    for name in [p for p in args.peers.split(",") if p and p != "none"]:
+        if name not in PEERS:
+            parser.error(f"--peers: {name} is not one of {', '.join(PEERS)}")
+        peers[name] = run_peer(args, name)
+        print(f"peer[{name}]: {json.dumps(peers[name])}", flush=True)
 
+    print_table(results, peers)
     measured = {k: v for k, v in results.items() if "tokens_per_s" in v}
     if not measured:
         print("trainer: every variant failed")
         return 1
     best_name, best = max(measured.items(), key=lambda item: item[1]["tokens_per_s"])
-    base_rate = base.get("tokens_per_s")
-    ratio = f"{best['tokens_per_s'] / base_rate:.3f}" if base_rate else "n/a"
+    ran = {k: v for k, v in peers.items() if "tokens_per_s" in v}
+    fastest, rate = max(
+        ((k, v["tokens_per_s"]) for k, v in ran.items()), key=lambda i: i[1], default=("n/a", 0)
+    )
+    ratio = f"{best['tokens_per_s'] / rate:.3f}" if rate else "n/a"
     mfu = f"{best['mfu']:.3f}" if best["mfu"] is not None else "n/a"
     print(
-        f"trainer: tokens_per_s={best['tokens_per_s']:.0f} "
-        f"baseline_tokens_per_s={f'{base_rate:.0f}' if base_rate else 'n/a'} ratio={ratio} "
+        f"trainer: tokens_per_s={best['tokens_per_s']:.0f} fastest_peer={fastest} "
+        f"peer_tokens_per_s={f'{rate:.0f}' if rate else 'n/a'} ratio={ratio} "
         f"mfu={mfu} peak_mem_gib={best['peak_mem_gib']:.1f} "
         f"layout=dp_replicate1.dp_shard1.tp1.pp1{'+compile' if gpu else ''}+{best_name}"
         f"+batch{args.batch}x{args.seq_len}"
     )
     return 0
+
+
+def print_table(results: dict, peers: dict) -> None:
+    """Every trainer variant and peer, one line each, before the verdict."""
+    print(f"{'who':<22}{'tokens/s':>10}{'MFU':>7}{'peak GiB':>10}")
+    rows = [(f"trainer[{k}]", v) for k, v in results.items()] + list(peers.items())
+    for name, got in rows:
+        if "tokens_per_s" not in got:
+            print(f"{name:<22}{'failed':>10}  {got['error'][:100]}")
+            continue
+        mfu = f"{got['mfu']:.3f}" if got.get("mfu") is not None else "n/a"
+        peak = f"{got['peak_mem_gib']:.1f}" if got.get("peak_mem_gib") is not None else "n/a"
+        print(f"{name:<22}{got['tokens_per_s']:>10.0f}{mfu:>7}{peak:>10}")
 
 
 if __name__ == "__main__":
