@@ -47,9 +47,10 @@ def test_the_api_docs_render_without_a_cdn(page, live_server):
     expect(page.locator(".opblock-tag", has_text="audit-events")).to_be_visible()
     # Newer Swagger UI builds render only what is near the viewport: scroll to the tag.
     nodes = page.locator(".opblock-tag", has_text=re.compile(r"^nodes$"))
-    for _ in range(200):
+    # Steps shorter than a screen, so no tag passes by between two looks.
+    for _ in range(600):
         if nodes.count():
             break
-        page.mouse.wheel(0, 1500)
+        page.mouse.wheel(0, 400)
         page.wait_for_timeout(50)
     expect(nodes).to_be_visible()
