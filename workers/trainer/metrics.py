@@ -27,6 +27,7 @@ process's peak resident set).
 """
 
 import json
+import math
 import resource
 import sys
 import threading
@@ -47,9 +48,23 @@ PEAK_BF16_FLOPS = {
 _lock = threading.Lock()
 
 
+def finite(value):
+    """`value` with every NaN or infinity in it as None: JSON has no such numbers, and the
+    control plane's strict parser would refuse the whole line (a checkpoint's report with
+    it) for one diverged loss."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(item) for item in value]
+    return value
+
+
 def emit(event: dict) -> None:
-    """Print one event as a JSON line (threads may report too: one line at a time)."""
-    line = json.dumps(event, separators=(",", ":"), allow_nan=True)
+    """Print one event as a JSON line (threads may report too: one line at a time); a
+    number that is not finite is printed as null."""
+    line = json.dumps(finite(event), separators=(",", ":"), allow_nan=False)
     with _lock:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()

@@ -421,3 +421,27 @@ def test_the_flight_recorders_old_names_are_passed_on_under_the_new_ones():
     both = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "500"}
     use_current_flight_recorder_names(both)
     assert both == {"TORCH_FR_BUFFER_SIZE": "500"}  # the new name wins, as in torch
+
+
+def test_an_event_with_a_number_json_cannot_hold_prints_null_for_it(capsys):
+    """A diverged loss (NaN) or an overflowed perplexity (inf) must not make the line one the
+    control plane's strict JSON parser refuses whole (a checkpoint's report with it)."""
+    from workers.trainer import metrics
+
+    metrics.emit(
+        {
+            "event": "checkpoint",
+            "step": 3,
+            "loss": float("nan"),
+            "eval": {"step": 2, "loss": 800.0, "perplexity": float("inf")},
+            "layers": [1.0, float("-inf")],
+        }
+    )
+    line = capsys.readouterr().out.strip()
+    assert json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} printed")) == {
+        "event": "checkpoint",
+        "step": 3,
+        "loss": None,
+        "eval": {"step": 2, "loss": 800.0, "perplexity": None},
+        "layers": [1.0, None],
+    }
