@@ -22,6 +22,7 @@ gradient bucket sizes, `gradient_bucket_sizes`), the interval of its change lies
 and at no measured size it lies below zero. Adopting nothing is a valid and common result.
 """
 
+import dataclasses
 import math
 import random
 import statistics
@@ -112,6 +113,7 @@ class SizeChange:
     low: float
     high: float
     matters: bool
+    op: str = ""  # the operation, where several were judged together (judge_ops)
 
     @property
     def faster(self) -> bool:
@@ -122,6 +124,10 @@ class SizeChange:
         return self.high < 0
 
     def describe(self) -> str:
+        said = self._describe()
+        return f"{self.op.replace('_', '-')}: {said}" if self.op else said
+
+    def _describe(self) -> str:
         at = size_label(self.size)
         if self.faster:
             return (
@@ -349,7 +355,7 @@ def judge_ops(
             seed=seed,
         )
         changes += [
-            OpSizeChange(op, c.size, c.change, c.low, c.high, matters=bool(sizes) and c.matters)
+            dataclasses.replace(c, matters=bool(sizes) and c.matters, op=op)
             for c in verdict.changes
         ]
     mattering = [c for c in changes if c.matters]
@@ -362,20 +368,6 @@ def judge_ops(
         changes=tuple(changes),
         reasons=tuple(c.describe() for c in mattering + slower_elsewhere),
     )
-
-
-@dataclass(frozen=True)
-class OpSizeChange(SizeChange):
-    """A change at one size of one operation."""
-
-    op: str = ""
-
-    def __init__(self, op, size, change, low, high, *, matters):
-        object.__setattr__(self, "op", op)
-        super().__init__(size, change, low, high, matters)
-
-    def describe(self) -> str:
-        return f"{self.op.replace('_', '-')}: {super().describe()}"
 
 
 def judge_drift(
@@ -411,7 +403,7 @@ def judge_drift(
             low = boot[math.floor(tail * (resamples - 1))]
             high = boot[math.ceil((1 - tail) * (resamples - 1))]
             pct = [100 * math.expm1(x) for x in (mid, low, high)]
-            changes.append(OpSizeChange(op, size, *pct, matters=size in sizes))
+            changes.append(SizeChange(size, *pct, matters=size in sizes, op=op))
     if not changes:
         raise MeasurementError("the drift check and its reference share no measured size")
     slower = [c for c in changes if c.matters and c.slower]

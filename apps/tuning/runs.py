@@ -41,6 +41,7 @@ from apps.tuning.candidates import (
     with_ops_candidates,
 )
 from apps.tuning.models import (
+    TUNING_FINISHED,
     NcclProfile,
     NcclProfileVersion,
     TuningMeasurement,
@@ -95,9 +96,7 @@ def _move(run: TuningRun, to: str, reason: str, *, by=None, **fields) -> TuningR
         )
     came_from = run.state
     run.state, run.state_reason = to, reason[:300]
-    if to in (S.ADOPTED, S.NOTHING_ADOPTED, S.DECLINED, S.STEADY, S.DRIFTED, S.FAILED):
-        run.finished_at = timezone.now()
-    if to == S.CANCELLED:
+    if to in TUNING_FINISHED:
         run.finished_at = timezone.now()
     for name, value in fields.items():
         setattr(run, name, value)
@@ -460,7 +459,7 @@ def _verdict_dict(verdict: adoption.Verdict) -> dict:
         "confidence": verdict.confidence,
         "changes": [
             {
-                "op": getattr(c, "op", ""),
+                "op": c.op,
                 "bytes": c.size,
                 "change_pct": round(c.change, 3),
                 "low_pct": round(c.low, 3),
