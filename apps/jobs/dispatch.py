@@ -229,6 +229,7 @@ def run_plan(
     files = [{"path": "run.json", "content": run_json}]
     # Made on the node and handed to the job's user before the trainer starts.
     owned_dirs = [checkpoint_dir(job)]
+    team_dirs: list[str] = []
     mixture = datasets.job_datasets(job)
     if mixture:
         # The datasets are staged (S3 ones copied into the node's cache, shared ones checked)
@@ -238,7 +239,9 @@ def run_plan(
             *("--then", "--", *argv),
         ]
         files.append({"path": datasets.STAGE_PLAN_FILE, "content": datasets.stage_plan(mixture)})
-        owned_dirs += [datasets.node_dir(d) for d, _ in mixture if d.on_s3]
+        # The node's copy of an S3 dataset is the team's, shared by its jobs there: made by
+        # the agent as the team's group's, not handed to this job's user.
+        team_dirs += [datasets.node_dir(d) for d, _ in mixture if d.on_s3]
         if settings.AWS_ENDPOINT_URL and any(d.on_s3 for d, _ in mixture):
             env.setdefault("AWS_ENDPOINT_URL", settings.AWS_ENDPOINT_URL)
     return {
@@ -250,6 +253,8 @@ def run_plan(
         "git": None,
         **checked,
         "owned_dirs": owned_dirs,
+        "team": job.team_id,
+        "team_dirs": team_dirs,
         "files": files,
     }
 

@@ -13,6 +13,12 @@ The agent acts as root on directories a job can write to, so it never follows a
 job's links there: files the agent reads from them are opened with O_NOFOLLOW and
 must be regular files the job's user owns; ownership is changed without following
 links; a directory left from an earlier start is removed, never reused.
+
+What a team's jobs share on a node (its dataset cache) belongs to the team's group:
+gid = `base + count + team`, just above the jobs' range, the same on every node. Each
+job's processes hold that group as their one supplementary group; the agent makes the
+team's directories (root's, setgid, closed to everyone else), so no job owns them and
+the next job of the team finds them as the first left them.
 """
 
 import contextlib
@@ -32,6 +38,8 @@ log = logging.getLogger("agent")
 # Above the ranges distributions give people, systemd and containers: no account lives here.
 DEFAULT_UID_BASE = 1_500_000_000
 DEFAULT_UID_COUNT = 500_000_000
+# Teams' groups, just above the jobs' uids: `uid_base + uid_count + team id % TEAM_GID_COUNT`.
+TEAM_GID_COUNT = 10_000_000
 # What switching a child to another user, handing it its directories and stopping
 # everything it left behind takes: CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_KILL,
 # CAP_SETGID, CAP_SETUID.
@@ -61,6 +69,10 @@ class Isolation:
         """The job's own uid (and gid): the same on every node, different for every job."""
         return self.uid_base + job_id % self.uid_count
 
+    def gid_for_team(self, team_id: int) -> int:
+        """The team's group (its jobs' one supplementary group): the same on every node."""
+        return self.uid_base + self.uid_count + team_id % TEAM_GID_COUNT
+
     def report(self) -> dict:
         """What the agent tells the control plane when it registers."""
         return {"mode": self.mode, "reason": self.reason}
@@ -88,8 +100,10 @@ def detect(
     uid_count = uid_count or DEFAULT_UID_COUNT
     if mode not in MODES:
         raise IsolationUnavailable(f"AGENT_JOB_USERS={mode!r}: use one of {', '.join(MODES)}")
-    if not 0 < uid_base <= 2**32 - 2 - uid_count:
-        raise IsolationUnavailable("AGENT_JOB_UID_BASE and _COUNT must fit in a 32-bit uid")
+    if not 0 < uid_base <= 2**32 - 2 - uid_count - TEAM_GID_COUNT:
+        raise IsolationUnavailable(
+            "AGENT_JOB_UID_BASE and _COUNT, and the teams' groups above them, must fit in 32 bits"
+        )
     if mode == "off":
         return Isolation("none", "turned off by AGENT_JOB_USERS=off", uid_base, uid_count)
     missing = missing_capabilities()
@@ -206,6 +220,40 @@ def owned_directory(path: Path, uid: int, gid: int) -> None:
     if (info.st_uid, info.st_gid) != (uid, gid):
         hand_over(path, uid, gid)
     os.chmod(path, 0o700)
+
+
+TEAM_DIR_MODE = 0o2750  # the team's group passes through and lists; no one else enters
+SHARED_DIR_MODE = 0o2770  # the team's jobs write; what they make takes the team's group
+
+
+def team_directory(path: Path, gid: int) -> None:
+    """A directory the team's jobs share (a dataset's cache): root's, of the team's group,
+    setgid and group-writable, under a team directory closed to other teams.
+
+    Neither can be replaced by a job: the team directory's parent is root's, and the team
+    directory is not writable by the group. One left in another form (an older agent handed
+    it to one job's user, 0700) is removed and made afresh: a cache, fetched again.
+    """
+    team = path.parent
+    traversable(team.parent)
+    if team.is_symlink():
+        raise PermissionError(f"{team} is a link")
+    with contextlib.suppress(FileExistsError):
+        team.mkdir(mode=0o700)
+    os.chown(team, 0, gid, follow_symlinks=False)
+    os.chmod(team, TEAM_DIR_MODE)
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        info = None
+    wanted = (0, gid, stat.S_IFDIR | SHARED_DIR_MODE)
+    if info is not None and (info.st_uid, info.st_gid, info.st_mode) == wanted:
+        return
+    if info is not None:
+        shutil.rmtree(path) if stat.S_ISDIR(info.st_mode) else path.unlink()
+    path.mkdir(mode=0o700)
+    os.chown(path, 0, gid)
+    os.chmod(path, SHARED_DIR_MODE)
 
 
 class NotAPlainFile(OSError):

@@ -93,6 +93,8 @@ class Plan:
     git: dict | None = None
     job_id: int | None = None
     owned_dirs: tuple[str, ...] = ()  # absolute paths the job's user must own (checkpoints)
+    team_id: int | None = None  # the job's team: its processes hold the team's group
+    team_dirs: tuple[str, ...] = ()  # absolute paths the team's jobs share (dataset caches)
     gpu_slots: tuple[int, ...] = ()  # the node's GPUs the job holds (CUDA_VISIBLE_DEVICES)
     rendezvous_port: int | None = None  # node rank 0's: checked free before the start
 
@@ -111,6 +113,8 @@ class Plan:
             git=data.get("git") or None,
             job_id=_job_id(data),
             owned_dirs=_owned_dirs(data.get("owned_dirs")),
+            team_id=_team_id(data.get("team")),
+            team_dirs=_owned_dirs(data.get("team_dirs")),
             gpu_slots=_gpu_slots(data.get("gpu_slots")),
             rendezvous_port=_port(data.get("rendezvous_port")),
         )
@@ -209,11 +213,19 @@ def _port(value) -> int | None:
     return value
 
 
+def _team_id(value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise PlanRefused(f"{value!r} is not a team")
+    return value
+
+
 def _owned_dirs(value) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise PlanRefused("owned_dirs must be a list of paths")
+        raise PlanRefused("owned_dirs and team_dirs must be lists of paths")
     for path in value:
         pure = PurePosixPath(path)
         if not pure.is_absolute() or ".." in pure.parts or len(pure.parts) < 3:
@@ -315,6 +327,11 @@ class Run:
             if plan.job_id is None:
                 raise PlanRefused("the plan names no job, so the job's user cannot be chosen")
             self.uid = isolation.uid_for(plan.job_id)
+        self.team_gid: int | None = None
+        if self.uid is not None and plan.team_id is not None:
+            self.team_gid = isolation.gid_for_team(plan.team_id)
+        elif plan.team_dirs and self.uid is not None:
+            raise PlanRefused("the plan shares directories with a team it does not name")
         self._mask = Masker(plan.secrets.values())
         self._seq = 0
         self._seq_lock = threading.Lock()
@@ -361,7 +378,8 @@ class Run:
         """Popen's arguments that start a process as the job's own user (none without one)."""
         if self.uid is None:
             return {}
-        return {"user": self.uid, "group": self.uid, "extra_groups": [], "umask": 0o077}
+        groups = [] if self.team_gid is None else [self.team_gid]
+        return {"user": self.uid, "group": self.uid, "extra_groups": groups, "umask": 0o077}
 
     def _checkout(self, env: dict[str, str]) -> Path:
         repo, ref = str(self.plan.git["repo"]), str(self.plan.git["ref"])
@@ -410,6 +428,8 @@ class Run:
             isolation.hand_over(self.dir, self.uid, self.uid)
             for path in self.plan.owned_dirs:
                 isolation.owned_directory(Path(path), self.uid, self.uid)
+            for path in self.plan.team_dirs:
+                isolation.team_directory(Path(path), self.team_gid)
         env = self._environment()
         cwd = self._checkout(env) if self.plan.git else self.dir
         if self.plan.workdir:

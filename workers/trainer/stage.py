@@ -12,6 +12,13 @@ checked, so a shard that has not changed since is not read again. A download goe
 temporary name, is checked, then renamed, so a cut-short stage leaves nothing that
 passes for a shard. A shared path is used in place: it must hold `index.json`.
 
+`dest` is shared by every job of the team on the node, each its own user: the agent makes
+it root's, of the team's group, setgid and group-writable (workers/agent/isolation.py,
+team_directory). So what the stage writes there is the group's: directories 0770 (the umask
+is 007 while staging), files 0640 (read by the team's jobs, replaced only by a rename). A
+lock file held with flock makes a second stage of the same dataset wait for the first, then
+reuse all it fetched: one download however many jobs start at once.
+
 Progress is printed as JSON lines the agent relays (at most one a second per dataset
 and one at its end): `{"event": "stage", "dataset", "files_done", "files",
 "bytes_done", "bytes", "reused_bytes"}`, then `{"event": "stage_end", ...}` once all are
@@ -41,6 +48,8 @@ INDEX = "index.json"
 VERIFIED = ".verified"
 LOCK = ".stage.lock"
 CHUNK = 8 << 20
+FILE_MODE = 0o640  # the team's jobs read what another fetched; no one rewrites it in place
+STAGE_UMASK = 0o007  # what the stage makes in `dest` is the team's group's, not one job's
 PROGRESS_EVERY_S = 1.0
 
 
@@ -137,9 +146,7 @@ class VerifiedCache:
         self.entries[name] = {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": digest}
 
     def save(self) -> None:
-        temporary = self.path.with_name(f"{VERIFIED}.tmp-{os.getpid()}")
-        temporary.write_text(json.dumps(self.entries, sort_keys=True))
-        temporary.replace(self.path)
+        atomic_write(self.path, json.dumps(self.entries, sort_keys=True).encode())
 
 
 class Progress:
@@ -187,10 +194,7 @@ def split_uri(uri: str) -> tuple[str, str]:
 def stage_s3(name: str, uri: str, dest: Path, client) -> dict:
     """Copy one dataset from S3 into `dest`, reusing every file that already matches."""
     bucket, prefix = split_uri(uri)
-    dest.mkdir(parents=True, exist_ok=True)
-    with open(dest / LOCK, "a") as lock:
-        # Two runs of a node staging the same dataset: the second waits, then reuses.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with team_writable(), locked(dest):
         body = client.get_object(Bucket=bucket, Key=prefix + INDEX)["Body"].read()
         try:
             index = json.loads(body)
@@ -219,6 +223,30 @@ def stage_s3(name: str, uri: str, dest: Path, client) -> dict:
         return progress.finish()
 
 
+@contextlib.contextmanager
+def team_writable():
+    """What is made meanwhile is the group's (the dataset directory's, setgid) as well."""
+    previous = os.umask(STAGE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+@contextlib.contextmanager
+def locked(dest: Path):
+    """`dest` held by this stage alone: two runs of a node staging the same dataset (two
+    jobs of the team), the second waits, then reuses. The lock file is opened to read, which
+    is all flock needs, so a lock file another job's user made serves as well."""
+    dest.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dest / LOCK, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def listed_sizes(client, bucket: str, prefix: str) -> dict[str, int]:
     sizes = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
@@ -234,6 +262,7 @@ def download(client, bucket, key, target: Path, item: DatasetFile, cache, progre
     try:
         stream = client.get_object(Bucket=bucket, Key=key)["Body"]
         with open(temporary, "wb") as f:
+            os.fchmod(f.fileno(), FILE_MODE)
             while block := stream.read(CHUNK):
                 f.write(block)
                 digest.update(block)
@@ -254,7 +283,9 @@ def download(client, bucket, key, target: Path, item: DatasetFile, cache, progre
 
 def atomic_write(path: Path, content: bytes) -> None:
     temporary = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    temporary.write_bytes(content)
+    with open(temporary, "wb") as f:
+        os.fchmod(f.fileno(), FILE_MODE)
+        f.write(content)
     temporary.replace(path)
 
 

@@ -252,7 +252,9 @@ def test_dispatch_stages_s3_datasets_before_torchrun(settings, fleet_pool, quota
         "python3",
     ]
     assert argv[8:10] == ["-m", "torch.distributed.run"] and argv[-2:] == ["--config", "run.json"]
-    assert dest in run.plan["owned_dirs"] and "/shared/data/books" not in run.plan["owned_dirs"]
+    # The node's copy is the team's (the agent makes it its group's), not this job's own.
+    assert run.plan["team"] == team.pk and run.plan["team_dirs"] == [dest]
+    assert dest not in run.plan["owned_dirs"]
     assert run.plan["env"]["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
 
 

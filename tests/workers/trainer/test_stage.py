@@ -3,11 +3,22 @@ everything fetched the first time, nothing the second, a corrupt object refused.
 
 import hashlib
 import json
+import os
+import shutil
+import stat
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from tests.workers.agent.test_isolation import _finish, _stdout
+from workers.agent import isolation
+from workers.agent.isolation import Isolation
+from workers.agent.runs import LogBuffer, Plan, Run
 from workers.trainer import stage
+
+REPOSITORY = Path(__file__).resolve().parents[3]
 
 boto3 = pytest.importorskip("boto3")
 
@@ -223,3 +234,104 @@ def test_a_prepared_dataset_stages_whole_and_the_registry_reads_its_index(
     plan = {"datasets": [{"name": "web", "uri": "s3://prepared/web/", "dest": str(dest)}]}
     assert stage.stage_all(plan, stage.s3_client) == 0, capsys.readouterr()
     assert shards.verify(dest) == []  # every shard, its document offsets and the tokenizer
+
+
+# --- a team's cache on a node, shared by its jobs' users ----------------------------------------
+
+
+@pytest.fixture
+def cache_root():
+    """A node's dataset cache that other users may pass through (tmp_path is closed to them)."""
+    path = Path(tempfile.mkdtemp(prefix="cp-datasets-", dir="/tmp"))
+    os.chmod(path, 0o711)  # noqa: S103 (pass through, list nothing)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _stage_run(cache_root, dataset, *, job, team, dest: Path | None, code="", args=()):
+    """A run of `job` (its own user, of `team`'s group) that stages the dataset into `dest`
+    as dispatch plans it, through the agent's Run, then runs `code`."""
+    plan = {"datasets": [{"name": "wiki", "uri": f"s3://{dataset['bucket']}/wiki/", "dest": ""}]}
+    if dest is not None:
+        plan["datasets"][0]["dest"] = str(dest)
+    program = (
+        f"import sys; sys.path.insert(0, {str(REPOSITORY)!r})\n"
+        "from workers.trainer import stage\n"
+        + (code or "sys.exit(stage.main(['--plan', 'stage.json']))")
+    )
+    keys = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    return Run(
+        Plan.from_json(
+            {
+                "id": job,
+                "job": job,
+                "team": team,
+                "team_dirs": [str(dest)] if dest is not None else [],
+                "argv": [sys.executable, "-c", program, *args],
+                "env": {k: os.environ[k] for k in keys},
+                "files": [{"path": "stage.json", "content": json.dumps(plan)}],
+            }
+        ),
+        runs_dir=cache_root / "runs",
+        logs=LogBuffer(10_000),
+        base_env={"PATH": "/usr/bin:/bin"},
+        isolation=Isolation("user"),
+        code_dir=cache_root,
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+def test_two_jobs_of_a_team_share_one_download_and_another_team_cannot_read_it(dataset, cache_root):
+    dest = cache_root / "datasets" / "foundation" / "7-0123456789abcdef"
+    first = _stage_run(cache_root, dataset, job=71, team=5, dest=dest)
+    second = _stage_run(cache_root, dataset, job=72, team=5, dest=dest)
+    first.start()
+    second.start()  # at once: the second waits on the lock, then reuses what the first fetched
+    reports = [_finish(first), _finish(second)]
+    assert [r["exit_code"] for r in reports] == [0, 0], [_stdout(first), _stdout(second)]
+
+    total = sum(len(b) for b in dataset["shards"].values())
+    ends = [_events("\n".join(_stdout(run)))[-1] for run in (first, second)]
+    assert all(e["event"] == "stage_end" and e["bytes"] == total for e in ends)
+    # One download between them: one stage fetched every byte, the other reused them all.
+    assert sorted(e["reused_bytes"] for e in ends) == [0, total]
+    team_gid = Isolation("user").gid_for_team(5)
+    uids = {Isolation("user").uid_for(job) for job in (71, 72)}
+    for name, body in dataset["shards"].items():
+        info = (dest / name).stat()
+        assert (dest / name).read_bytes() == body
+        assert info.st_uid in uids and info.st_gid == team_gid
+        assert stat.S_IMODE(info.st_mode) == stage.FILE_MODE
+    # The agent's, of the team's group: setgid, the group writes the dataset, lists the team.
+    for path, mode in ((dest, 0o2770), (dest.parent, 0o2750)):
+        info = path.stat()
+        assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (0, team_gid, mode)
+
+    # A job of another team on the same node reaches none of it.
+    probe = (
+        "import os\n"
+        "for path in sys.argv[1:]:\n"
+        "    try:\n"
+        "        open(path, 'rb').read() if path.endswith('.bin') else os.listdir(path)\n"
+        "        print('read', path)\n"
+        "    except PermissionError:\n"
+        "        print('denied', path)\n"
+    )
+    targets = [str(dest / "shard-00000.bin"), str(dest), str(dest.parent)]
+    other = _stage_run(cache_root, dataset, job=73, team=6, dest=None, code=probe, args=targets)
+    other.start()
+    assert _finish(other)["exit_code"] == 0
+    assert _stdout(other) == [f"denied {t}" for t in targets]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+def test_a_cache_an_older_agent_gave_to_one_job_is_made_afresh_for_the_team(cache_root):
+    dest = cache_root / "datasets" / "foundation" / "7-0123456789abcdef"
+    dest.mkdir(parents=True)
+    (dest / "shard-00000.bin").write_bytes(b"one job's")
+    isolation.hand_over(dest, 1_500_000_071, 1_500_000_071)
+    os.chmod(dest, 0o700)
+    isolation.team_directory(dest, 1_999_999_999)
+    info = dest.stat()
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (0, 1_999_999_999, 0o2770)
+    assert list(dest.iterdir()) == []
