@@ -1,5 +1,6 @@
 """Datasets: registering a team's token shards, naming them in job specs, and what a run
-needs to read them (run.json's mixture, and the stage plan that copies S3 ones to the node).
+needs to read them (run.json's mixture, and the stage plan that copies S3 ones to the node,
+with the job's starting weights when they are on S3).
 
 The index is the one `python -m workers.trainer.prepare` writes beside the shards. It is
 read generically: any JSON object in it with a file name (`file` or `path`) and a `sha256`
@@ -20,12 +21,12 @@ from apps.accounts.selectors import roles_of
 from apps.accounts.services import audit_record
 from apps.jobs.models import Dataset, Job
 from apps.jobs.models.jobs import FINISHED_STATES
+from apps.jobs.specs import plain_s3_uri
 from controlplane.errors import ApplicationError
 
 STAGE_PLAN_FILE = "stage.json"
 _SLUG = re.compile(r"[a-z0-9][a-z0-9_-]{0,99}\Z")
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 COUNTS = ("tokens", "documents", "bytes", "size")
 
 
@@ -152,11 +153,10 @@ def check_uri(uri) -> str:
     if not isinstance(uri, str) or not uri or len(uri) > 1000:
         raise _invalid("uri", "Give s3://bucket/prefix/ or an absolute shared path.")
     if uri.startswith("s3://"):
-        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-        parts = [p for p in prefix.split("/") if p]
-        if not _BUCKET.fullmatch(bucket) or any(p in (".", "..") for p in parts):
+        plain = plain_s3_uri(uri)
+        if plain is None:
             raise _invalid("uri", "An S3 bucket name, then a plain prefix: s3://bucket/prefix/.")
-        return f"s3://{bucket}/" + "".join(f"{p}/" for p in parts)
+        return plain
     if not uri.startswith("/") or posixpath.normpath(uri) != uri.rstrip("/") or "\x00" in uri:
         raise _invalid("uri", "An absolute path, written plainly (no ., .. or //), or s3://.")
     return uri.rstrip("/") or "/"
@@ -322,13 +322,34 @@ def run_mixture(datasets: list[tuple[Dataset, float]]) -> list[dict]:
     ]
 
 
-def stage_plan(datasets: list[tuple[Dataset, float]]) -> str:
+def init_hf_staged(job: Job) -> dict | None:
+    """The job's starting weights (trainer.init.hf) when they are on S3: what the stage
+    copies (`{"name", "uri", "dest"}`) into the team's cache on the node, one directory per
+    S3 prefix (the stage keeps it in step with the prefix by ETag); None otherwise."""
+    uri = ((job.spec.get("trainer") or {}).get("init") or {}).get("hf") or ""
+    plain = plain_s3_uri(uri) if uri.startswith("s3://") else None
+    if plain is None:
+        return None
+    key = "hf-" + hashlib.sha256(plain.encode()).hexdigest()[:16]
+    dest = posixpath.join(settings.DATASET_CACHE_DIR, job.team.slug, key)
+    return {"name": "init.hf", "uri": plain, "dest": dest}
+
+
+def init_hf_path(job: Job) -> str | None:
+    """run.json's init.hf: the directory the trainer reads, the node's copy of an S3 one."""
+    uri = ((job.spec.get("trainer") or {}).get("init") or {}).get("hf")
+    staged = init_hf_staged(job)
+    return staged["dest"] if staged else uri
+
+
+def stage_plan(datasets: list[tuple[Dataset, float]], *, init_hf: dict | None = None) -> str:
     """stage.json for workers.trainer.stage: every dataset of the mixture (shared ones are
-    checked in place, S3 ones copied into their cache directory)."""
+    checked in place, S3 ones copied into their cache directory) and the S3 starting weights."""
     entries = [
         {"name": d.name, "uri": d.uri, "dest": node_dir(d) if d.on_s3 else ""} for d, _ in datasets
     ]
-    return json.dumps({"datasets": entries}, indent=2, sort_keys=True)
+    plan = {"datasets": entries, "hf": [init_hf] if init_hf else []}
+    return json.dumps(plan, indent=2, sort_keys=True)
 
 
 # --- lists ----------------------------------------------------------------------------------

@@ -231,18 +231,22 @@ def run_plan(
     owned_dirs = [checkpoint_dir(job)]
     team_dirs: list[str] = []
     mixture = datasets.job_datasets(job)
-    if mixture:
-        # The datasets are staged (S3 ones copied into the node's cache, shared ones checked)
-        # before torchrun starts, which the stage module execs: an argument list throughout.
+    weights = datasets.init_hf_staged(job)
+    if mixture or weights:
+        # The datasets are staged (S3 ones copied into the node's cache, shared ones checked),
+        # and starting weights on S3 copied, before torchrun starts, which the stage module
+        # execs: an argument list throughout.
         argv = [
             *("python3", "-m", "workers.trainer.stage", "--plan", datasets.STAGE_PLAN_FILE),
             *("--then", "--", *argv),
         ]
-        files.append({"path": datasets.STAGE_PLAN_FILE, "content": datasets.stage_plan(mixture)})
-        # The node's copy of an S3 dataset is the team's, shared by its jobs there: made by
-        # the agent as the team's group's, not handed to this job's user.
+        plan = datasets.stage_plan(mixture, init_hf=weights)
+        files.append({"path": datasets.STAGE_PLAN_FILE, "content": plan})
+        # The node's copies are the team's, shared by its jobs there: made by the agent as
+        # the team's group's, not handed to this job's user.
         team_dirs += [datasets.node_dir(d) for d, _ in mixture if d.on_s3]
-        if settings.AWS_ENDPOINT_URL and any(d.on_s3 for d, _ in mixture):
+        team_dirs += [weights["dest"]] if weights else []
+        if settings.AWS_ENDPOINT_URL and (weights or any(d.on_s3 for d, _ in mixture)):
             env.setdefault("AWS_ENDPOINT_URL", settings.AWS_ENDPOINT_URL)
     return {
         "job": job.pk,

@@ -264,8 +264,8 @@ class SubmitForm(forms.Form):
         required=False,
         max_length=1024,
         label="Start from Hugging Face weights",
-        help_text="A Llama directory (config.json, safetensors) on a path every node mounts; "
-        "its sizes must be the model's.",
+        help_text="A Llama directory (config.json, safetensors) on a path every node mounts, "
+        "or s3://bucket/prefix/ (copied to each node first); its sizes must be the model's.",
     )
     pipeline_schedule = forms.ChoiceField(
         choices=[("", "1f1b (default)"), *((s, s) for s in PIPELINE_SCHEDULES)],

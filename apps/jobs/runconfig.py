@@ -113,7 +113,7 @@ def trainer_run_config(
         "s3": s3,
     }
     # Starting weights (workers/trainer/hf.py reads them); a checkpoint resumed from wins.
-    init_hf = (trainer.get("init") or {}).get("hf")
+    init_hf = datasets.init_hf_path(job)  # an S3 one: the node's copy the stage makes
     if init_hf:
         config["init"] = {"hf": init_hf}
     return json.dumps(config, indent=2, sort_keys=True)

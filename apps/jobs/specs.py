@@ -7,6 +7,7 @@ its path in the spec (`resources.layout.tp`), so a 400 says exactly what to fix.
 
 import math
 import posixpath
+import re
 from dataclasses import dataclass
 
 from apps.fleet.selectors import PoolCapacity
@@ -289,17 +290,39 @@ def check_trainer(trainer: dict, resources: Resources, errors: SpecErrors) -> No
         )
 
 
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
+
+
+def plain_s3_uri(uri: str) -> str | None:
+    """`s3://bucket/prefix/` as written once and for all (a bucket's name, a prefix without
+    `.` or `..`, one slash after each part), or None when `uri` is no such thing."""
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    parts = [p for p in prefix.split("/") if p]
+    if not uri.startswith("s3://") or not _BUCKET.fullmatch(bucket):
+        return None
+    if any(p in (".", "..") for p in parts):
+        return None
+    return f"s3://{bucket}/" + "".join(f"{p}/" for p in parts)
+
+
 def _check_init(init: dict, errors: SpecErrors) -> None:
-    """init.hf: a directory every node reads (the trainer reads it at start, on each rank, and
-    checks its shapes against the model's sizes then, which it reads from the preset or sizes
-    this spec must give)."""
+    """init.hf: a directory every node reads, or an S3 prefix each node's agent stages into
+    its cache before the run (the trainer reads it at start, on each rank, and checks its
+    shapes against the model's sizes then, which it reads from the preset or sizes this spec
+    must give)."""
     path = init.get("hf")
     if path is None:
         return
     if path.startswith("s3://"):
-        errors.add("trainer.init.hf", "S3 is not read yet; stage it on a path.")
+        if plain_s3_uri(path) is None:
+            errors.add(
+                "trainer.init.hf", "An S3 bucket name, then a plain prefix: s3://bucket/prefix/."
+            )
     elif not posixpath.isabs(path) or ".." in path.split("/"):
-        errors.add("trainer.init.hf", "An absolute path (without ..) on storage every node mounts.")
+        errors.add(
+            "trainer.init.hf",
+            "An absolute path (without ..) on storage every node mounts, or s3://bucket/prefix/.",
+        )
 
 
 def _check_batch_on_fewer_nodes(trainer: dict, resources: Resources, errors: SpecErrors) -> None:

@@ -26,7 +26,8 @@ Mapping decisions:
   activations, rope scaling (Llama 3.1's "llama3", YaRN...), a head_dim other than
   hidden_size / num_attention_heads, other model types.
 
-S3 (an `s3://` init path) is not read yet: stage the directory on a shared path first.
+An `s3://` init path is never read here: the control plane's run plan stages it into the
+node's cache first (workers/trainer/stage.py) and gives run.json the local copy.
 """
 
 import argparse
@@ -207,7 +208,10 @@ class HFCheckpoint:
 
     def __init__(self, directory: str | Path):
         if str(directory).startswith("s3://"):
-            raise ConfigError(f"init.hf {directory}: S3 is not read yet; stage it on a path")
+            raise ConfigError(
+                f"init.hf {directory}: the trainer reads a local directory; an S3 one is "
+                "staged onto the node by the run plan (workers.trainer.stage) before it starts"
+            )
         self.directory = Path(directory)
         try:
             config = json.loads((self.directory / CONFIG).read_text())

@@ -1,16 +1,20 @@
-"""Stage a job's datasets onto the node before the trainer starts, reusing what is there.
+"""Stage a job's datasets (and S3 starting weights) onto the node before the trainer
+starts, reusing what is there.
 
     python -m workers.trainer.stage --plan stage.json [--then -- torchrun ...]
 
-The plan, written by the control plane for each run, lists the datasets:
-`{"datasets": [{"name", "uri", "dest"}]}`. An `s3://bucket/prefix/` dataset is copied
-into `dest` (a directory of the node's dataset cache, kept across jobs): its
-`index.json` first, then every file the index names (any JSON object in it with a
-`file` or `path` and a `sha256`). A file already in `dest` whose SHA-256 matches is
-kept, not fetched again; a `.verified` file remembers (size, mtime, sha256) of each file
-checked, so a shard that has not changed since is not read again. A download goes to a
-temporary name, is checked, then renamed, so a cut-short stage leaves nothing that
-passes for a shard. A shared path is used in place: it must hold `index.json`.
+The plan, written by the control plane for each run, lists the datasets, and the
+Hugging Face checkpoint the run starts from when it is on S3:
+`{"datasets": [{"name", "uri", "dest"}], "hf": [{"name", "uri", "dest"}]}`. An
+`s3://bucket/prefix/` dataset is copied into `dest` (a directory of the node's dataset
+cache, kept across jobs): its `index.json` first, then every file the index names (any
+JSON object in it with a `file` or `path` and a `sha256`). A file already in `dest`
+whose SHA-256 matches is kept, not fetched again; a `.verified` file remembers (size,
+mtime, sha256) of each file checked, so a shard that has not changed since is not read
+again. A download goes to a temporary name, is checked, then renamed, so a cut-short
+stage leaves nothing that passes for a shard. A shared path is used in place: it must
+hold `index.json`. A checkpoint (`hf`) has no index of SHA-256s: its files are reused by
+the S3 ETag and size they were fetched at (stage_hf_s3 says why and how).
 
 `dest` is shared by every job of the team on the node, each its own user: the agent makes
 it root's, of the team's group, setgid and group-writable (workers/agent/isolation.py,
@@ -48,6 +52,8 @@ INDEX = "index.json"
 VERIFIED = ".verified"
 LOCK = ".stage.lock"
 CHUNK = 8 << 20
+HF_CONFIG = "config.json"
+HF_SUFFIXES = (".json", ".safetensors")  # config, weights and their index, tokenizer
 FILE_MODE = 0o640  # the team's jobs read what another fetched; no one rewrites it in place
 STAGE_UMASK = 0o007  # what the stage makes in `dest` is the team's group's, not one job's
 PROGRESS_EVERY_S = 1.0
@@ -112,7 +118,8 @@ def sha256_of(path: Path) -> str:
 
 
 class VerifiedCache:
-    """(size, mtime, sha256) of the files checked before, in `dest/.verified`."""
+    """What is known of each file checked before, in `dest/.verified`: its size and mtime,
+    and its sha256 (a dataset's file) or the S3 ETag it was fetched at (a checkpoint's)."""
 
     def __init__(self, dest: Path):
         self.path = dest / VERIFIED
@@ -123,27 +130,35 @@ class VerifiedCache:
         except (OSError, ValueError):
             self.entries = {}
 
-    def sha256(self, name: str, path: Path) -> str | None:
-        """The file's SHA-256: from the cache when its size and mtime are unchanged, else
-        read (and remembered); None when it is missing."""
+    def unchanged(self, name: str, path: Path) -> dict:
+        """The facts recorded for the file if its size and mtime are as they were, else {}."""
         try:
             info = path.stat()
         except FileNotFoundError:
-            return None
+            return {}
         entry = self.entries.get(name)
         if (
             isinstance(entry, dict)
             and entry.get("size") == info.st_size
             and entry.get("mtime_ns") == info.st_mtime_ns
         ):
-            return entry.get("sha256")
+            return entry
+        return {}
+
+    def sha256(self, name: str, path: Path) -> str | None:
+        """The file's SHA-256: from the cache when its size and mtime are unchanged, else
+        read (and remembered); None when it is missing."""
+        if digest := self.unchanged(name, path).get("sha256"):
+            return digest
+        if not path.exists():
+            return None
         digest = sha256_of(path)
-        self.remember(name, path, digest)
+        self.remember(name, path, sha256=digest)
         return digest
 
-    def remember(self, name: str, path: Path, digest: str) -> None:
+    def remember(self, name: str, path: Path, **facts: str) -> None:
         info = path.stat()
-        self.entries[name] = {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": digest}
+        self.entries[name] = {"size": info.st_size, "mtime_ns": info.st_mtime_ns, **facts}
 
     def save(self) -> None:
         atomic_write(self.path, json.dumps(self.entries, sort_keys=True).encode())
@@ -203,23 +218,83 @@ def stage_s3(name: str, uri: str, dest: Path, client) -> dict:
         files = index_files(index)
         if not files:
             raise StageError(f"{uri}{INDEX} names no file with a sha256")
-        sizes = listed_sizes(client, bucket, prefix)
-        missing = [f.name for f in files if f.name not in sizes]
+        listed = listing(client, bucket, prefix)
+        missing = [f.name for f in files if f.name not in listed]
         if missing:
             raise StageError(f"{uri}{missing[0]} is named in {INDEX} but not in the bucket")
         cache = VerifiedCache(dest)
-        progress = Progress(name, len(files), sum(sizes[f.name] for f in files))
+        progress = Progress(name, len(files), sum(listed[f.name].size for f in files))
         try:
             for item in files:
-                target = dest / item.name
+                target, size = dest / item.name, listed[item.name].size
                 if cache.sha256(item.name, target) == item.sha256:
-                    progress.advance(files=1, reused=sizes[item.name])
+                    progress.advance(files=1, reused=size)
                     continue
-                download(client, bucket, prefix + item.name, target, item, cache, progress)
+
+                def check(fetched: Fetched, item=item) -> None:
+                    if fetched.sha256 != item.sha256:
+                        raise StageError(
+                            f"{item.name}: sha256 {fetched.sha256} after download, "
+                            f"the index says {item.sha256}"
+                        )
+
+                download(client, bucket, prefix + item.name, target, progress, check)
+                cache.remember(item.name, target, sha256=item.sha256)
                 progress.advance(files=1)
         finally:
             cache.save()
         atomic_write(dest / INDEX, body)
+        return progress.finish()
+
+
+def stage_hf_s3(name: str, uri: str, dest: Path, client) -> dict:
+    """Copy a Hugging Face checkpoint directory from S3 into `dest`: config.json and every
+    other JSON and safetensors file directly under the prefix (sharded files and their
+    index, tokenizer files), nothing else (no pytorch_model.bin beside them).
+
+    There is no index of SHA-256s to check against, and S3's ETag is not one (an MD5 for a
+    plain upload, something else for a multipart or KMS-encrypted one). So a file is reused
+    when `.verified` says it was fetched at the ETag and size S3 lists now and it has not
+    changed on disk since (size, mtime); a download must bring the listed size and the
+    listed ETag (a file replaced in between is refused, not mixed in). What the listing no
+    longer has is removed, so a checkpoint re-uploaded from sharded to one file leaves no
+    stale index behind."""
+    bucket, prefix = split_uri(uri)
+    with team_writable(), locked(dest):
+        listed = {
+            key: obj
+            for key, obj in listing(client, bucket, prefix).items()
+            if "/" not in key and key.endswith(HF_SUFFIXES)
+        }
+        if HF_CONFIG not in listed:
+            raise StageError(f"{uri}{HF_CONFIG} is not in the bucket: not a checkpoint directory")
+        cache = VerifiedCache(dest)
+        progress = Progress(name, len(listed), sum(obj.size for obj in listed.values()))
+        try:
+            for key, obj in sorted(listed.items()):
+                target = dest / safe_name(key)
+                known = cache.unchanged(key, target)
+                if known.get("etag") == obj.etag and known.get("size") == obj.size:
+                    progress.advance(files=1, reused=obj.size)
+                    continue
+
+                def check(fetched: Fetched, key=key, obj=obj) -> None:
+                    if (fetched.size, fetched.etag) != (obj.size, obj.etag):
+                        raise StageError(
+                            f"{key}: {fetched.size} bytes at ETag {fetched.etag} fetched, "
+                            f"{obj.size} at {obj.etag} listed: it changed while staging"
+                        )
+
+                download(client, bucket, prefix + key, target, progress, check)
+                cache.remember(key, target, etag=obj.etag)
+                progress.advance(files=1)
+            for path in dest.iterdir():
+                kept = path.name in listed or path.name in (VERIFIED, LOCK)
+                if not kept and (path.is_symlink() or path.is_file()):
+                    cache.entries.pop(path.name, None)
+                    path.unlink()
+        finally:
+            cache.save()
         return progress.finish()
 
 
@@ -247,38 +322,56 @@ def locked(dest: Path):
         os.close(fd)
 
 
-def listed_sizes(client, bucket: str, prefix: str) -> dict[str, int]:
-    sizes = {}
+@dataclass(frozen=True)
+class Listed:
+    """What S3 lists of an object."""
+
+    size: int
+    etag: str
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What a download brought, for its check."""
+
+    size: int
+    etag: str
+    sha256: str
+
+
+def listing(client, bucket: str, prefix: str) -> dict[str, Listed]:
+    """Every object under the prefix, by its name relative to it."""
+    found = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for item in page.get("Contents", []):
-            sizes[item["Key"][len(prefix) :]] = item["Size"]
-    return sizes
+            found[item["Key"][len(prefix) :]] = Listed(item["Size"], item["ETag"])
+    return found
 
 
-def download(client, bucket, key, target: Path, item: DatasetFile, cache, progress) -> None:
+def download(client, bucket, key, target: Path, progress, check) -> None:
+    """Fetch one object to a temporary name beside `target`; `check` sees what came (its
+    size, ETag and SHA-256) and raises StageError to refuse it, else it is renamed into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     digest = hashlib.sha256()
+    size = 0
     try:
-        stream = client.get_object(Bucket=bucket, Key=key)["Body"]
+        answer = client.get_object(Bucket=bucket, Key=key)
+        stream = answer["Body"]
         with open(temporary, "wb") as f:
             os.fchmod(f.fileno(), FILE_MODE)
             while block := stream.read(CHUNK):
                 f.write(block)
                 digest.update(block)
+                size += len(block)
                 progress.advance(len(block))
             f.flush()
             os.fsync(f.fileno())
-        if digest.hexdigest() != item.sha256:
-            raise StageError(
-                f"{item.name}: sha256 {digest.hexdigest()} after download, "
-                f"the index says {item.sha256}"
-            )
+        check(Fetched(size, answer.get("ETag", ""), digest.hexdigest()))
         temporary.replace(target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             temporary.unlink()
-    cache.remember(item.name, target, item.sha256)
 
 
 def atomic_write(path: Path, content: bytes) -> None:
@@ -298,28 +391,33 @@ def stage_shared(name: str, uri: str) -> dict:
 
 
 def stage_all(plan: dict, client_factory=s3_client) -> int:
-    """Stage every dataset of the plan; 0 when all are ready, 1 (with the reason) if not."""
+    """Stage every dataset and checkpoint of the plan; 0 when all are ready, 1 (with the
+    reason) if not."""
     started = time.monotonic()
     client = None
     totals = {"bytes": 0, "reused_bytes": 0}
-    datasets = plan.get("datasets") or []
-    for dataset in datasets:
-        name, uri = dataset["name"], dataset["uri"]
+    datasets, checkpoints = plan.get("datasets") or [], plan.get("hf") or []
+    entries = [(d, stage_s3) for d in datasets] + [(c, stage_hf_s3) for c in checkpoints]
+    for entry, stage_from_s3 in entries:
+        name, uri = entry["name"], entry["uri"]
         try:
             if uri.startswith("s3://"):
                 client = client or client_factory()
-                done = stage_s3(name, uri, Path(dataset["dest"]), client)
+                done = stage_from_s3(name, uri, Path(entry["dest"]), client)
                 totals["bytes"] += done["bytes"]
                 totals["reused_bytes"] += done["reused_bytes"]
-            else:
+            elif stage_from_s3 is stage_s3:
                 stage_shared(name, uri)
+            else:
+                raise StageError(f"{uri}: only an s3:// checkpoint is staged")
         except Exception as e:  # S3's errors, the disk's and ours: all end the stage
             message = f"{type(e).__name__}: {e}" if not isinstance(e, StageError) else str(e)
             emit({"event": "stage_failed", "dataset": name, "message": message})
             print(f"stage: {name}: {message}", file=sys.stderr, flush=True)
             return 1
     seconds = round(time.monotonic() - started, 3)
-    emit({"event": "stage_end", "datasets": len(datasets), **totals, "seconds": seconds})
+    counts = {"datasets": len(datasets), "hf": len(checkpoints)}
+    emit({"event": "stage_end", **counts, **totals, "seconds": seconds})
     return 0
 
 

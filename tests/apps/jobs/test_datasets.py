@@ -238,7 +238,8 @@ def test_dispatch_stages_s3_datasets_before_torchrun(settings, fleet_pool, quota
         "datasets": [
             {"name": "wiki-en", "uri": "s3://data-bucket/wiki/", "dest": dest},
             {"name": "books", "uri": "/shared/data/books", "dest": ""},
-        ]
+        ],
+        "hf": [],
     }
     argv = run.plan["argv"]
     assert argv[:8] == [

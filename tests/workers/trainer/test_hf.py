@@ -130,6 +130,71 @@ def test_imported_logits_match_the_hugging_face_model(layout, request):
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
+def _upload(client, bucket: str, prefix: str, directory: Path) -> None:
+    for path in directory.iterdir():
+        client.put_object(Bucket=bucket, Key=prefix + path.name, Body=path.read_bytes())
+
+
+def test_an_s3_checkpoint_is_staged_onto_the_node_and_kept_in_step_with_s3(
+    aws_endpoint, monkeypatch, tmp_path, sharded, single, capsys
+):
+    """init.hf on S3 (a moto server): the stage copies the directory into the node's cache,
+    whose copy imports to the Hugging Face model's logits; a second stage fetches nothing;
+    a changed object is fetched again, and what S3 no longer has is removed."""
+    import boto3
+
+    from workers.trainer import stage
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", aws_endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    client = boto3.client("s3", endpoint_url=aws_endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket="models")
+    _upload(client, "models", "llama/", sharded)
+    client.put_object(Bucket="models", Key="llama/training_args.bin", Body=b"not weights")
+    gets = []
+    real = stage.s3_client
+
+    def counting_client():
+        made = real()
+        original = made.get_object
+        made.get_object = lambda **kw: gets.append(kw["Key"]) or original(**kw)
+        return made
+
+    dest = tmp_path / "cache" / "team" / "hf-0123"
+    plan = {"hf": [{"name": "init.hf", "uri": "s3://models/llama/", "dest": str(dest)}]}
+    total = sum(p.stat().st_size for p in sharded.iterdir())
+
+    assert stage.stage_all(plan, counting_client) == 0
+    assert sorted(p.name for p in dest.iterdir() if not p.name.startswith(".")) == sorted(
+        p.name for p in sharded.iterdir()
+    )  # config, index, shards; not the .bin beside them
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            imported(dest)(x), reference(sharded)(x).logits, atol=1e-5, rtol=1e-5
+        )
+
+    gets.clear()
+    assert stage.stage_all(plan, counting_client) == 0
+    assert gets == []  # reused by ETag and size, nothing read from S3 or hashed
+    end = [json.loads(x) for x in capsys.readouterr().out.splitlines()][-1]
+    assert end["event"] == "stage_end" and end["reused_bytes"] == end["bytes"] == total
+
+    # The prefix re-uploaded as one file: that file fetched (config.json is the same, so its
+    # ETag too: kept), the shards and their index (which would still point at them) removed.
+    for path in sharded.iterdir():
+        client.delete_object(Bucket="models", Key=f"llama/{path.name}")
+    _upload(client, "models", "llama/", single)
+    gets.clear()
+    assert stage.stage_all(plan, counting_client) == 0
+    assert gets == ["llama/model.safetensors"]
+    assert not (dest / hf.INDEX).exists() and not list(dest.glob("model-*-of-*"))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            imported(dest)(x), reference(single)(x).logits, atol=1e-5, rtol=1e-5
+        )
+
+
 def test_imported_bf16_logits_are_within_what_bf16_moves_them(single):
     x = tokens()
     with torch.no_grad():
