@@ -236,10 +236,18 @@ def team_directory(path: Path, gid: int) -> None:
     """
     team = path.parent
     traversable(team.parent)
-    if team.is_symlink():
-        raise PermissionError(f"{team} is a link")
-    with contextlib.suppress(FileExistsError):
+    try:
         team.mkdir(mode=0o700)
+        made = True
+    except FileExistsError:
+        made = False
+    info = team.lstat()
+    # Only a directory the agent made is given to a team (now, before, or by an older agent,
+    # 0711), never another directory of root's that a plan might name.
+    before = (info.st_uid, info.st_gid) == (0, gid)
+    older = info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o711
+    if not stat.S_ISDIR(info.st_mode) or not (made or before or older):
+        raise PermissionError(f"{team} is not a team directory the agent made")
     os.chown(team, 0, gid, follow_symlinks=False)
     os.chmod(team, TEAM_DIR_MODE)
     try:

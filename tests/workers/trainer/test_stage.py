@@ -328,6 +328,7 @@ def test_two_jobs_of_a_team_share_one_download_and_another_team_cannot_read_it(d
 def test_a_cache_an_older_agent_gave_to_one_job_is_made_afresh_for_the_team(cache_root):
     dest = cache_root / "datasets" / "foundation" / "7-0123456789abcdef"
     dest.mkdir(parents=True)
+    os.chmod(dest.parent, 0o711)  # noqa: S103 (as an older agent left it: traversable)
     (dest / "shard-00000.bin").write_bytes(b"one job's")
     isolation.hand_over(dest, 1_500_000_071, 1_500_000_071)
     os.chmod(dest, 0o700)
@@ -335,3 +336,11 @@ def test_a_cache_an_older_agent_gave_to_one_job_is_made_afresh_for_the_team(cach
     info = dest.stat()
     assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (0, 1_999_999_999, 0o2770)
     assert list(dest.iterdir()) == []
+    # A plan cannot make the agent give any other directory of root's to a team.
+    system = cache_root / "system"
+    system.mkdir(mode=0o755)
+    (system / "keep").write_text("root's")
+    with pytest.raises(PermissionError, match="not a team directory"):
+        isolation.team_directory(system / "keep", 1_999_999_999)
+    assert (system / "keep").read_text() == "root's"
+    assert (system.stat().st_gid, stat.S_IMODE(system.stat().st_mode)) == (0, 0o755)
