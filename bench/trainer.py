@@ -94,6 +94,8 @@ VARIANTS = {
     "cdt": {"kernels": {"coordinate_descent_tuning": True}},
     "autotune": {"kernels": {"compile_mode": "max-autotune-no-cudagraphs"}},
     "whole": {"kernels": {"compile_scope": "model"}},
+    # One graph from tokens to loss, replayed as CUDA graphs (forward and backward).
+    "graphs": {"kernels": {"compile_scope": "model", "compile_mode": "reduce-overhead"}},
 }
 
 
