@@ -61,8 +61,10 @@ def _seed(team) -> None:
     factories.make_checkpoint(job=job, location="/ckpt/step-10")
 
 
-# The superuser reaches every write path (and every boundary case of the coverage phase);
-# every other role a shorter random run, enough to meet its refusals and its reads.
+# The superuser calls every operation, every write path included: the coverage phase's
+# valid boundary cases (positive only, see schemathesis.toml) and a random run of valid and
+# invalid requests; every other role a shorter random run, enough to meet its refusals and
+# its reads.
 @pytest.mark.parametrize(
     ("role", "examples", "phases"),
     [
@@ -89,6 +91,8 @@ def test_the_api_survives_schemathesis(role, examples, phases, live_server, tmp_
     result = subprocess.run(
         [
             str(st),
+            "--config-file",
+            str(Path(__file__).with_name("schemathesis.toml")),
             "run",
             str(schema),
             "--url",
