@@ -48,9 +48,16 @@ def _overview_context(request) -> dict:
         rows = selectors.job_rows(list(page.object_list))
     query = request.GET.copy()
     query.pop("page", None)
+    # The teams whose rows get an export button (roles are read once per request).
+    exportable = {
+        row.job.team_id
+        for row in rows
+        if services.checkpoint_export_allowed(user=request.user, team_id=row.job.team_id)
+    }
     return {
         "filter": found,
         "rows": rows,
+        "exportable": exportable,
         "page": page,
         "querystring": query.urlencode(),
         # The live region asks with the page's own query: its filters and its page.

@@ -132,6 +132,9 @@ def test_the_best_checkpoint_is_marked_on_the_pages(client, evaluated, researche
     overview = client.get("/checkpoints/").content.decode()
     row = overview[overview.index(f'data-job="{evaluated.pk}"') :].split("</tr>")[0]
     assert "step 20" in row and "2.0000" in row
+    # Its export button is the best one's, not the newest's (step 50).
+    best = Checkpoint.objects.get(job=evaluated, step=20)
+    assert f'action="/checkpoints/{best.pk}/export/"' in row and "Step 20 to HF" in row
     table = client.get("/checkpoints/checkpoints.csv").content.decode()
     (line,) = csv.DictReader(io.StringIO(table))
     assert (line["best_step"], line["best_eval_loss"]) == ("20", "2.0")

@@ -190,3 +190,25 @@ def test_the_panel_offers_the_button_and_shows_the_export(committed, researcher,
         "Export to Hugging Face"
         not in watcher.get(f"/checkpoints/jobs/{committed.job_id}/").content.decode()
     )
+
+
+def test_the_checkpoints_page_offers_the_newest_verified_step_and_exports_it(
+    committed, researcher, viewer
+):
+    """Without evaluations the page's row offers the newest verified checkpoint; the button
+    asks through the same service (test_eval.py: the best one, where there is a best)."""
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(researcher)
+    page = browser.get("/checkpoints/").content.decode()
+    row = page[page.index(f'data-job="{committed.job_id}"') :].split("</tr>")[0]
+    assert f'action="/checkpoints/{committed.pk}/export/"' in row and "Step 10 to HF" in row
+    token = page.split('name="csrfmiddlewaretoken" value="')[1].split('"')[0]
+    answer = browser.post(f"/checkpoints/{committed.pk}/export/", {"csrfmiddlewaretoken": token})
+    assert answer.status_code == 302 and answer["Location"] == f"/jobs/{committed.job_id}/"
+    (export,) = CheckpointExport.objects.all()
+    assert export.checkpoint_id == committed.pk and export.state == "requested"
+    watcher = Client()
+    watcher.force_login(viewer)
+    page = watcher.get("/checkpoints/").content.decode()
+    row = page[page.index(f'data-job="{committed.job_id}"') :].split("</tr>")[0]
+    assert "/export/" not in row and "to HF" not in row
