@@ -87,7 +87,6 @@ def train_tokenizer(files: list[Path], vocab: int, out: Path) -> Path:
 
 
 def prepare(tokenizer: Path, files: list[Path], out: Path) -> dict:
-    listing = out.with_suffix(".files")
     command = [
         sys.executable,
         "-m",
@@ -98,7 +97,6 @@ def prepare(tokenizer: Path, files: list[Path], out: Path) -> dict:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"prepare failed: {done.stderr[-2000:]}")
-    listing.write_text("\n".join(map(str, files)))
     return json.loads((out / "index.json").read_text())
 
 
@@ -237,7 +235,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, help="GPU 1024, CPU 64")
     parser.add_argument("--lr", type=float, default=1e-4, help="fine-tuning peak lr")
     parser.add_argument("--files", type=int, help="use only the first N corpus files")
-    parser.add_argument("--shard-size", default="150MB", help="safetensors shard size")
+    parser.add_argument("--shard-size", help="safetensors shard size (GPU 150MB, CPU 100KB)")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     args = parser.parse_args(argv)
 
@@ -247,13 +245,13 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if gpu else "cpu")
     defaults = (
         {"vocab": 8192, "hf_size": "small", "hf_steps": 600, "steps": 100, "batch": 32}
-        | {"seq_len": 1024, "files": None}
+        | {"seq_len": 1024, "files": None, "shard_size": "150MB"}
         if gpu
         else {"vocab": 512, "hf_size": "tiny", "hf_steps": 40, "steps": 4, "batch": 4}
         | {"seq_len": 64, "files": 300, "shard_size": "100KB"}
     )
     for key, value in defaults.items():
-        if getattr(args, key, None) is None or (key == "shard_size" and not gpu):
+        if getattr(args, key) is None:
             setattr(args, key, value)
     if not gpu:
         print("bench.finetune: no CUDA GPU; a tiny fp32 run on the CPU (not a figure)")
