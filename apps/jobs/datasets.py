@@ -276,8 +276,13 @@ def node_dir(dataset: Dataset) -> str:
     """Where a node keeps its copy of an S3 dataset: under the node's dataset cache, one
     directory per team and per dataset and index, so a new index is a new copy and every
     job of the team that reads the same one reuses it."""
-    key = f"{dataset.pk}-{dataset.index_sha256[:16]}"
-    return posixpath.join(settings.DATASET_CACHE_DIR, dataset.team.slug, key)
+    return _team_cache_dir(dataset.team.slug, f"{dataset.pk}-{dataset.index_sha256[:16]}")
+
+
+def _team_cache_dir(team_slug: str, key: str) -> str:
+    """A directory of the team's part of the node's cache (the agent makes it the team's
+    group's, so every job of the team there shares it)."""
+    return posixpath.join(settings.DATASET_CACHE_DIR, team_slug, key)
 
 
 def _mixture_found(job: Job) -> tuple[list[dict], dict[str, Dataset]]:
@@ -326,20 +331,23 @@ def init_hf_staged(job: Job) -> dict | None:
     """The job's starting weights (trainer.init.hf) when they are on S3: what the stage
     copies (`{"name", "uri", "dest"}`) into the team's cache on the node, one directory per
     S3 prefix (the stage keeps it in step with the prefix by ETag); None otherwise."""
-    uri = ((job.spec.get("trainer") or {}).get("init") or {}).get("hf") or ""
+    uri = _init_hf(job) or ""
     plain = plain_s3_uri(uri) if uri.startswith("s3://") else None
     if plain is None:
         return None
     key = "hf-" + hashlib.sha256(plain.encode()).hexdigest()[:16]
-    dest = posixpath.join(settings.DATASET_CACHE_DIR, job.team.slug, key)
-    return {"name": "init.hf", "uri": plain, "dest": dest}
+    return {"name": "init.hf", "uri": plain, "dest": _team_cache_dir(job.team.slug, key)}
 
 
 def init_hf_path(job: Job) -> str | None:
     """run.json's init.hf: the directory the trainer reads, the node's copy of an S3 one."""
-    uri = ((job.spec.get("trainer") or {}).get("init") or {}).get("hf")
     staged = init_hf_staged(job)
-    return staged["dest"] if staged else uri
+    return staged["dest"] if staged else _init_hf(job)
+
+
+def _init_hf(job: Job) -> str | None:
+    """The spec's trainer.init.hf, as submitted."""
+    return ((job.spec.get("trainer") or {}).get("init") or {}).get("hf")
 
 
 def stage_plan(datasets: list[tuple[Dataset, float]], *, init_hf: dict | None = None) -> str:

@@ -397,17 +397,20 @@ def stage_all(plan: dict, client_factory=s3_client) -> int:
     client = None
     totals = {"bytes": 0, "reused_bytes": 0}
     datasets, checkpoints = plan.get("datasets") or [], plan.get("hf") or []
-    entries = [(d, stage_s3) for d in datasets] + [(c, stage_hf_s3) for c in checkpoints]
-    for entry, stage_from_s3 in entries:
+    # Each entry with how it is copied from S3 and how it is checked in place (a checkpoint on
+    # a shared path is never in the plan: the trainer reads it where it is).
+    entries = [(d, stage_s3, stage_shared) for d in datasets]
+    entries += [(c, stage_hf_s3, None) for c in checkpoints]
+    for entry, from_s3, in_place in entries:
         name, uri = entry["name"], entry["uri"]
         try:
             if uri.startswith("s3://"):
                 client = client or client_factory()
-                done = stage_from_s3(name, uri, Path(entry["dest"]), client)
+                done = from_s3(name, uri, Path(entry["dest"]), client)
                 totals["bytes"] += done["bytes"]
                 totals["reused_bytes"] += done["reused_bytes"]
-            elif stage_from_s3 is stage_s3:
-                stage_shared(name, uri)
+            elif in_place is not None:
+                in_place(name, uri)
             else:
                 raise StageError(f"{uri}: only an s3:// checkpoint is staged")
         except Exception as e:  # S3's errors, the disk's and ours: all end the stage
