@@ -24,7 +24,7 @@ DEV_ENV := DJANGO_DEBUG=1 SECRET_KEY_FILE=var/secret_key SECURE_COOKIES=0 \
 	ALLOWED_HOSTS=127.0.0.1,localhost DATABASE_URL= REDIS_URL= CELERY_BROKER_URL= \
 	CONTROLPLANE_URL=http://127.0.0.1:$(PORT) NODE_MIN_FREE_DISK_GB=1
 
-.PHONY: run test test-fast drills lint format bench bench-api bench-costs bench-heartbeats bench-pages bench-advisor bench-scheduler bench-trainer bench-scaling bench-finetune bench-overlap clean install system-test-deps
+.PHONY: run test test-fast drills lint format bench bench-api bench-costs bench-heartbeats bench-pages bench-advisor bench-scheduler bench-trainer bench-scaling bench-finetune bench-overlap bench-fp8 clean install system-test-deps
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -137,6 +137,10 @@ bench-finetune:
 bench-overlap:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m bench.overlap $(BENCH_ARGS); \
 	else $(MAKE) --no-print-directory install && $(BIN)/python -m bench.overlap $(BENCH_ARGS); fi
+
+bench-fp8:
+	@if $(PYTHON) -c "import torch, tokenizers, torchao" 2>/dev/null; then $(PYTHON) -m bench.fp8 $(BENCH_ARGS); \
+	else $(MAKE) --no-print-directory install && $(BIN)/python -m bench.fp8 $(BENCH_ARGS); fi
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache .hypothesis

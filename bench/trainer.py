@@ -96,6 +96,10 @@ VARIANTS = {
     "whole": {"kernels": {"compile_scope": "model"}},
     # One graph from tokens to loss, replayed as CUDA graphs (forward and backward).
     "graphs": {"kernels": {"compile_scope": "model", "compile_mode": "reduce-overhead"}},
+    # The blocks' linear layers multiply in float8 (torchao): other numerics than the peers'
+    # bf16, so bench.fp8 checks its loss against bf16 on real text.
+    "fp8": {"precision": "fp8"},
+    "fp8-rowwise": {"precision": "fp8", "kernels": {"float8_recipe": "rowwise"}},
 }
 
 

@@ -17,7 +17,7 @@ at once instead of being ignored for a day of training.
       "schedule": {"steps": 1000, "global_batch": 64, "micro_batch": null,
                    "lr": 3e-4, "min_lr_ratio": 0.1, "warmup_steps": 100,
                    "weight_decay": 0.1, "grad_clip": 1.0},
-      "precision": "bf16",                        # bf16 (GPUs; CPUs train in fp32) or fp32
+      "precision": "bf16",                        # bf16 (GPUs; CPUs train in fp32), fp32 or fp8
       "activation_checkpointing": "selective",    # none, selective or full
       "compile": false,                           # torch.compile each block and the loss
       "attention_backend": "auto",                # GPU SDPA kernel: auto, flash, cudnn, efficient
@@ -41,7 +41,11 @@ from workers.trainer.presets import PRESETS, ModelShape
 
 AC_MODES = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b")
-PRECISIONS = ("bf16", "fp32")
+# fp8: bf16 mixed precision whose blocks' linear layers multiply in float8 (parallelize.py's
+# apply_float8); GPUs with FP8 tensor cores only (compute capability 8.9 on), and no TP yet.
+PRECISIONS = ("bf16", "fp32", "fp8")
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+FLOAT8_MULTIPLE = 16  # float8 matrix products need every dimension a multiple of this
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 COMPILE_SCOPES = ("blocks", "model")
 
@@ -123,6 +127,9 @@ class Kernels:
     # What one compiled graph holds: each block, or the whole model with its loss (pp 1 only).
     compile_scope: str = "blocks"
     coordinate_descent_tuning: bool = False  # inductor tunes its generated kernels' launch sizes
+    # precision fp8's scales (torchao's recipes): one per tensor (the fastest), one per row,
+    # or one per row with the weights' gradient product left in bf16 (the closest to bf16).
+    float8_recipe: str = "tensorwise"
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,11 @@ class RunConfig:
     log_every: int = 1
     job: dict = field(default_factory=dict)
     model_name: str = "custom"
+
+    @property
+    def mixed_precision(self) -> bool:
+        """bf16 compute over fp32 weights on GPUs (fp8 too, around its float8 products)."""
+        return self.precision in ("bf16", "fp8")
 
     @property
     def local_batch(self) -> int:
@@ -302,11 +314,34 @@ def _replace_checkpoint(config: RunConfig, **changes) -> RunConfig:
     return replace(config, checkpoint=replace(config.checkpoint, **changes))
 
 
+def _check_float8(config: RunConfig) -> None:
+    """What float8 products need: whole weights (no TP) and dimensions in multiples of 16."""
+    if config.kernels.float8_recipe not in FLOAT8_RECIPES:
+        raise ConfigError(f"kernels.float8_recipe must be one of {', '.join(FLOAT8_RECIPES)}")
+    if config.layout.tp > 1:
+        raise ConfigError("precision fp8 needs layout.tp 1 (tensor parallelism is not supported)")
+    shape = config.model
+    sizes = {
+        "dim": shape.dim,
+        "ffn_dim": shape.ffn_dim,
+        "heads × head_dim": shape.heads * shape.head_dim,
+        "kv_heads × head_dim": shape.kv_heads * shape.head_dim,
+        "data.seq_len": config.data.seq_len,
+    }
+    odd = [f"{name} {size}" for name, size in sizes.items() if size % FLOAT8_MULTIPLE]
+    if odd:
+        raise ConfigError(
+            f"precision fp8 needs multiples of {FLOAT8_MULTIPLE}: {', '.join(odd)} are not"
+        )
+
+
 def check(config: RunConfig) -> None:
     """Refuse what cannot run, naming the field; what depends on the world is checked at start."""
     shape, layout, schedule = config.model, config.layout, config.schedule
     if config.precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}")
+    if config.precision == "fp8":
+        _check_float8(config)
     if config.activation_checkpointing not in AC_MODES:
         raise ConfigError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}")
     if config.attention_backend not in ATTENTION_BACKENDS:

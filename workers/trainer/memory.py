@@ -157,7 +157,7 @@ def _parallelism(config: RunConfig, *, gpu: bool) -> str:
     """none, ddp or fsdp, as parallelize.World.data_parallel decides."""
     layout = config.layout
     if layout.dp == 1:
-        bf16 = gpu and config.precision == "bf16"
+        bf16 = gpu and config.mixed_precision
         return "fsdp" if config.kernels.single_gpu_fsdp and bf16 else "none"
     if layout.dp_shard == 1 and layout.tp == 1:
         return "ddp"
@@ -168,7 +168,9 @@ def _rank_estimate(config: RunConfig, rank: _Rank, *, gpu: bool) -> Estimate:
     shape, layout = config.model, config.layout
     tp = layout.tp
     mode = _parallelism(config, gpu=gpu)
-    compute = 2 if gpu and config.precision == "bf16" else 4  # bytes per element
+    # Bytes per element. fp8 counts as bf16: an upper bound, since its linear layers keep
+    # their inputs for the backward in one byte.
+    compute = 2 if gpu and config.mixed_precision else 4
     autocast = compute == 2 and mode != "fsdp"
     residual = 4 if autocast or compute == 4 else 2  # autocast keeps the residual stream fp32
     shard = layout.dp_shard if mode == "fsdp" else 1

@@ -23,6 +23,7 @@ whose wrapper wants real parameters and is applied last (wrap_ddp).
 
 import copy
 import datetime as dt
+import logging
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -46,10 +47,11 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from workers.trainer.config import RunConfig, microbatches, stage_count
+from workers.trainer.config import ConfigError, RunConfig, microbatches, stage_count
 from workers.trainer.model import Transformer
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+FLOAT8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on
 
 
 @dataclass
@@ -92,8 +94,10 @@ class World:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """bf16 on GPUs when asked for; CPUs (local nodes, tests) train in fp32."""
-        return torch.bfloat16 if self.on_gpu and self.config.precision == "bf16" else torch.float32
+        """bf16 on GPUs when asked for (fp8 too, around its float8 products); CPUs (local
+        nodes, tests) train in fp32."""
+        mixed = self.config.mixed_precision
+        return torch.bfloat16 if self.on_gpu and mixed else torch.float32
 
     @property
     def data_parallel(self) -> str:
@@ -284,15 +288,20 @@ def _stage_tensor(tokens: bool, logits: bool, world: World) -> torch.Tensor:
 
 
 def parallelize(model: Transformer, world: World) -> Transformer:
-    """Apply TP, activation checkpointing, compile and FSDP to one model part, in that order."""
+    """Apply float8, TP, activation checkpointing, compile and FSDP to one model part, in
+    that order."""
     config = world.config
     kernels = config.kernels
+    float8 = config.precision == "fp8"
     model.use_kernels(
-        # Fused projections concatenate whole weights; tensor parallelism splits them.
-        fused_projections=kernels.fused_projections and config.layout.tp == 1,
+        # Fused projections concatenate whole weights, which tensor parallelism splits, and
+        # multiply them outside the linear layers that float8 replaces.
+        fused_projections=kernels.fused_projections and config.layout.tp == 1 and not float8,
         # Only the flash and math kernels of SDPA group queries themselves.
         native_gqa=kernels.native_gqa and config.attention_backend in ("auto", "flash", "math"),
     )
+    if float8:
+        apply_float8(model, world)
     if config.layout.tp > 1:
         apply_tensor_parallel(model, world.mesh["tp"])
     if config.activation_checkpointing != "none":
@@ -307,6 +316,41 @@ def parallelize(model: Transformer, world: World) -> Transformer:
     if world.data_parallel == "fsdp":
         apply_fsdp(model, world)
     return model
+
+
+def apply_float8(model: Transformer, world: World) -> None:
+    """The blocks' linear layers multiply in float8: torchao's Float8Linear, with dynamic
+    scales as kernels.float8_recipe says (by default one per tensor: inputs and weights
+    in e4m3, output gradients in e5m2), the results in bf16. Weights, gradients and
+    optimizer state keep their dtypes and names, so a checkpoint resumes under any
+    precision. The embedding, norms, attention and output head stay in bf16. On CPUs
+    (tests) torch's own float8 products serve, in fp32.
+    """
+    if world.on_gpu:
+        capability = torch.cuda.get_device_capability(world.device)
+        if capability < FLOAT8_CAPABILITY:
+            name = torch.cuda.get_device_name(world.device)
+            raise ConfigError(
+                f"precision fp8 needs FP8 tensor cores (compute capability "
+                f"{'.'.join(map(str, FLOAT8_CAPABILITY))} on); {name} has "
+                f"{'.'.join(map(str, capability))}"
+            )
+    # At import torchao warns about compiled extensions it cannot load on this machine, and
+    # torch about how torchao registers an enum; float8 training needs neither.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as error:
+        raise ConfigError(f"precision fp8 needs the torchao package: {error}") from error
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
+    recipe = Float8LinearConfig.from_recipe_name(world.config.kernels.float8_recipe)
+    for block in model.layers.values():
+        convert_to_float8_training(block, config=recipe)
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:

@@ -14,6 +14,8 @@ from workers.trainer.model import Transformer  # noqa: E402
 from workers.trainer.optim import Optimizers, learning_rate  # noqa: E402
 from workers.trainer.prepare import decode_file, prepare  # noqa: E402
 from workers.trainer.presets import PRESETS, flops_per_token  # noqa: E402
+
+TINY_SIZES = dataclasses.asdict(PRESETS["tiny"])
 from workers.trainer.stopping import STATUS_FILE_VARIABLE, write_status  # noqa: E402
 
 # --- run.json ------------------------------------------------------------------------------------
@@ -62,7 +64,14 @@ def test_what_the_control_plane_writes_parses():
         ({"layout": {"tp": 3}}, "layout.tp"),
         ({"layout": {"pp": 3}}, "layers"),
         ({"schedule": {"global_batch": 3}, "layout": {"dp_shard": 2}}, "global_batch"),
-        ({"precision": "fp8"}, "precision"),
+        ({"precision": "fp16"}, "precision"),
+        ({"precision": "fp8", "layout": {"tp": 2}}, "layout.tp"),
+        ({"precision": "fp8", "kernels": {"float8_recipe": "blockwise"}}, "float8_recipe"),
+        ({"precision": "fp8", "data": {"seq_len": 40}}, "data.seq_len 40"),
+        (
+            {"precision": "fp8", "model": {"sizes": {**TINY_SIZES, "dim": 72, "heads": 4}}},
+            "dim 72, heads × head_dim 72",
+        ),
         ({"activation_checkpointing": "some"}, "activation_checkpointing"),
         ({"schedule": {"stpes": 3}}, "stpes"),
         ({"colour": "blue"}, "colour"),
