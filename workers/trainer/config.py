@@ -41,7 +41,7 @@ from workers.trainer.presets import PRESETS, ModelShape
 
 AC_MODES = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b")
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("bf16", "fp32", "fp8")
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 COMPILE_SCOPES = ("blocks", "model")
 

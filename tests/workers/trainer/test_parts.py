@@ -62,7 +62,7 @@ def test_what_the_control_plane_writes_parses():
         ({"layout": {"tp": 3}}, "layout.tp"),
         ({"layout": {"pp": 3}}, "layers"),
         ({"schedule": {"global_batch": 3}, "layout": {"dp_shard": 2}}, "global_batch"),
-        ({"precision": "fp8"}, "precision"),
+        ({"precision": "fp16"}, "precision"),
         ({"activation_checkpointing": "some"}, "activation_checkpointing"),
         ({"schedule": {"stpes": 3}}, "stpes"),
         ({"colour": "blue"}, "colour"),
