@@ -13,6 +13,7 @@ from apps.accounts.selectors import roles_of, team_secrets_visible_to
 from apps.jobs.api.serializers import ATTENTION_BACKENDS, PIPELINE_SCHEDULES
 from apps.jobs.models import Placement, PriorityClass
 from apps.jobs.models.jobs import JOB_GPU_TYPES
+from apps.jobs.specs import FP8_GPU_TYPES
 from workers.trainer.presets import PRESETS
 
 GPU_COUNTS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -235,7 +236,11 @@ class SubmitForm(forms.Form):
         label="Also keep every", help_text="...checkpoint whose step is a multiple of this."
     )
     precision = forms.ChoiceField(
-        choices=[("bf16", "bf16"), ("fp32", "fp32")], initial="bf16", required=False
+        choices=[("bf16", "bf16"), ("fp32", "fp32"), ("fp8", f"fp8 ({'/'.join(FP8_GPU_TYPES)})")],
+        initial="bf16",
+        required=False,
+        help_text="fp8: bf16 with the blocks' linear layers in float8; "
+        f"{' or '.join(FP8_GPU_TYPES)} only, without tensor parallelism (tp 1).",
     )
     activation_checkpointing = forms.ChoiceField(
         choices=[("none", "none"), ("selective", "selective"), ("full", "full")],

@@ -18,6 +18,11 @@ from workers.trainer.presets import PRESETS, ModelShape
 
 OWNED_KINDS = {"owned": ("owned",), "cloud": ("cloud",), "owned_then_cloud": ("owned", "cloud")}
 
+# Precision fp8 (workers/trainer: bf16 with the blocks' linear layers in float8, torchao's
+# Float8Linear) multiplies on FP8 tensor cores, compute capability 8.9 and up: of our GPU
+# types, Hopper's. A job that may land on another is refused here, not on its nodes.
+FP8_GPU_TYPES = ("H100", "H200")
+
 # The most one job may ask for: the submit serializer's bounds and the Submit page's. Past
 # them the layout search would spin (it enumerates divisors), so nothing reads larger counts.
 MAX_GPUS = 32_768
@@ -248,7 +253,36 @@ def _check_layout_on_fewer_nodes(resources: Resources, errors: SpecErrors) -> No
             return
 
 
+def tp_allowed(tp: int, *, precision: str) -> bool:
+    """Whether the trainer runs `precision` under tensor parallelism of `tp`: fp8 not yet
+    (its float8 linear layers are not sharded across tensor-parallel ranks)."""
+    return tp == 1 or precision != "fp8"
+
+
+def _check_precision(trainer: dict, resources: Resources, errors: SpecErrors) -> None:
+    if trainer.get("precision") != "fp8":
+        return
+    if resources.gpu_type not in FP8_GPU_TYPES:
+        fp8_types = " or ".join(FP8_GPU_TYPES)
+        lacking = (
+            "Any may land on a GPU without them"
+            if resources.gpu_type == ANY_GPU
+            else f"an {resources.gpu_type} has none"
+        )
+        errors.add(
+            "resources.gpu_type",
+            f"precision fp8 needs FP8 tensor cores: set gpu_type to {fp8_types} ({lacking}).",
+        )
+    if not tp_allowed(resources.tp, precision="fp8"):
+        errors.add(
+            "resources.layout.tp",
+            "precision fp8 runs without tensor parallelism for now: set layout.tp to 1, not "
+            f"{resources.tp} (or train in bf16).",
+        )
+
+
 def check_trainer(trainer: dict, resources: Resources, errors: SpecErrors) -> None:
+    _check_precision(trainer, resources, errors)
     if trainer.get("preset") and trainer.get("model"):
         errors.add("trainer.model", "Give a preset or explicit sizes, not both.")
         return

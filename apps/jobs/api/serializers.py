@@ -49,9 +49,10 @@ from controlplane.api import (
 from workers.trainer.presets import PRESETS
 
 # The trainer's own choices (workers/trainer/config.py; apps import only its presets, so a
-# test keeps these two lists equal to the trainer's).
+# test keeps these lists equal to the trainer's).
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b")
+PRECISIONS = ("bf16", "fp32", "fp8")
 
 # \A and \Z, not ^ and $: "$" also matches before a final newline ("FOO\n").
 ENV_NAME = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
@@ -177,7 +178,13 @@ class TrainerSerializer(SpecSerializer):
     steps = _count(10_000_000)
     global_batch = _count(1_000_000, help_text="Sequences per optimiser step.")
     seq_len = _count(1_048_576)
-    precision = serializers.ChoiceField(choices=["bf16", "fp32"], default="bf16")
+    precision = serializers.ChoiceField(
+        choices=PRECISIONS,
+        default="bf16",
+        help_text="bf16: mixed precision; fp32: full precision; fp8: bf16 with the transformer "
+        "blocks' linear layers multiplied in float8 (dynamic tensorwise scaling), which needs "
+        f"FP8 tensor cores (gpu_type {' or '.join(specs.FP8_GPU_TYPES)}) and layout.tp 1.",
+    )
     activation_checkpointing = serializers.ChoiceField(
         choices=["none", "selective", "full"], default="selective"
     )

@@ -485,6 +485,7 @@ def test_the_specs_trainer_choices_are_the_trainers_own():
 
     assert serializers.ATTENTION_BACKENDS == config.ATTENTION_BACKENDS
     assert serializers.PIPELINE_SCHEDULES == config.PIPELINE_SCHEDULES
+    assert serializers.PRECISIONS == config.PRECISIONS
 
 
 def test_a_quota_change_applies_to_the_next_submit_at_once(
