@@ -14,6 +14,7 @@ from apps.fleet.selectors import PoolCapacity
 from apps.jobs.models.jobs import ANY_GPU
 from apps.tuning import catalogue
 from controlplane.errors import ApplicationError
+from workers.trainer.config import FLOAT8_MULTIPLE, float8_misfits
 from workers.trainer.presets import PRESETS, ModelShape
 
 OWNED_KINDS = {"owned": ("owned",), "cloud": ("cloud",), "owned_then_cloud": ("owned", "cloud")}
@@ -315,6 +316,11 @@ def check_trainer(trainer: dict, resources: Resources, errors: SpecErrors) -> No
     seq_len = trainer.get("seq_len")
     if seq_len is not None and seq_len > shape.max_seq_len:
         errors.add("trainer.seq_len", f"The model takes at most {shape.max_seq_len} tokens.")
+    if trainer.get("precision") == "fp8":
+        for misfit in float8_misfits(shape, seq_len or 0):
+            field = "trainer.seq_len" if misfit.startswith("data.seq_len") else "trainer.model"
+            size = misfit.removeprefix("data.")  # the spec's trainer.seq_len
+            errors.add(field, f"precision fp8 needs multiples of {FLOAT8_MULTIPLE}: {size} is not.")
     _check_init(trainer.get("init") or {}, errors)
     if (trainer.get("eval") or {}).get("every") and trainer.get("dataset") == "synthetic":
         errors.add(

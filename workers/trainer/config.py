@@ -320,19 +320,24 @@ def _check_float8(config: RunConfig) -> None:
         raise ConfigError(f"kernels.float8_recipe must be one of {', '.join(FLOAT8_RECIPES)}")
     if config.layout.tp > 1:
         raise ConfigError("precision fp8 needs layout.tp 1 (tensor parallelism is not supported)")
-    shape = config.model
+    odd = float8_misfits(config.model, config.data.seq_len)
+    if odd:
+        raise ConfigError(
+            f"precision fp8 needs multiples of {FLOAT8_MULTIPLE}: {', '.join(odd)} are not"
+        )
+
+
+def float8_misfits(shape: ModelShape, seq_len: int) -> list[str]:
+    """The sizes a float8 matrix product cannot take, as "name size" (the control plane's
+    submit check names them too)."""
     sizes = {
         "dim": shape.dim,
         "ffn_dim": shape.ffn_dim,
         "heads × head_dim": shape.heads * shape.head_dim,
         "kv_heads × head_dim": shape.kv_heads * shape.head_dim,
-        "data.seq_len": config.data.seq_len,
+        "data.seq_len": seq_len,
     }
-    odd = [f"{name} {size}" for name, size in sizes.items() if size % FLOAT8_MULTIPLE]
-    if odd:
-        raise ConfigError(
-            f"precision fp8 needs multiples of {FLOAT8_MULTIPLE}: {', '.join(odd)} are not"
-        )
+    return [f"{name} {size}" for name, size in sizes.items() if size % FLOAT8_MULTIPLE]
 
 
 def check(config: RunConfig) -> None:

@@ -104,6 +104,32 @@ def test_fp8_with_tensor_parallelism_is_a_400_naming_tp(
     assert submit(api_for, researcher, spec).status_code == 201
 
 
+def test_fp8_with_sizes_a_float8_product_cannot_take_is_a_400_naming_each(
+    fleet_pool, quota, team, researcher, api_for
+):
+    spec = fp8_spec(team)
+    del spec["trainer"]["preset"]
+    sizes = {"layers": 2, "dim": 72, "heads": 4, "kv_heads": 2, "ffn_dim": 192}
+    spec["trainer"]["model"] = {**sizes, "vocab_size": 256, "max_seq_len": 512}
+    spec["trainer"]["seq_len"] = 200
+
+    answer = submit(api_for, researcher, spec)
+
+    assert answer.status_code == 400, answer.content
+    details = answer.json()["error"]["details"]
+    assert details["trainer.model"] == [
+        "precision fp8 needs multiples of 16: dim 72 is not.",
+        "precision fp8 needs multiples of 16: heads × head_dim 72 is not.",
+        "precision fp8 needs multiples of 16: kv_heads × head_dim 36 is not.",
+    ]
+    assert details["trainer.seq_len"] == [
+        "precision fp8 needs multiples of 16: seq_len 200 is not."
+    ]
+    assert not Job.objects.exists()
+    spec["trainer"]["precision"] = "bf16"  # bf16 takes any sizes
+    assert submit(api_for, researcher, spec).status_code == 201
+
+
 def test_the_estimate_refuses_what_submit_does_and_suggests_no_tp_for_fp8(
     fleet_pool, quota, team, researcher, api_for
 ):
