@@ -393,6 +393,7 @@ def _start_event(world: parallelize.World, step: int, resumed_from: str | None) 
         "layout": config.layout.as_dict(),
         "world_size": world.size,
         "device": torch.cuda.get_device_name(world.device) if world.on_gpu else "cpu",
+        "precision": config.precision,
         "dtype": str(world.compute_dtype).removeprefix("torch."),
         "data_parallel": world.data_parallel,
         "pipeline": config.pipeline.schedule if config.layout.pp > 1 else None,

@@ -45,6 +45,8 @@ def test_fp8_multiplies_in_float8_and_keeps_to_the_fp32_curve(float8_run, refere
     run, _ = float8_run
 
     (start,) = run.of("start")
+    assert start["precision"] == "fp8"
+    assert start["kernels"]["float8_recipe"] == "tensorwise"
     assert start["dtype"] == "float32"  # CPUs compute around the float8 products in fp32
     gaps = {step: abs(run.losses[step] - reference.losses[step]) for step in COMPARED}
     assert max(gaps.values()) > 2 * LOSS_TOLERANCE, gaps  # not the fp32 products

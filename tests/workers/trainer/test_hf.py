@@ -203,7 +203,9 @@ def test_imported_bf16_logits_are_within_what_bf16_moves_them(single):
         ours = imported(single).to(torch.bfloat16)(x).float()
     their_error = (theirs - exact).abs().max().item()
     our_error = (ours - exact).abs().max().item()
-    assert 0 < their_error < 0.05
+    # bf16 moves them a little, never not at all (0.052 under transformers 5.25, against
+    # ours 0.050; under 0.05 with the 5.x releases before it).
+    assert 0 < their_error < 0.1
     assert our_error <= 2 * their_error + 1e-3
 
 
