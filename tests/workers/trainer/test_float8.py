@@ -6,8 +6,8 @@ measured on the device by bench.trainer's fp8 variant, and its loss on real text
 bf16 by bench.fp8. Here it runs for real, only slowly (about 4 s a step on this preset):
 its losses leave the fp32 reference's by more than reordering additions ever moves them
 (LOSS_TOLERANCE), so the products really are float8, yet stay within FP8_TOLERANCE of
-them; and a checkpoint it writes resumes under fp32, since float8 changes how the
-weights are multiplied, not what is stored.
+them; it trains under FSDP2 across two ranks; and a checkpoint it writes resumes under
+fp32, since float8 changes how the weights are multiplied, not what is stored.
 """
 
 import shutil
@@ -71,3 +71,22 @@ def test_a_checkpoint_written_under_fp8_resumes_under_fp32(float8_run, scratch, 
     # Step 4 from the same weights and batch, its products in fp32 instead of float8.
     assert resumed.losses[4] == pytest.approx(run.losses[4], rel=FP8_TOLERANCE)
     assert resumed.losses[4] != run.losses[4]
+
+
+def test_fp8_trains_under_fsdp_across_two_ranks(float8_run, reference, scratch, dataset):  # noqa: F811
+    """Each rank scales its own half of the batch, so the losses part from one process's
+    by a little (measured: 6e-4 to 3e-3), not by what a layout's mistake moves them (1e-2 or
+    more)."""
+    run, _ = float8_run
+
+    sharded = train(
+        run_config(dataset, precision="fp8", layout={"dp_shard": 2}, steps=3),
+        scratch / "fp8-fsdp",
+        nproc=2,
+    )
+
+    (start,) = sharded.of("start")
+    assert start["data_parallel"] == "fsdp" and start["precision"] == "fp8"
+    for step in range(1, 4):
+        assert sharded.losses[step] == pytest.approx(run.losses[step], abs=5 * LOSS_TOLERANCE)
+        assert sharded.losses[step] == pytest.approx(reference.losses[step], rel=FP8_TOLERANCE)
