@@ -418,13 +418,16 @@ def _gpu_counts(params) -> tuple[int, int]:
 
 
 def _layouts_for(params) -> tuple[list[specs.Layout], str]:
-    """(the layouts that fit, "") or ([], why the counts are refused)."""
+    """(the layouts that fit, and that the precision takes, "") or ([], why the counts are
+    refused)."""
     shape = _model_shape(params)
     try:
         gpus, per_node = _gpu_counts(params)
         if shape is None or gpus % per_node:
             return [], ""
-        return specs.valid_layouts(shape, nodes=gpus // per_node, gpus_per_node=per_node), ""
+        precision = params.get("precision") or "bf16"
+        layouts = specs.valid_layouts(shape, nodes=gpus // per_node, gpus_per_node=per_node)
+        return [one for one in layouts if specs.tp_allowed(one.tp, precision=precision)], ""
     except ValueError as refused:
         return [], str(refused)
 

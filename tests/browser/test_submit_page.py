@@ -88,6 +88,26 @@ def test_more_gpus_bring_new_layout_choices(page, browser_login, fleet, research
     assert "replicate 2 × FSDP 8" in layout_labels(page)
 
 
+def test_fp8_takes_the_tensor_parallel_layouts_away_and_bf16_brings_them_back(
+    page, browser_login, fleet, researcher
+):
+    base = browser_login(page, researcher)
+    page.goto(f"{base}/jobs/submit/")
+    page.select_option("#id_gpus", value="8")
+    expect(page.locator("#id_layout option", has_text="TP 2").first).to_be_attached()
+
+    page.locator("summary", has_text="More training settings").click()
+    page.select_option("#id_precision", value="fp8")
+
+    expect(page.locator("#id_layout option", has_text="TP 2")).to_have_count(0)
+    assert "FSDP 8" in layout_labels(page)
+    page.select_option("#id_gpus", value="16")  # every control asks with the precision
+    expect(page.locator("#id_layout option", has_text="FSDP 16")).to_be_attached()
+    expect(page.locator("#id_layout option", has_text="TP 2")).to_have_count(0)
+    page.select_option("#id_precision", value="bf16")
+    expect(page.locator("#id_layout option", has_text="TP 2").first).to_be_attached()
+
+
 def test_submit_a_trainer_job_with_environment_checkpoints_and_a_cost_cap(
     page, browser_login, fleet, team, researcher
 ):

@@ -4,6 +4,7 @@ page alike, on a GPU type without FP8 tensor cores (or one that may be such) and
 parallelism; estimated by the advisor without the layouts it may not take."""
 
 import json
+import re
 
 import pytest
 
@@ -167,6 +168,21 @@ def test_the_submit_page_offers_fp8_and_puts_its_refusals_on_their_fields(
     response = client.post("/jobs/submit/", form_data(team, precision="fp8"))
     assert response.status_code == 302, field_errors_of(response.content.decode())
     assert Job.objects.get().spec["trainer"]["precision"] == "fp8"
+
+
+def test_the_submit_pages_layouts_follow_the_precision(client, researcher):
+    client.force_login(researcher)
+    query = {"preset": "tiny", "gpus": "8", "gpus_per_node": "8"}
+
+    def tps(precision: str) -> set[str]:
+        html = client.get("/jobs/submit/layouts/", {**query, "precision": precision})
+        values = re.findall(r'<option value="([^"]*)"', html.content.decode())
+        return {value.split("x")[2] for value in values if value}
+
+    assert tps("bf16") == {"1", "2"}  # tp must divide tiny's 2 KV heads
+    assert tps("fp8") == {"1"}
+    page = client.get("/jobs/submit/").content.decode()
+    assert page.count("[name=precision]") >= 5  # every control that asks for the layouts
 
 
 def test_the_api_schema_documents_fp8(client):
