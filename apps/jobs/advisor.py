@@ -174,17 +174,16 @@ def advise(
         basis.append("no price is set for the pools that could hold it")
     tokens = trainer["global_batch"] * trainer["seq_len"]
     work = flops_per_token(shape, trainer["seq_len"]) * tokens
-    precision = trainer.get("precision", "bf16")
-    if precision == "fp8":
+    if trainer.get("precision") == "fp8":
         basis.append("fp8 timed at the measured bf16 rate: an upper bound (float8 is faster)")
     advice = []
     for candidate in specs.valid_layouts(shape, nodes=nodes, gpus_per_node=gpus_per_node):
-        if not specs.tp_allowed(candidate.tp, precision=precision):
-            continue  # the submit rules refuse it: never the layout to suggest
         try:
             config = parse(trainer_settings(trainer, _layout_dict(candidate)))
         except ConfigError:
-            continue  # the batch does not split over this layout's data-parallel ranks
+            # The batch does not split over this layout's data-parallel ranks, or fp8 meets
+            # tensor parallelism: never a layout to offer.
+            continue
         estimate = memory.estimate(config)
         step = run = cost = None
         if peak:

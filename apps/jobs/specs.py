@@ -14,7 +14,7 @@ from apps.fleet.selectors import PoolCapacity
 from apps.jobs.models.jobs import ANY_GPU
 from apps.tuning import catalogue
 from controlplane.errors import ApplicationError
-from workers.trainer.config import FLOAT8_MULTIPLE, float8_misfits
+from workers.trainer.config import FLOAT8_MULTIPLE, float8_misfits, tp_allowed
 from workers.trainer.presets import PRESETS, ModelShape
 
 OWNED_KINDS = {"owned": ("owned",), "cloud": ("cloud",), "owned_then_cloud": ("owned", "cloud")}
@@ -254,12 +254,6 @@ def _check_layout_on_fewer_nodes(resources: Resources, errors: SpecErrors) -> No
             return
 
 
-def tp_allowed(tp: int, *, precision: str) -> bool:
-    """Whether the trainer runs `precision` under tensor parallelism of `tp`: fp8 not yet
-    (its float8 linear layers are not sharded across tensor-parallel ranks)."""
-    return tp == 1 or precision != "fp8"
-
-
 def _check_precision(trainer: dict, resources: Resources, errors: SpecErrors) -> None:
     if trainer.get("precision") != "fp8":
         return
@@ -317,10 +311,16 @@ def check_trainer(trainer: dict, resources: Resources, errors: SpecErrors) -> No
     if seq_len is not None and seq_len > shape.max_seq_len:
         errors.add("trainer.seq_len", f"The model takes at most {shape.max_seq_len} tokens.")
     if trainer.get("precision") == "fp8":
-        for misfit in float8_misfits(shape, seq_len or 0):
-            field = "trainer.seq_len" if misfit.startswith("data.seq_len") else "trainer.model"
-            size = misfit.removeprefix("data.")  # the spec's trainer.seq_len
-            errors.add(field, f"precision fp8 needs multiples of {FLOAT8_MULTIPLE}: {size} is not.")
+        for name, size in float8_misfits(shape, seq_len or 0).items():
+            # run.json's data.seq_len is the spec's trainer.seq_len; the rest are the model's.
+            field, name = (
+                ("trainer.seq_len", "seq_len")
+                if name == "data.seq_len"
+                else ("trainer.model", name)
+            )
+            errors.add(
+                field, f"precision fp8 needs multiples of {FLOAT8_MULTIPLE}: {name} {size} is not."
+            )
     _check_init(trainer.get("init") or {}, errors)
     if (trainer.get("eval") or {}).get("every") and trainer.get("dataset") == "synthetic":
         errors.add(

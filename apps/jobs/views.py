@@ -29,6 +29,7 @@ from apps.jobs.models.jobs import FINISHED_STATES, JOB_GPU_TYPES
 from controlplane import charts
 from controlplane.errors import ApplicationError
 from controlplane.exports import csv_response
+from workers.trainer.config import tp_allowed
 from workers.trainer.presets import PRESETS, ModelShape
 
 QUEUE_PAGE_SIZE = 100
@@ -427,7 +428,7 @@ def _layouts_for(params) -> tuple[list[specs.Layout], str]:
             return [], ""
         precision = params.get("precision") or "bf16"
         layouts = specs.valid_layouts(shape, nodes=gpus // per_node, gpus_per_node=per_node)
-        return [one for one in layouts if specs.tp_allowed(one.tp, precision=precision)], ""
+        return [one for one in layouts if tp_allowed(one.tp, precision=precision)], ""
     except ValueError as refused:
         return [], str(refused)
 

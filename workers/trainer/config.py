@@ -318,18 +318,24 @@ def _check_float8(config: RunConfig) -> None:
     """What float8 products need: whole weights (no TP) and dimensions in multiples of 16."""
     if config.kernels.float8_recipe not in FLOAT8_RECIPES:
         raise ConfigError(f"kernels.float8_recipe must be one of {', '.join(FLOAT8_RECIPES)}")
-    if config.layout.tp > 1:
+    if not tp_allowed(config.layout.tp, precision=config.precision):
         raise ConfigError("precision fp8 needs layout.tp 1 (tensor parallelism is not supported)")
     odd = float8_misfits(config.model, config.data.seq_len)
     if odd:
-        raise ConfigError(
-            f"precision fp8 needs multiples of {FLOAT8_MULTIPLE}: {', '.join(odd)} are not"
-        )
+        sizes = ", ".join(f"{name} {size}" for name, size in odd.items())
+        raise ConfigError(f"precision fp8 needs multiples of {FLOAT8_MULTIPLE}: {sizes} are not")
 
 
-def float8_misfits(shape: ModelShape, seq_len: int) -> list[str]:
-    """The sizes a float8 matrix product cannot take, as "name size" (the control plane's
-    submit check names them too)."""
+def tp_allowed(tp: int, *, precision: str) -> bool:
+    """Whether `precision` runs under tensor parallelism of `tp`: fp8 not yet (its float8
+    linear layers are not sharded across tensor-parallel ranks). The control plane's submit
+    check and layout choices ask the same."""
+    return tp == 1 or precision != "fp8"
+
+
+def float8_misfits(shape: ModelShape, seq_len: int) -> dict[str, int]:
+    """The sizes a float8 matrix product cannot take, by name (the control plane's submit
+    check names them too)."""
     sizes = {
         "dim": shape.dim,
         "ffn_dim": shape.ffn_dim,
@@ -337,7 +343,7 @@ def float8_misfits(shape: ModelShape, seq_len: int) -> list[str]:
         "kv_heads × head_dim": shape.kv_heads * shape.head_dim,
         "data.seq_len": seq_len,
     }
-    return [f"{name} {size}" for name, size in sizes.items() if size % FLOAT8_MULTIPLE]
+    return {name: size for name, size in sizes.items() if size % FLOAT8_MULTIPLE}
 
 
 def check(config: RunConfig) -> None:

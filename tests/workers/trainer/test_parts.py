@@ -14,9 +14,9 @@ from workers.trainer.model import Transformer  # noqa: E402
 from workers.trainer.optim import Optimizers, learning_rate  # noqa: E402
 from workers.trainer.prepare import decode_file, prepare  # noqa: E402
 from workers.trainer.presets import PRESETS, flops_per_token  # noqa: E402
+from workers.trainer.stopping import STATUS_FILE_VARIABLE, write_status  # noqa: E402
 
 TINY_SIZES = dataclasses.asdict(PRESETS["tiny"])
-from workers.trainer.stopping import STATUS_FILE_VARIABLE, write_status  # noqa: E402
 
 # --- run.json ------------------------------------------------------------------------------------
 
