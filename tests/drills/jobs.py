@@ -144,7 +144,24 @@ def all_succeed_once(stack: Stack, job_ids, timeout_s: float = 240) -> None:
         "HAVING count(*) <> 1",
         job_ids,
     )
-    assert not runs, f"jobs with other than one run (job, runs): {runs[:5]}"
+    assert not runs, f"jobs with other than one run (job, runs): {runs[:5]}\n" + story(
+        stack, [job_id for job_id, _ in runs[:3]]
+    )
+
+
+def story(stack: Stack, job_ids: list[int]) -> str:
+    """The jobs' state changes and runs, in order: what a failed drill prints to say why."""
+    events = stack.sql(
+        "SELECT job_id, at, from_state, to_state, reason FROM jobs_jobevent "
+        "WHERE job_id = ANY(%s) ORDER BY job_id, at, id",
+        job_ids,
+    )
+    runs = stack.sql(
+        "SELECT job_id, id, node_id, attempt, state, reason, exit_code, signal, created_at, "
+        "started_at, ended_at FROM jobs_run WHERE job_id = ANY(%s) ORDER BY job_id, id",
+        job_ids,
+    )
+    return "\n".join([f"event {row}" for row in events] + [f"run {row}" for row in runs])
 
 
 def task_call(stack: Stack, name: str) -> None:

@@ -31,16 +31,19 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 # Every threshold the drills lean on, short: a heartbeat a second, a node quiet after 3 s,
-# SUSPECT after 4, DOWN after 8; a pass every 2 s; a lost dispatch re-sent after 4 s and
+# SUSPECT after 4, DOWN after 12; a pass every 2 s; a lost dispatch re-sent after 4 s and
 # a lost provisioning after 10. The meter stays 2 s behind now, not 0: its lag is what lets
 # an allocation's end, stamped before its transaction commits, land before the meter passes
 # it (production: 60 s); at 0 a busy drill metered a few hundredths of a second too many.
+# DOWN stays above an agent's request timeout (10 s) plus a heartbeat, as production's 600 s
+# is far above: at 8 s, one heartbeat queued behind a burst on two gunicorn workers cost a
+# node its jobs (requeued: a second run), the control plane's slowness taken for the node's.
 DRILL_SETTINGS = {
     "AGENT_HEARTBEAT_S": "1",
     "NODE_SWEEP_EVERY_S": "1",
     "NODE_QUIET_AFTER_S": "3",
     "NODE_SUSPECT_AFTER_S": "4",
-    "NODE_DOWN_AFTER_S": "8",
+    "NODE_DOWN_AFTER_S": "12",
     "SCHEDULE_EVERY_S": "2",
     "DISPATCH_REDRIVE_S": "4",
     "OWNED_REDRIVE_AFTER_S": "10",

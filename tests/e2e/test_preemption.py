@@ -306,7 +306,13 @@ def test_a_preempted_trainer_job_stops_checkpoints_and_frees_its_gpus_before_the
     for run in runs:
         # The trainer's own word: a stop asked for, its checkpoint committed first. (torchrun
         # itself exits 1 on the SIGTERM it was sent; no SIGKILL was needed.)
-        assert run.state == "exited" and run.signal is None, (run.reason, run.status)
+        assert run.state == "exited" and run.signal is None, (
+            run.reason,
+            run.signal,
+            run.status,
+            run.evidence,
+            log_texts(api, victim)[-30:],
+        )
         assert run.status["reason"] == "preempted", run.status
     stopped = runs[0].status["step"]
     assert {r.status["step"] for r in runs} == {stopped}

@@ -6,5 +6,6 @@ no Django and may have no third-party packages at all.
 """
 
 # The control plane upgrades agents that report an older version than its own.
-VERSION = "1.2.1"  # 1.1: checkpoint reports and requests; 1.2: each job as its own user;
-# 1.2.1: a run that ends spares the other runs of its job still going
+VERSION = "1.2.2"  # 1.1: checkpoint reports and requests; 1.2: each job as its own user;
+# 1.2.1: a run that ends spares the other runs of its job still going; 1.2.2: heartbeats
+# from a thread of their own

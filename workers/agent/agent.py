@@ -1,7 +1,8 @@
 """The agent's loop: register, then heartbeat, fetch run plans, run them, report, relay output.
 
-Threads: the main loop (heartbeats, plans, run exits), the outbox (reports that
-must arrive, in order), the log shipper, and on AWS the spot watch. When the
+Threads: the main loop (plans, run starts and exits), the heartbeats (apart, so that a
+node's liveness never waits on a slow plan fetch, a run's start or its end), the outbox
+(reports that must arrive, in order), the log shipper, and on AWS the spot watch. When the
 control plane cannot be reached, heartbeats are skipped, reports and output
 wait in memory, and the runs carry on.
 
@@ -56,13 +57,14 @@ class Agent:
         )
         self.outbox = Outbox(self.control)
         self.logs = LogBuffer(config.max_buffered_lines)
+        # Changed by the main loop only, always under _runs_lock; read by the heartbeats.
         self.runs: dict[int, Run] = {}
         self.ledger = Ledger(config.work_dir / LEDGER_FILE)
         self.seen: set[int] = set()  # every run id ever started here: plans are re-sent until acked
         # Runs that ended here but whose end the control plane has not heard yet: heartbeats
         # still list them, or the control plane would take an exit for a lost process.
         self.ending: set[int] = set()
-        self._ending_lock = threading.Lock()
+        self._runs_lock = threading.Lock()
         self.stopping = threading.Event()
         self.heartbeats = 0
         self.spot_notice: dict | None = None  # set by the spot watch thread
@@ -138,6 +140,7 @@ class Agent:
         self.leftovers_stop()
         self.register()
         threads = [
+            threading.Thread(target=self._heartbeats, name="heartbeats"),
             threading.Thread(target=self.outbox.run, args=(self.stopping,), name="outbox"),
             threading.Thread(target=self._ship_logs, name="logs"),
             threading.Thread(
@@ -149,15 +152,12 @@ class Agent:
         for thread in threads:
             thread.daemon = True
             thread.start()
-        next_heartbeat = next_plans = 0.0
+        next_plans = 0.0
         while not self.stopping.is_set():
             now = time.monotonic()
             if now >= next_plans:
                 self._fetch_plans()
                 next_plans = now + self.config.plans_every_s
-            if now >= next_heartbeat:
-                self._heartbeat()
-                next_heartbeat = now + self.config.heartbeat_every_s
             self._act_on_spot_notice()
             self._reap()
             self.stopping.wait(0.2)
@@ -185,15 +185,24 @@ class Agent:
 
     # --- heartbeats and plans -----------------------------------------------------------------
 
+    def _heartbeats(self) -> None:
+        """One every heartbeat_every_s (or as fast as the control plane answers, if slower)."""
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            self._heartbeat()
+            self.stopping.wait(max(0.0, started + self.config.heartbeat_every_s - time.monotonic()))
+
     def _heartbeat(self) -> None:
         self.heartbeats += 1
+        with self._runs_lock:
+            runs = [{"id": i, "pid": r.pid} for i, r in self.runs.items()]
         body = {
             "seq": self.heartbeats,
             "version": VERSION,
             "metrics": metrics.gpu_metrics(slots=self.config.slots),
             "disk_free_bytes": metrics.disk_free_bytes(self.config.work_dir),
             "nccl_version": self._nccl_version,
-            "runs": [{"id": i, "pid": r.pid} for i, r in self.runs.items()],
+            "runs": runs,
             "have": self._held(),
             "fabric": fabric.fabric_counters(root=self.config.sysfs_root),
         }
@@ -204,7 +213,8 @@ class Agent:
             log.warning("heartbeat %d not delivered: %s", self.heartbeats, exc)
 
     def _held(self) -> list[int]:
-        with self._ending_lock:
+        """The runs it runs, and those whose end is not yet told."""
+        with self._runs_lock:
             return sorted(set(self.runs) | self.ending)
 
     def _fetch_plans(self) -> None:
@@ -254,7 +264,8 @@ class Agent:
                 report["node_fault"] = exc.node_fault  # the control plane requeues the job
             self._report(run_id, report)
             return
-        self.runs[run_id] = run
+        with self._runs_lock:
+            self.runs[run_id] = run
         self.ledger.write("started", run, **run.identity())
         self._report(run_id, {"state": "running", "pid": run.pid})
 
@@ -267,13 +278,13 @@ class Agent:
             self.ledger.write("ended", run, exit_code=code)
             if self.spot_notice is not None and not report["reason"]:
                 report["reason"] = "spot interruption"
-            with self._ending_lock:
+            with self._runs_lock:
                 self.ending.add(run_id)
                 del self.runs[run_id]
             self._report(run_id, report, on_sent=functools.partial(self._ended, run_id))
 
     def _ended(self, run_id: int) -> None:
-        with self._ending_lock:
+        with self._runs_lock:
             self.ending.discard(run_id)
 
     def _report(self, run_id: int, body: dict, on_sent=None) -> None:

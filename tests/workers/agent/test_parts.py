@@ -4,6 +4,7 @@ control plane's absence, and a small HTTP server standing in for EC2 instance me
 (The agent against the real control plane is in tests/e2e.) No database here.
 """
 
+import itertools
 import json
 import signal
 import socket
@@ -507,3 +508,56 @@ def test_the_agent_lists_a_run_until_its_end_is_told_and_stops_one_it_is_told_to
         server.close()
     assert heartbeats == [[41], [41], []]
     assert polls[-1] == "/api/v1/agent/runs/"
+
+
+def test_heartbeats_keep_their_pace_while_a_plan_fetch_waits(tmp_path):
+    """A node's liveness does not wait on its work: while the control plane takes 3 s to
+    answer a plan fetch, the agent's heartbeats still land every 0.2 s."""
+    landed: list[float] = []
+    fetches: list[float] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, answer: dict):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(answer).encode())
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path.endswith("/heartbeat"):
+                landed.append(time.monotonic())
+            self._answer({})
+
+        def do_GET(self):
+            fetches.append(time.monotonic())
+            time.sleep(3.0)  # a control plane busy with a burst, for this request
+            self._answer({"start": [], "stop": []})
+
+        def log_message(self, *args):
+            pass
+
+    server = _Server(Handler)
+    (tmp_path / "agent.env").write_text(
+        f"CONTROLPLANE_URL={server.url}\nCONTROLPLANE_NODE_TOKEN=cpn_t\n"
+    )
+    try:
+        from workers.agent.agent import Agent
+        from workers.agent.config import load
+
+        environ = {"AGENT_JOB_USERS": "off", "AGENT_HEARTBEAT_S": "0.2", "AGENT_PLANS_S": "60"}
+        agent = Agent(load(tmp_path, environ=environ))
+        loop = threading.Thread(target=agent.run, daemon=True)
+        loop.start()
+        deadline = time.monotonic() + 10
+        while not fetches and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fetches, "the agent never fetched its plans"
+        time.sleep(2.5)  # well inside the first fetch's 3 s
+    finally:
+        agent.stop()
+        loop.join(timeout=15)
+        server.close()
+    during = [at for at in landed if fetches[0] < at < fetches[0] + 2.5]
+    assert len(during) >= 6, f"{len(during)} heartbeats in 2.5 s of a waiting fetch"
+    assert max(b - a for a, b in itertools.pairwise(during)) < 1.0
