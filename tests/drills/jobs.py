@@ -2,6 +2,7 @@
 keep work on chosen nodes, call a beat task by hand, find a node's processes."""
 
 import contextlib
+import datetime as dt
 import subprocess
 import threading
 import time
@@ -161,7 +162,21 @@ def story(stack: Stack, job_ids: list[int]) -> str:
         "started_at, ended_at FROM jobs_run WHERE job_id = ANY(%s) ORDER BY job_id, id",
         job_ids,
     )
-    return "\n".join([f"event {row}" for row in events] + [f"run {row}" for row in runs])
+    # Their nodes' changes since (a node lost is the usual cause of a second run), less the
+    # churn between busy and ready.
+    nodes = stack.sql(
+        "SELECT node_id, at, from_state, to_state, reason FROM fleet_nodeevent "
+        "WHERE node_id = ANY(%s) AND at >= %s "
+        "AND NOT (from_state IN ('busy', 'ready') AND to_state IN ('busy', 'ready')) "
+        "ORDER BY at, id",
+        sorted({row[2] for row in runs}),
+        min(row[8] for row in runs) - dt.timedelta(seconds=30),
+    )
+    return "\n".join(
+        [f"event {row}" for row in events]
+        + [f"run {row}" for row in runs]
+        + [f"node {row}" for row in nodes]
+    )
 
 
 def task_call(stack: Stack, name: str) -> None:
