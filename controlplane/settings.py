@@ -191,6 +191,18 @@ CELERY_BEAT_SCHEDULE = {
 # Node agents: how often they heartbeat, how long a node token's look-up is cached,
 # and the health limits past which a node is drained (apps/fleet/agents.py).
 AGENT_HEARTBEAT_S = env_int("AGENT_HEARTBEAT_S", 5)
+# A DOWN node's jobs are requeued, so DOWN must wait out more than a slow answer: past
+# SUSPECT, and past a heartbeat plus an agent's request timeout (10 s unless its
+# AGENT_REQUEST_TIMEOUT_S says otherwise), or one heartbeat queued behind a burst of
+# requests loses a node that was never gone.
+AGENT_REQUEST_TIMEOUT_S = 10
+_down_after_more_than = max(NODE_SUSPECT_AFTER_S, AGENT_HEARTBEAT_S + AGENT_REQUEST_TIMEOUT_S)
+if _down_after_more_than >= NODE_DOWN_AFTER_S:
+    raise ImproperlyConfigured(
+        f"NODE_DOWN_AFTER_S ({NODE_DOWN_AFTER_S}) must exceed NODE_SUSPECT_AFTER_S "
+        f"({NODE_SUSPECT_AFTER_S}) and AGENT_HEARTBEAT_S ({AGENT_HEARTBEAT_S}) plus an "
+        f"agent's request timeout ({AGENT_REQUEST_TIMEOUT_S} s)"
+    )
 # A node whose last written heartbeat is older than this takes no new work (it is not yet
 # SUSPECT): one missed heartbeat, on top of the sweep's period (heartbeats reach the
 # database only when the sweep flushes them), and a margin for the flush itself.

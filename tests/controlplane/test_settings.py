@@ -107,3 +107,22 @@ def test_a_bad_boolean_is_a_clear_error(tmp_path, raw):
     result = load_settings(tmp_path, SECRET_KEY="x" * 50, DJANGO_DEBUG=raw)
     assert result.returncode != 0
     assert "DJANGO_DEBUG must be a boolean" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "allowed"),
+    [
+        ({"NODE_DOWN_AFTER_S": "8", "NODE_SUSPECT_AFTER_S": "4", "AGENT_HEARTBEAT_S": "1"}, False),
+        ({"NODE_DOWN_AFTER_S": "30", "NODE_SUSPECT_AFTER_S": "60"}, False),
+        ({"NODE_DOWN_AFTER_S": "12", "NODE_SUSPECT_AFTER_S": "4", "AGENT_HEARTBEAT_S": "1"}, True),
+    ],
+)
+def test_down_must_wait_out_suspect_and_one_slow_heartbeat(tmp_path, env, allowed):
+    """DOWN requeues a node's jobs: a threshold one queued heartbeat can cross (or one
+    below SUSPECT) refuses to start, naming the settings."""
+    result = load_settings(tmp_path, SECRET_KEY="x" * 50, **env)
+    if allowed:
+        assert result.returncode == 0, result.stderr
+    else:
+        assert result.returncode != 0
+        assert "NODE_DOWN_AFTER_S" in result.stderr and "request timeout" in result.stderr
