@@ -21,6 +21,7 @@ from controlplane.env import (
     sqlite_database,
 )
 from workers.agent import VERSION as AGENT_PACKAGE_VERSION
+from workers.agent.config import AgentConfig
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("CONTROLPLANE_VAR_DIR", str(BASE_DIR / "var")))
@@ -192,16 +193,16 @@ CELERY_BEAT_SCHEDULE = {
 # and the health limits past which a node is drained (apps/fleet/agents.py).
 AGENT_HEARTBEAT_S = env_int("AGENT_HEARTBEAT_S", 5)
 # A DOWN node's jobs are requeued, so DOWN must wait out more than a slow answer: past
-# SUSPECT, and past a heartbeat plus an agent's request timeout (10 s unless its
+# SUSPECT, and past a heartbeat plus an agent's request timeout (its default, unless its
 # AGENT_REQUEST_TIMEOUT_S says otherwise), or one heartbeat queued behind a burst of
 # requests loses a node that was never gone.
-AGENT_REQUEST_TIMEOUT_S = 10
+AGENT_REQUEST_TIMEOUT_S = AgentConfig.request_timeout_s
 _down_after_more_than = max(NODE_SUSPECT_AFTER_S, AGENT_HEARTBEAT_S + AGENT_REQUEST_TIMEOUT_S)
 if _down_after_more_than >= NODE_DOWN_AFTER_S:
     raise ImproperlyConfigured(
         f"NODE_DOWN_AFTER_S ({NODE_DOWN_AFTER_S}) must exceed NODE_SUSPECT_AFTER_S "
         f"({NODE_SUSPECT_AFTER_S}) and AGENT_HEARTBEAT_S ({AGENT_HEARTBEAT_S}) plus an "
-        f"agent's request timeout ({AGENT_REQUEST_TIMEOUT_S} s)"
+        f"agent's request timeout ({AGENT_REQUEST_TIMEOUT_S:g} s)"
     )
 # A node whose last written heartbeat is older than this takes no new work (it is not yet
 # SUSPECT): one missed heartbeat, on top of the sweep's period (heartbeats reach the

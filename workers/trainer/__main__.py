@@ -78,8 +78,8 @@ if __name__ == "__main__":
     # Its status is written, its events printed, its checkpoints committed and its process
     # group destroyed: leave without the interpreter's teardown, in which a torch C++ thread
     # destroyed while still joinable aborted a rank that had ended well ("terminate called
-    # without an active exception", SIGABRT: twice in eight full test suites), turning a
-    # finished or preempted run into a failure.
+    # without an active exception", SIGABRT, seen in a full test suite), turning a finished
+    # or preempted run into a failure.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
