@@ -45,6 +45,7 @@ run: $(VENV)/.installed var/secret_key
 	$(DEV_ENV) $(BIN)/python manage.py createcachetable -v 0
 	$(DEV_ENV) $(BIN)/python manage.py demo_fleet
 	$(DEV_ENV) $(BIN)/python manage.py demo_prices
+	$(DEV_ENV) $(BIN)/python manage.py demo_training
 	$(DEV_ENV) exec $(BIN)/python -m controlplane.devserver --port $(PORT)
 
 # What the browser and SSH tests start for real: Debian's chromium and OpenSSH.

@@ -51,8 +51,9 @@ def print_all_but_agent_polls(source, sink) -> None:
             sink.flush()
 
 
-# What jobs on local nodes must pass through (var/nodes/<node>/runs/<run>, var/checkpoints/...).
-PASSED_THROUGH = ("nodes", "checkpoints")
+# What jobs on local nodes must pass through (var/nodes/<node>/runs/<run>, var/checkpoints/...,
+# the demo's dataset under var/datasets/).
+PASSED_THROUGH = ("nodes", "checkpoints", "datasets")
 
 
 def close_var(var_dir: Path) -> None:
@@ -60,7 +61,7 @@ def close_var(var_dir: Path) -> None:
     (its secret key, its database, the broker's messages, the demo's passwords) may be
     read by them. var/ can be passed through but not listed; the rest is ours alone."""
     var_dir.mkdir(exist_ok=True)
-    os.chmod(var_dir, 0o711)  # noqa: S103 (pass through to nodes/ and checkpoints/)
+    os.chmod(var_dir, 0o711)  # noqa: S103 (pass through to PASSED_THROUGH)
     for entry in var_dir.iterdir():
         if entry.is_symlink():
             continue

@@ -32,6 +32,11 @@ def navigation(request):
             url = reverse(name)
         except NoReverseMatch:
             url = None
-        active = bool(url) and request.path.startswith(url) and url != "/"
-        items.append({"label": label, "url": url, "active": active})
+        items.append({"label": label, "url": url, "active": False})
+    # One section is current: the one whose address is the longest prefix of the path
+    # (Datasets at /jobs/datasets/, not Queue at /jobs/ as well).
+    path = getattr(request, "path", "")
+    matching = [i for i in items if i["url"] and i["url"] != "/" and path.startswith(i["url"])]
+    if matching:
+        max(matching, key=lambda item: len(item["url"]))["active"] = True
     return {"nav_items": items}

@@ -25,7 +25,7 @@ def var_dir():
     ):
         (var / name).write_text(text)
         (var / name).chmod(0o644)
-    for name in ("broker", "nodes", "checkpoints"):
+    for name in ("broker", "nodes", "checkpoints", "datasets"):
         (var / name).mkdir(mode=0o755)
     (var / "broker" / "message").write_text("task")
     (var / "broker" / "message").chmod(0o644)
@@ -45,6 +45,7 @@ def test_var_keeps_the_control_planes_files_from_jobs(var_dir):
         "broker": 0o700,
         "nodes": 0o711,
         "checkpoints": 0o711,
+        "datasets": 0o711,
     }
     if os.geteuid() != 0:
         return  # reading as another user needs root to switch users

@@ -28,6 +28,17 @@ def test_the_navigation_has_the_nccl_pages(client, viewer):
     assert '<a href="/nccl/lint/">NCCL lint</a>' in html
 
 
+@pytest.mark.parametrize(
+    "path, current",
+    [("/jobs/datasets/", "Datasets"), ("/jobs/", "Queue"), ("/jobs/history/", "Queue")],
+)
+def test_only_the_section_with_the_longest_matching_address_is_current(
+    client, viewer, path, current
+):
+    html = logged_in(client, viewer).get(path).content.decode()
+    assert re.findall(r'class="active" aria-current="page">([^<]+)</a>', html) == [current]
+
+
 def test_the_admin_link_is_shown_only_to_staff(client, viewer, ops_user, superuser):
     for user in (viewer, ops_user):
         html = logged_in(client, user).get("/nccl/profiles/").content.decode()
