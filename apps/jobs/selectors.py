@@ -1040,11 +1040,12 @@ class Compared:
 
     predicted: float | Decimal | None
     measured: float | Decimal | None
+    like_for_like: bool = True  # measured on the hardware the prediction is for
 
     @property
     def error_pct(self) -> float | None:
         """(predicted − measured) / measured: above 0, the advisor over-estimated."""
-        if self.predicted is None or not self.measured:
+        if self.predicted is None or not self.measured or not self.like_for_like:
             return None
         return float((self.predicted - self.measured) / self.measured * 100)
 
@@ -1053,6 +1054,9 @@ class Compared:
 class EstimateTruth:
     job: Job
     gpu_type: str  # the type it ran on, whose prediction is set beside it
+    # Whether its steps ran on a GPU whose peak the trainer knows (they report an MFU). Not on
+    # local nodes' CPU slots or an unknown part: their memory and speed are shown, not scored.
+    on_rated_gpus: bool
     peak_memory_gib: Compared  # torch's max_memory_allocated, the trainer's peak_mem_gib
     step_time_s: Compared  # tokens per step / the median tokens per second
     cost: Compared  # metered; compared only for a job that ran all its steps
@@ -1068,9 +1072,15 @@ def estimates_beside_truth(*, jobs) -> list[EstimateTruth]:
     if not ids:
         return []
     steps = StepMetric.objects.filter(job_id__in=ids)
-    peaks = dict(
-        steps.values("job_id").annotate(peak=Max("peak_mem_gib")).values_list("job_id", "peak")
-    )
+    peaks, rated = {}, set()
+    for job_id, peak, with_mfu in (
+        steps.values("job_id")
+        .annotate(peak=Max("peak_mem_gib"), with_mfu=Count("mfu"))
+        .values_list("job_id", "peak", "with_mfu")
+    ):
+        peaks[job_id] = peak
+        if with_mfu:
+            rated.add(job_id)
     middles: dict[int, list[float]] = {}
     ranked = (
         steps.filter(tokens_per_s__gt=0)
@@ -1098,17 +1108,20 @@ def estimates_beside_truth(*, jobs) -> list[EstimateTruth]:
         middle = middles.get(job.pk)
         measured_step = tokens_per_step / (sum(middle) / len(middle)) if middle else None
         predicted_cost = predicted.get("cost")
+        on_gpus = job.pk in rated or job.pk not in peaks  # no steps yet: nothing to judge by
         found.append(
             EstimateTruth(
                 job=job,
                 gpu_type=ran_on,
+                on_rated_gpus=on_gpus,
                 peak_memory_gib=Compared(
-                    (estimate.get("memory") or {}).get("allocated_gib"), peaks.get(job.pk)
+                    (estimate.get("memory") or {}).get("allocated_gib"), peaks.get(job.pk), on_gpus
                 ),
-                step_time_s=Compared(predicted.get("step_time_s"), measured_step),
-                cost=Compared(
+                step_time_s=Compared(predicted.get("step_time_s"), measured_step, on_gpus),
+                cost=Compared(  # its predicted hours are the predicted step time's
                     Decimal(predicted_cost) if predicted_cost is not None else None,
                     costs.get(job.pk) if job.state == JobState.SUCCEEDED else None,
+                    on_gpus,
                 ),
             )
         )

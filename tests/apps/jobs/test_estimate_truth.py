@@ -19,15 +19,18 @@ from tests.apps.jobs.test_pages import finish
 pytestmark = pytest.mark.django_db
 
 
-def trained(team, user, *, name="pretrain", steps=(), cost=None, state=JobState.SUCCEEDED):
+def trained(team, user, *, name="pretrain", steps=(), cost=None, state=JobState.SUCCEEDED, mfu=0.5):
     """A tiny trainer job on 8 H100s, submitted (so it keeps its estimate), finished, with
-    these (peak_mem_gib, tokens_per_s) steps and this metered cost."""
+    these (peak_mem_gib, tokens_per_s) steps and this metered cost; its steps report `mfu`
+    (None: the trainer knew no GPU peak where they ran, as on CPU slots)."""
     spec = trainer_spec(team, preset="tiny", nodes=1, gpus_per_node=8, seq_len=128, name=name)
     spec.pop("team")
     job, _ = services.job_submit(team=team, spec={**spec, "name": name}, submitted_by=user)
     now = timezone.now()
     StepMetric.objects.bulk_create(
-        StepMetric(job=job, attempt=1, step=n + 1, at=now, peak_mem_gib=peak, tokens_per_s=tps)
+        StepMetric(
+            job=job, attempt=1, step=n + 1, at=now, peak_mem_gib=peak, tokens_per_s=tps, mfu=mfu
+        )
         for n, (peak, tps) in enumerate(steps)
     )
     if cost is not None:
@@ -128,3 +131,37 @@ def test_the_median_tokens_per_second_is_the_middle_of_an_odd_count(
     assert truth.step_time_s.measured == pytest.approx(8192 / 20)
     assert truth.gpu_type == "H100"
     assert dt.timedelta(0) < job.finished_at - job.started_at
+
+
+def test_steps_on_cpu_slots_are_shown_but_not_scored(client, fleet_pool, quota, team, researcher):
+    """A job whose steps report no MFU ran where the trainer knew no GPU's peak (the demo's
+    local nodes): its H100 prediction is not scored against it, nor counted in the summary."""
+    owned_price(fleet_pool)
+    on_gpus = trained(team, researcher, name="on-gpus", steps=[(1.0, 8192)], cost="0.10")
+    on_cpus = trained(
+        team, researcher, name="on-cpus", steps=[(0.4, 50), (0.4, 60)], cost="0.10", mfu=None
+    )
+    from apps.jobs.selectors import estimate_errors_summary, estimates_beside_truth
+
+    truths = {t.job.name: t for t in estimates_beside_truth(jobs=[on_gpus, on_cpus])}
+    cpu = truths["on-cpus"]
+    assert not cpu.on_rated_gpus and truths["on-gpus"].on_rated_gpus
+    assert cpu.peak_memory_gib.measured == 0.4 and cpu.step_time_s.measured > 0
+    assert [cpu.peak_memory_gib.error_pct, cpu.step_time_s.error_pct, cpu.cost.error_pct] == [
+        None,
+        None,
+        None,
+    ]
+    assert truths["on-gpus"].step_time_s.error_pct is not None
+    summary = estimate_errors_summary(list(truths.values()))
+    assert {quantity: figures["jobs"] for quantity, figures in summary.items()} == {
+        "peak_memory_gib": 1,
+        "step_time_s": 1,
+        "cost": 1,
+    }
+    client.force_login(researcher)
+    section = client.get(f"/jobs/{on_cpus.pk}/").content.decode().split('id="estimate-truth"')[1]
+    assert "Not scored:" in section.split("</section>")[0]
+    assert "0.4 GiB" in section.split('data-quantity="peak_memory"')[1].split("</tr>")[0]
+    other = client.get(f"/jobs/{on_gpus.pk}/").content.decode().split('id="estimate-truth"')[1]
+    assert "Not scored:" not in other.split("</section>")[0]
