@@ -91,7 +91,7 @@ def prepare(corpus: Path, tokenizer: Path, out: Path) -> None:
     argv = [sys.executable, "-m", "workers.trainer.prepare", "--tokenizer-file", str(tokenizer)]
     argv += ["--tokenizer-name", "demo-docs-bpe-2048", "--eos", EOS, "--validation", "0.05"]
     argv += ["--out", str(out), str(corpus)]
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=settings.BASE_DIR)
     if done.returncode != 0:
         raise CommandError(f"preparing the demo dataset failed: {done.stderr.strip()[-2000:]}")
 
