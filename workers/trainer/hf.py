@@ -363,7 +363,7 @@ def export(
         }
         (out / INDEX).write_text(json.dumps(index, indent=2))
     (out / CONFIG).write_text(json.dumps(config_from_shape(shape, dtype), indent=2))
-    copied = _copy_tokenizer(tokenizer or (manifest.get("data") or {}).get("tokenizer"), out)
+    copied = _copy_tokenizer(tokenizer or trained_tokenizer(manifest), out)
     return {
         "event": "export",
         "step": manifest["step"],
@@ -386,6 +386,31 @@ def _cut(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
         shards[-1].append(name)
         size += nbytes
     return shards
+
+
+def trained_tokenizer(manifest: dict) -> Path | None:
+    """The tokenizer.json the checkpoint's datasets were prepared with (their index names it
+    and its SHA-256), when they all share one and it is still there unchanged; else None.
+    Read with the rights of whoever exports (the agent runs the exporter as the job's user)."""
+    from workers.trainer.checkpoint import sha256_of
+    from workers.trainer.shards import read_index
+
+    found = set()
+    for dataset in (manifest.get("data") or {}).get("datasets") or []:
+        try:
+            tokenizer = read_index(dataset["path"])["tokenizer"]
+            found.add((Path(dataset["path"]) / tokenizer["file"], tokenizer["sha256"]))
+        except (KeyError, TypeError, ValueError):
+            return None  # a token file, or a dataset gone: no tokenizer to speak for
+    if len({sha for _, sha in found}) != 1:
+        return None
+    for path, sha in sorted(found):  # any copy still as prepared
+        try:
+            if path.is_file() and sha256_of(path) == sha:
+                return path
+        except OSError:
+            continue
+    return None
 
 
 def _copy_tokenizer(source, out: Path) -> list[str]:

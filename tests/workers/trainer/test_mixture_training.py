@@ -10,6 +10,7 @@ two ranks and one process add in different orders).
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,33 @@ def test_a_mixture_trains_evaluates_and_resumes_on_fewer_ranks(mixture, tmp_path
     assert sorted(again) == [4, 6]
     for step in (4, 6):
         assert abs(again[step]["loss"] - evals[step]["loss"]) <= LOSS_TOLERANCE
+
+    # Exported, it carries the tokenizer its datasets were prepared with, which transformers
+    # loads beside the model.
+    from workers.trainer import hf
+
+    exported = hf.export(checkpoints / "step-00000003", tmp_path / "exported")
+    assert "tokenizer.json" in exported["files"]
+    prepared = Path(mixture[0]["path"]) / "tokenizer.json"
+    assert (tmp_path / "exported" / "tokenizer.json").read_bytes() == prepared.read_bytes()
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    text = "pack my box with five dozen liquor jugs"
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "exported")
+    assert loaded(text)["input_ids"] == Tokenizer.from_file(str(prepared)).encode(text).ids
+
+    # A tokenizer.json changed since its dataset was prepared speaks for nothing.
+    manifest = json.loads((checkpoints / "step-00000003" / "manifest.json").read_text())
+    for dataset in manifest["data"]["datasets"]:
+        copy = tmp_path / "copies" / dataset["name"]
+        shutil.copytree(dataset["path"], copy)
+        dataset["path"] = str(copy)
+    for name, expected in (("counting", "prose"), ("prose", None)):  # counting is read first
+        changed = tmp_path / "copies" / name / "tokenizer.json"
+        changed.write_text(changed.read_text().replace("quartz", "granite"))
+        found = hf.trained_tokenizer(manifest)
+        assert found == (expected and tmp_path / "copies" / expected / "tokenizer.json")
 
 
 @pytest.fixture(scope="module")
