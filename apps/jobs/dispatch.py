@@ -647,18 +647,26 @@ def _job_follows(job_id: int, *, changed: Run | None = None) -> None:
         else:
             _requeue(job, f"{_describe_failure(_to_blame(failed))} (infrastructure)")
         return
-    if runs and not open_runs:
-        _transition(job, J.SUCCEEDED, ranks_did(job, len(runs), "exited 0"))
-        return
-    if job.state in (J.PROVISIONING, J.STARTING) and all(r.state == R.RUNNING for r in runs):
+    # Every rank has started once each is running or has ended (well: failures went above).
+    # A quick job's first rank may end before the last reports its start, so the job never
+    # sees them all running at once; it ran all the same, and goes through RUNNING.
+    if (
+        job.state in (J.PROVISIONING, J.STARTING)
+        and runs
+        and not any(r.state == R.PLANNED for r in runs)
+    ):
         if job.state == J.PROVISIONING:
             job = _transition(job, J.STARTING, "plans offered")
-        _transition(
+        # Begun when the last rank said so; or, if one has ended already, at the first start.
+        started = [r.started_at for r in runs if r.started_at is not None]
+        job = _transition(
             job,
             J.RUNNING,
             ranks_did(job, len(runs), "started"),
-            started_at=timezone.now(),
+            started_at=min(started) if ended and started else timezone.now(),
         )
+    if runs and not open_runs:
+        _transition(job, J.SUCCEEDED, ranks_did(job, len(runs), "exited 0"))
 
 
 def _finish_stopping(job: Job) -> None:

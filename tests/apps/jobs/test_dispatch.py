@@ -257,3 +257,38 @@ def test_a_rank_whose_death_the_evidence_shows_is_named_though_its_peers_timed_o
         f"requeued: rank 1 (pid 4321) on {first.node.name} was killed by signal 9 (SIGKILL) "
         "(infrastructure)"
     )
+
+
+# --- a gang whose ranks do not overlap --------------------------------------------------------
+
+
+@pytest.mark.parametrize("first_ends_before_second_starts", [True, False])
+def test_a_short_job_whose_ranks_never_all_ran_at_once_still_succeeds(
+    fleet_pool, quota, team, researcher, first_ends_before_second_starts
+):
+    """A quick command on two nodes: one node's run may start, finish and report its exit
+    before the other node's agent has even reported its start, so the job never sees all
+    its ranks running at once. It did run, and it ended well: RUNNING, then SUCCEEDED."""
+    spec = command_spec(team, resources={"gpu_type": "H100", "nodes": 2, "gpus_per_node": 8})
+    job, _ = services.job_submit(team=team, spec=spec, submitted_by=researcher)
+    scheduling_pass()
+    job = job_dispatch(job_id=job.pk)
+    quick, slow = Run.objects.filter(job=job).order_by("node_rank")
+
+    def report(run, state, **more):
+        return run_report(node_id=run.node_id, run_id=run.pk, report={"state": state, **more})
+
+    report(quick, "running", pid=7)
+    report(quick, "exited", exit_code=0)
+    if first_ends_before_second_starts:
+        report(slow, "running", pid=8)
+        report(slow, "exited", exit_code=0)
+    else:  # its start report lost: its exit is all the control plane hears of it
+        report(slow, "exited", exit_code=0)
+
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED, (job.state, job.state_reason)
+    moves = list(job.events.order_by("pk").values_list("to_state", flat=True))
+    assert moves[-2:] == [JobState.RUNNING, JobState.SUCCEEDED]
+    assert job.started_at is not None and job.started_at <= job.finished_at
+    assert all(a.ended_at is not None for a in Allocation.objects.filter(job=job))
