@@ -6,6 +6,8 @@ import json
 
 import pytest
 from django.utils import timezone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from apps.fleet.models import Node, NodeState
 from apps.fleet.services import node_drain, node_transition, nodes_heartbeat_sweep
@@ -292,3 +294,42 @@ def test_a_short_job_whose_ranks_never_all_ran_at_once_still_succeeds(
     assert moves[-2:] == [JobState.RUNNING, JobState.SUCCEEDED]
     assert job.started_at is not None and job.started_at <= job.finished_at
     assert all(a.ended_at is not None for a in Allocation.objects.filter(job=job))
+
+
+@st.composite
+def report_orders(draw):
+    """Each rank's reports (its start, which may be lost, then its exit 0), interleaved."""
+    ranks = draw(st.integers(min_value=2, max_value=3))
+    per_rank = [(["running"] if draw(st.booleans()) else []) + ["exited"] for _ in range(ranks)]
+    order = []
+    while any(per_rank):
+        rank = draw(st.sampled_from([r for r, left in enumerate(per_rank) if left]))
+        order.append((rank, per_rank[rank].pop(0)))
+    return ranks, order
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=report_orders())
+def test_ranks_that_end_well_in_any_order_end_the_job_well(
+    fleet_pool, quota, team, researcher, case
+):
+    ranks, order = case
+    resources = {"gpu_type": "H100", "nodes": ranks, "gpus_per_node": 8}
+    job, _ = services.job_submit(
+        team=team, spec=command_spec(team, resources=resources), submitted_by=researcher
+    )
+    scheduling_pass()
+    job = job_dispatch(job_id=job.pk)
+    runs = list(Run.objects.filter(job=job).order_by("node_rank"))
+    for rank, state in order:
+        run = runs[rank]
+        report = (
+            {"state": state, "pid": 7} if state == "running" else {"state": state, "exit_code": 0}
+        )
+        run_report(node_id=run.node_id, run_id=run.pk, report=report)
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED, (order, job.state, job.state_reason)
+    assert job.started_at is not None
+    assert not Allocation.objects.filter(job=job, ended_at__isnull=True).exists()
