@@ -7,8 +7,8 @@ the "published" model is made there, by transformers alone, from a real corpus:
 1. corpus: the Python standard library's own source files (real text, on every
    machine; `test/`, `idlelib/` and `site-packages/` left out);
 2. tokenizer: a byte-level BPE tokenizer.json trained on that corpus by the
-   `tokenizers` library (--vocab, default 8,192), standing in for a published
-   model's tokenizer;
+   `tokenizers` library (--vocab, default 8,192; prepare's --train-tokenizer),
+   standing in for a published model's tokenizer;
 3. dataset: `python -m workers.trainer.prepare --tokenizer-file … --validation
    0.02`, as a team would prepare theirs (shards, index, held-out split);
 4. the model: transformers' LlamaForCausalLM (--hf-size; untied embeddings) trained
@@ -67,31 +67,14 @@ def corpus(limit: int | None) -> list[Path]:
     return files[:limit] if limit else files
 
 
-def train_tokenizer(files: list[Path], vocab: int, out: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train([str(f) for f in files], trainer)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "tokenizer.json"
-    tokenizer.save(str(path))
-    return path
-
-
-def prepare(tokenizer: Path, files: list[Path], out: Path) -> dict:
+def prepare(files: list[Path], vocab: int, tokenizer: Path, out: Path) -> dict:
+    """Steps 2 and 3: prepare's --train-tokenizer writes `tokenizer`, then the dataset `out`."""
     command = [
         sys.executable,
         "-m",
         "workers.trainer.prepare",
-        *("--tokenizer-file", str(tokenizer), "--out", str(out), "--validation", "0.02"),
+        *("--train-tokenizer", str(vocab), "--tokenizer-file", str(tokenizer)),
+        *("--out", str(out), "--validation", "0.02"),
         *map(str, files),
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -260,9 +243,8 @@ def main(argv=None) -> int:
         work = Path(args.out or scratch)
         files = corpus(args.files)
         started = time.perf_counter()
-        tokenizer = train_tokenizer(files, args.vocab, work / "tokenizer")
         data = work / "stdlib-py"
-        index = prepare(tokenizer, files, data)
+        index = prepare(files, args.vocab, work / "tokenizer" / "tokenizer.json", data)
         vocab = index["tokenizer"]["vocab_size"]
         print(
             f"dataset: {len(files)} files, {index['splits']['train']['tokens']:,} training "

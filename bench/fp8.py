@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.finetune import corpus, prepare, train, train_tokenizer  # noqa: E402
+from bench.finetune import corpus, prepare, train  # noqa: E402
 from workers.trainer.presets import PRESETS  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     defaults = (
         {"preset": "1b", "vocab": 8192, "steps": 300, "batch": 8, "seq_len": 2048, "files": None}
         if gpu
-        else {"preset": "tiny", "vocab": 256, "steps": 3, "batch": 4, "seq_len": 64, "files": 100}
+        else {"preset": "tiny", "vocab": 320, "steps": 3, "batch": 4, "seq_len": 64, "files": 100}
     )
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         files = corpus(args.files)
         data = work / "stdlib-py"
-        index = prepare(train_tokenizer(files, args.vocab, work / "tokenizer"), files, data)
+        index = prepare(files, args.vocab, work / "tokenizer" / "tokenizer.json", data)
         vocab = index["tokenizer"]["vocab_size"]
         print(
             f"dataset: {len(files)} files, {index['splits']['train']['tokens']:,} training "

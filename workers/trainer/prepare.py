@@ -14,7 +14,9 @@ With --tokenizer-file (a published model's tokenizer.json, read by the
 directory: shards of whole documents, each document followed by the
 tokenizer's end-of-text token (--eos names it when it is not one of the usual
 ones), a held-out validation split, and an index; shards.py describes the
-format. `--verify DIR` checks such a directory against its index.
+format. `--verify DIR` checks such a directory against its index. For text
+with no published model behind it, `--train-tokenizer VOCAB` first learns a
+byte-level BPE tokenizer.json from the inputs and writes it to --tokenizer-file.
 
 Otherwise --out is one token file, and documents are separated in the token
 stream by the ASCII record separator byte (0x1E). Tokenizers:
@@ -222,6 +224,42 @@ SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 tokens
 ENCODE_BATCH = 512  # documents per call into the tokenizer's (parallel) batch encoder
 
 
+def train_tokenizer(
+    inputs: list[str | Path],
+    out: str | Path,
+    *,
+    vocab_size: int,
+    eos: str,
+    text_field: str = "text",
+) -> Path:
+    """Learn a byte-level BPE tokenizer.json (GPT-2's scheme: every byte is a token, so no text
+    is unknown) of `vocab_size` tokens from the inputs' documents, with `eos` as its one
+    special token, and write it to `out`, which must not exist yet.
+
+    For corpora without a published model to borrow a tokenizer from: the demo's and the
+    benchmarks' own text. The result is an ordinary tokenizer.json, so everything after
+    (prepare_sharded, the trainer, export to transformers) treats it as a published one.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"{out} exists: a trained tokenizer is written to a new file")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(documents(inputs, text_field=text_field), trainer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out))
+    return out
+
+
 def prepare_sharded(
     inputs: list[str | Path],
     out: str | Path,
@@ -264,7 +302,7 @@ def prepare_sharded(
         )
         for split in shards.SPLITS
     }
-    texts = documents(inputs, skip=(out, temporary), text_field=text_field)
+    texts = documents(inputs, skip=(out, temporary, tokenizer_file), text_field=text_field)
     number = 0
     while batch := list(itertools.islice(texts, ENCODE_BATCH)):
         encoded = coder.encode_batch(batch, add_special_tokens=add_special_tokens)
@@ -328,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-field", default="text", help="a .jsonl line's text (default text)")
     sharded = parser.add_argument_group("a sharded dataset, with a published model's tokenizer")
     sharded.add_argument("--tokenizer-file", help="the model's tokenizer.json")
+    sharded.add_argument(
+        "--train-tokenizer",
+        type=int,
+        metavar="VOCAB",
+        help="first learn a byte-level BPE tokenizer of VOCAB tokens from the inputs and write "
+        "it to --tokenizer-file (a new file); its end-of-text token is --eos or <|endoftext|>",
+    )
     sharded.add_argument("--tokenizer-name", help="what to call it (default: its folder's name)")
     sharded.add_argument("--eos", help="the end-of-text token (default: the usual ones, tried)")
     sharded.add_argument("--validation", type=float, default=0.0, help="held-out fraction")
@@ -344,6 +389,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     if not args.inputs or not args.out:
         parser.error("give input files and --out")
+    if args.train_tokenizer is not None:
+        if not args.tokenizer_file:
+            parser.error("--train-tokenizer writes the tokenizer to --tokenizer-file: give it")
+        if args.train_tokenizer < 257:
+            parser.error("--train-tokenizer: a byte-level vocabulary has more than 256 tokens")
+        if Path(args.tokenizer_file).exists():
+            parser.error(f"--train-tokenizer: {args.tokenizer_file} exists")
+        args.eos = args.eos or "<|endoftext|>"
+        train_tokenizer(
+            args.inputs,
+            args.tokenizer_file,
+            vocab_size=args.train_tokenizer,
+            eos=args.eos,
+            text_field=args.text_field,
+        )
     if args.tokenizer_file:
         index = prepare_sharded(
             args.inputs,

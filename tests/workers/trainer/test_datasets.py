@@ -361,6 +361,61 @@ def test_the_command_line_prepares_and_verifies(prepared, tmp_path, capsys):
     assert "validation-00000.docs.npy" in capsys.readouterr().out
 
 
+def test_the_command_line_can_learn_the_tokenizer_first(tmp_path, capsys):
+    """--train-tokenizer: a byte-level BPE tokenizer.json learnt from the inputs themselves,
+    written where --tokenizer-file says (and not itself read as a document when it lies among
+    the inputs), then the dataset prepared with it, as for a published one."""
+    from tokenizers import Tokenizer
+
+    from workers.trainer.prepare import main
+
+    corpus = texts(300)
+    write_jsonl(tmp_path / "in" / "part-0.jsonl", corpus)
+    learnt = tmp_path / "in" / "tokenizer.json"
+    out = tmp_path / "data"
+    arguments = ["--train-tokenizer", "300", "--tokenizer-file", str(learnt), "--eos", "</s>"]
+    assert main([str(tmp_path / "in"), "--out", str(out), *arguments]) == 0
+    totals = json.loads(capsys.readouterr().out)
+
+    tokenizer = Tokenizer.from_file(str(learnt))
+    assert tokenizer.get_vocab_size() == 300  # 256 bytes, </s>, and merges learnt from the words
+    assert tokenizer.token_to_id("</s>") is not None
+    assert len(tokenizer.encode("liquor jugs").ids) < len("liquor jugs")  # merges, not bytes
+    assert tokenizer.decode(tokenizer.encode("zebra ünïcode").ids) == "zebra ünïcode"
+    index = json.loads((out / "index.json").read_text())
+    assert index["tokenizer"]["sha256"] == shards.sha256_of(learnt)
+    assert index["tokenizer"]["eos_token"] == "</s>"
+    assert totals["documents"] == len(corpus)  # the tokenizer.json among the inputs is not one
+    assert shards.verify(out) == []
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--train-tokenizer", "300"], "--tokenizer-file"),
+        (["--train-tokenizer", "200", "--tokenizer-file", "{new}"], "more than 256"),
+        (["--train-tokenizer", "300", "--tokenizer-file", "{old}"], "exists"),
+    ],
+)
+def test_learning_a_tokenizer_is_refused_without_a_new_file_for_it(
+    tmp_path, capsys, arguments, message
+):
+    from workers.trainer.prepare import main
+
+    inputs = write_jsonl(tmp_path / "in.jsonl", texts(20))
+    old = tmp_path / "published" / "tokenizer.json"
+    old.parent.mkdir()
+    old.write_text("a published tokenizer, never overwritten")
+    names = {"new": str(tmp_path / "new.json"), "old": str(old)}
+    argv = [str(inputs), "--out", str(tmp_path / "out"), *(a.format(**names) for a in arguments)]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2
+    assert message in capsys.readouterr().err
+    assert old.read_text() == "a published tokenizer, never overwritten"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "new.json").exists()
+
+
 def test_what_is_evaluated(prepared, tmp_path):
     from workers.trainer.evaluation import eval_sets
     from workers.trainer.prepare import prepare

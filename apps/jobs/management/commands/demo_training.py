@@ -2,11 +2,11 @@
 small training run on it, so that the Datasets, Job and Checkpoints pages have a loss curve,
 evaluations, checkpoints (the best of them marked) and something to export.
 
-The dataset is prepared the way a team prepares one (a tokenizer.json trained here by the
-`tokenizers` library, then `python -m workers.trainer.prepare` with a held-out split), registered as
-foundation's `demo-docs` and named by the job's mixture. The job is submitted by bob through
-the same service as the Submit page's and queues until the local nodes are up. Safe to run
-again: once the dataset is registered it does nothing.
+The dataset is prepared the way a team prepares one, by `python -m workers.trainer.prepare`
+with a held-out split (the same command first learns a tokenizer.json from the corpus). It is
+registered as foundation's `demo-docs` and named by the job's mixture. The job is submitted
+by bob through the same service as the Submit page's and queues until the local nodes are
+up. Safe to run again: once the dataset is registered it does nothing.
 """
 
 import json
@@ -67,29 +67,12 @@ def documents(base: Path) -> list[str]:
     return [t for t in texts if t]
 
 
-def train_tokenizer(texts: list[str], out: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "tokenizer.json"
-    tokenizer.save(str(path))
-    return path
-
-
 def prepare(corpus: Path, tokenizer: Path, out: Path) -> None:
-    """The trainer's own preparation, as its command (apps do not import workers)."""
-    argv = [sys.executable, "-m", "workers.trainer.prepare", "--tokenizer-file", str(tokenizer)]
-    argv += ["--tokenizer-name", "demo-docs-bpe-2048", "--eos", EOS, "--validation", "0.05"]
+    """The trainer's own preparation, as its command (apps do not import workers): it learns
+    the tokenizer from the corpus first (--train-tokenizer), then tokenises the corpus."""
+    argv = [sys.executable, "-m", "workers.trainer.prepare", "--train-tokenizer", str(VOCAB)]
+    argv += ["--tokenizer-file", str(tokenizer), "--tokenizer-name", "demo-docs-bpe-2048"]
+    argv += ["--eos", EOS, "--validation", "0.05"]
     argv += ["--out", str(out), str(corpus)]
     done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=settings.BASE_DIR)
     if done.returncode != 0:
@@ -124,8 +107,7 @@ class Command(BaseCommand):
         corpus = work / "corpus.jsonl"
         corpus.parent.mkdir(parents=True, exist_ok=True)
         corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        tokenizer = train_tokenizer(texts, work / "tokenizer")
-        prepare(corpus, tokenizer, out)
+        prepare(corpus, work / "tokenizer" / "tokenizer.json", out)
         index = json.loads((out / "index.json").read_text())
         shutil.rmtree(work)
         open_for_jobs(root)
