@@ -306,12 +306,9 @@ def test_a_preempted_trainer_job_stops_checkpoints_and_frees_its_gpus_before_the
     for run in runs:
         # The trainer's own word: a stop asked for, its checkpoint committed first. (torchrun
         # itself exits 1 on the SIGTERM it was sent; no SIGKILL was needed.)
-        assert run.state == "exited" and run.signal is None, (
-            run.reason,
-            run.signal,
-            run.status,
-            run.evidence,
-            log_texts(api, victim)[-30:],
+        said = repr((run.node_rank, run.reason, run.signal, run.evidence, run.status))
+        assert run.state == "exited" and run.signal is None, "\n".join(
+            [said, *log_texts(api, victim)[-60:]]
         )
         assert run.status["reason"] == "preempted", run.status
     stopped = runs[0].status["step"]
