@@ -376,13 +376,13 @@ def runs_going_of(uid: int) -> bool:
     return bool(_in_live_runs(_parents(uid)))
 
 
-def stop_everything_of(uid: int, *, timeout_s: float = 5.0) -> int:
+def stop_everything_of(uid: int, *, timeout_s: float = 5.0) -> list[str]:
     """SIGKILL whatever the job's user still runs outside its runs still going (a daemon
     that left the session, a double fork, workers whose launcher is gone): nothing of a
     job outlives its run. Another run of the same job is spared, with all it started:
     another attempt on this node, or, on local nodes (one machine), the job's run on
-    another node. Returns how many were killed."""
-    killed: set[int] = set()
+    another node. Returns what was killed, as "pid name (parent pid)"."""
+    killed: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         parents = _parents(uid)
@@ -391,11 +391,20 @@ def stop_everything_of(uid: int, *, timeout_s: float = 5.0) -> int:
         if not pids:
             break
         for pid in pids:
+            name = _name(pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-                killed.add(pid)
+                killed.setdefault(pid, f"{pid} {name} (parent {parents[pid]})")
         time.sleep(0.05)
-    return len(killed)
+    return list(killed.values())
+
+
+def _name(pid: int) -> str:
+    """A process's command name (the job's own data: said in its log, never acted on)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text(errors="replace").strip()[:32]
+    except OSError:
+        return "?"
 
 
 def remove_temporary_files_of(uid: int, places=("/tmp", "/var/tmp", "/dev/shm")) -> int:  # noqa: S108

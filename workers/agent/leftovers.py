@@ -147,7 +147,7 @@ def leftovers_stop(
             # is spared; what the job's user left outside one goes.
             killed = isolation_module.stop_everything_of(uid)
             if killed:
-                log.warning("killed %d process(es) uid %d still ran", killed, uid)
+                log.warning("killed %d process(es) uid %d still ran: %s", len(killed), uid, killed)
             if not isolation_module.runs_going_of(uid):
                 isolation_module.remove_temporary_files_of(uid)
     return stopped

@@ -510,9 +510,11 @@ class Run:
         if self.uid is not None:
             # Whatever the job left running (a daemon out of its session holds our pipes
             # open too) and its files in the shared temporary directories go with it.
-            self.leftovers_killed = isolation.stop_everything_of(self.uid)
-            if self.leftovers_killed:
-                self.note(f"killed {self.leftovers_killed} process(es) the run left behind")
+            killed = isolation.stop_everything_of(self.uid)
+            self.leftovers_killed = len(killed)
+            if killed:
+                named = ", ".join(killed[:8]) + (", …" if len(killed) > 8 else "")
+                self.note(f"killed {len(killed)} process(es) the run left behind: {named}")
             if not isolation.runs_going_of(self.uid):  # else they may be that run's
                 isolation.remove_temporary_files_of(self.uid)
         for reader in self._readers:
