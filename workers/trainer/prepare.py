@@ -394,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--train-tokenizer writes the tokenizer to --tokenizer-file: give it")
         if args.train_tokenizer < 257:
             parser.error("--train-tokenizer: a byte-level vocabulary has more than 256 tokens")
-        if Path(args.tokenizer_file).exists():
-            parser.error(f"--train-tokenizer: {args.tokenizer_file} exists")
+        for path in (args.tokenizer_file, args.out):  # refused before anything is written
+            if Path(path).exists():
+                parser.error(f"--train-tokenizer: {path} exists")
         args.eos = args.eos or "<|endoftext|>"
         train_tokenizer(
             args.inputs,

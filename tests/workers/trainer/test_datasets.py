@@ -395,6 +395,7 @@ def test_the_command_line_can_learn_the_tokenizer_first(tmp_path, capsys):
         (["--train-tokenizer", "300"], "--tokenizer-file"),
         (["--train-tokenizer", "200", "--tokenizer-file", "{new}"], "more than 256"),
         (["--train-tokenizer", "300", "--tokenizer-file", "{old}"], "exists"),
+        (["--train-tokenizer", "300", "--tokenizer-file", "{new}", "--out", "{old}"], "exists"),
     ],
 )
 def test_learning_a_tokenizer_is_refused_without_a_new_file_for_it(
@@ -407,6 +408,7 @@ def test_learning_a_tokenizer_is_refused_without_a_new_file_for_it(
     old.parent.mkdir()
     old.write_text("a published tokenizer, never overwritten")
     names = {"new": str(tmp_path / "new.json"), "old": str(old)}
+    # The last --out counts: in the fourth case, one that exists.
     argv = [str(inputs), "--out", str(tmp_path / "out"), *(a.format(**names) for a in arguments)]
     with pytest.raises(SystemExit) as refused:
         main(argv)
