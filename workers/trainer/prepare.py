@@ -276,7 +276,8 @@ def prepare_sharded(
     """Write the dataset directory `out` (shards.py's format); return its index.
 
     The directory is written under a temporary name and renamed when its index
-    is complete, so a preparation cut short leaves nothing that looks finished.
+    is complete, so a preparation cut short leaves nothing that looks finished;
+    one that fails removes what it wrote.
     """
     from tokenizers import Tokenizer  # only this mode needs it; nodes may lack it
 
@@ -295,39 +296,43 @@ def prepare_sharded(
     temporary = out.with_name(f".{out.name}.partial")
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
-    shutil.copyfile(tokenizer_file, temporary / shards.TOKENIZER_COPY)
-    writers = {
-        split: shards.SplitWriter(
-            temporary, split, dtype=dtype, vocab_size=vocab_size, shard_tokens=shard_tokens
+    try:
+        shutil.copyfile(tokenizer_file, temporary / shards.TOKENIZER_COPY)
+        writers = {
+            split: shards.SplitWriter(
+                temporary, split, dtype=dtype, vocab_size=vocab_size, shard_tokens=shard_tokens
+            )
+            for split in shards.SPLITS
+        }
+        texts = documents(inputs, skip=(out, temporary, tokenizer_file), text_field=text_field)
+        number = 0
+        while batch := list(itertools.islice(texts, ENCODE_BATCH)):
+            encoded = coder.encode_batch(batch, add_special_tokens=add_special_tokens)
+            for encoding in encoded:
+                held = shards.held_out(number, fraction=validation, seed=split_seed)
+                writers["validation" if held else "train"].add([*encoding.ids, eos_id])
+                number += 1
+        splits = {split: writer.finish() for split, writer in writers.items()}
+        index = shards.write_index(
+            temporary,
+            name=out.name,
+            dtype=dtype,
+            shard_tokens=shard_tokens,
+            tokenizer={
+                "name": tokenizer_name or tokenizer_file.resolve().parent.name,
+                "file": shards.TOKENIZER_COPY,
+                "sha256": shards.sha256_of(tokenizer_file),
+                "vocab_size": vocab_size,
+                "eos_id": eos_id,
+                "eos_token": eos_token,
+                "add_special_tokens": add_special_tokens,
+            },
+            validation={"fraction": validation, "seed": split_seed, "rule": "blake2b"},
+            splits=splits,
         )
-        for split in shards.SPLITS
-    }
-    texts = documents(inputs, skip=(out, temporary, tokenizer_file), text_field=text_field)
-    number = 0
-    while batch := list(itertools.islice(texts, ENCODE_BATCH)):
-        encoded = coder.encode_batch(batch, add_special_tokens=add_special_tokens)
-        for encoding in encoded:
-            held = shards.held_out(number, fraction=validation, seed=split_seed)
-            writers["validation" if held else "train"].add([*encoding.ids, eos_id])
-            number += 1
-    splits = {split: writer.finish() for split, writer in writers.items()}
-    index = shards.write_index(
-        temporary,
-        name=out.name,
-        dtype=dtype,
-        shard_tokens=shard_tokens,
-        tokenizer={
-            "name": tokenizer_name or tokenizer_file.resolve().parent.name,
-            "file": shards.TOKENIZER_COPY,
-            "sha256": shards.sha256_of(tokenizer_file),
-            "vocab_size": vocab_size,
-            "eos_id": eos_id,
-            "eos_token": eos_token,
-            "add_special_tokens": add_special_tokens,
-        },
-        validation={"fraction": validation, "seed": split_seed, "rule": "blake2b"},
-        splits=splits,
-    )
+    except BaseException:  # a bad input, a full disk, ^C: no half-written dataset is left
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     temporary.rename(out)
     return index
 
@@ -389,6 +394,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     if not args.inputs or not args.out:
         parser.error("give input files and --out")
+    if not 0 <= args.validation < 1:
+        parser.error("--validation is a fraction of the documents, from 0 up to 1")
+    try:
+        return _prepare(args, parser)
+    except (ValueError, OSError) as exc:  # what the input is wrong about, said plainly
+        parser.error(str(exc))
+
+
+def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.train_tokenizer is not None:
         if not args.tokenizer_file:
             parser.error("--train-tokenizer writes the tokenizer to --tokenizer-file: give it")

@@ -361,6 +361,37 @@ def test_the_command_line_prepares_and_verifies(prepared, tmp_path, capsys):
     assert "validation-00000.docs.npy" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"out": "existing"}, "exists: prepare a dataset into a new directory"),
+        ({"validation": "1.5"}, "--validation is a fraction"),
+        ({"inputs": "missing.jsonl"}, "missing.jsonl"),
+        ({"eos": "<none>"}, "has no end-of-text token <none>"),
+    ],
+)
+def test_the_command_line_says_what_is_wrong_and_writes_nothing(
+    prepared, tmp_path, capsys, change, message
+):
+    """A wrong input is a one-line error and exit status 2, not a traceback."""
+    from workers.trainer.prepare import main
+
+    _, _, _, tokenizer_file = prepared
+    (tmp_path / "existing").mkdir()
+    given = {"inputs": str(tmp_path / "in"), "out": "new", "validation": "0.1", "eos": None}
+    given.update(change)
+    argv = [str(tmp_path / given["inputs"]), "--out", str(tmp_path / given["out"])]
+    argv += ["--tokenizer-file", str(tokenizer_file), "--validation", given["validation"]]
+    argv += ["--eos", given["eos"]] if given["eos"] else []
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and "Traceback" not in error
+    assert not (tmp_path / "new").exists() and not list((tmp_path / "existing").iterdir())
+    assert not list(tmp_path.glob(".new.partial"))
+
+
 def test_the_command_line_can_learn_the_tokenizer_first(tmp_path, capsys):
     """--train-tokenizer: a byte-level BPE tokenizer.json learnt from the inputs themselves,
     written where --tokenizer-file says (and not itself read as a document when it lies among
