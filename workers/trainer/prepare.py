@@ -408,9 +408,8 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error("--train-tokenizer writes the tokenizer to --tokenizer-file: give it")
         if args.train_tokenizer < 257:
             parser.error("--train-tokenizer: a byte-level vocabulary has more than 256 tokens")
-        for path in (args.tokenizer_file, args.out):  # refused before anything is written
-            if Path(path).exists():
-                parser.error(f"--train-tokenizer: {path} exists")
+        if Path(args.out).exists():  # prepare_sharded's refusal, before the tokenizer is written
+            parser.error(f"--train-tokenizer: {args.out} exists")
         args.eos = args.eos or "<|endoftext|>"
         train_tokenizer(
             args.inputs,
