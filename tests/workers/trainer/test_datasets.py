@@ -6,8 +6,11 @@ whose windows say which dataset and window they are.
 """
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -468,3 +471,56 @@ def test_what_is_evaluated(prepared, tmp_path):
     assert sets({"dataset": "/t.bin"}, every=0) == []
     with pytest.raises(run_config.ConfigError, match="nothing to evaluate"):
         sets({"dataset": str(tmp_path / "held.bin")})
+
+
+@pytest.fixture
+def reachable_dir():
+    """A directory any user may pass through (pytest's own are closed to all but root)."""
+    base = Path(tempfile.mkdtemp(prefix="cp-reach-"))
+    os.chmod(base, 0o755)  # noqa: S103 (reached by the job's user in the test below)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+def test_an_export_run_as_its_job_gets_no_tokenizer_its_job_cannot_read(reachable_dir):
+    """A checkpoint's manifest is written by its job: one that names another team's dataset
+    must not get that dataset's tokenizer.json copied into its export. The agent runs the
+    exporter as the job's own user (workers/agent/checkpoints.py), so the lookup reads only
+    what that user may: a dataset open to it is found, the same dataset closed is not."""
+    from workers.agent.isolation import DEFAULT_UID_BASE
+    from workers.trainer.prepare import prepare_sharded
+
+    corpus = texts(40)
+    places = {}
+    for name, mode in (("open", 0o755), ("theirs", 0o700)):  # theirs: another team's
+        place = reachable_dir / name
+        place.mkdir()
+        tokenizer_file = make_tokenizer(place / "model", corpus)
+        inputs = write_jsonl(place / "in.jsonl", corpus)
+        prepare_sharded([inputs], place / "data", tokenizer_file=tokenizer_file)
+        os.chmod(place, mode)
+        places[name] = place / "data"
+    probe = (
+        "import json, sys\nfrom workers.trainer import hf\n"
+        "print(hf.trained_tokenizer(json.loads(sys.argv[1])))"
+    )
+
+    def lookup(data: Path, **who) -> str:
+        manifest = {"data": {"datasets": [{"name": "borrowed", "path": str(data)}]}}
+        done = subprocess.run(
+            [sys.executable, "-c", probe, json.dumps(manifest)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={"PYTHONPATH": str(ROOT), "PATH": os.defpath},
+            check=False,
+            **who,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    job_user = {"user": DEFAULT_UID_BASE + 4242, "group": DEFAULT_UID_BASE + 4242}
+    assert lookup(places["theirs"]) == str(places["theirs"] / "tokenizer.json")  # as root
+    assert lookup(places["open"], **job_user) == str(places["open"] / "tokenizer.json")
+    assert lookup(places["theirs"], **job_user) == "None"
